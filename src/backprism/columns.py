@@ -1,0 +1,60 @@
+"""Push batches of columns backwards through the autograd graph.
+
+``backprop_columns(origins, columns, outputs, chunk)`` computes, for every column ``k`` of
+``columns`` (each ``[K, *origin.shape]``), the vector-Jacobian products
+``(∂origins/∂outputs)ᵀ columns[k]`` for all ``outputs`` at once, with
+``torch.autograd.grad(..., is_grads_batched=True)`` (vmap over the backward graph), ``chunk``
+columns at a time. The graph is retained, so the surrounding backward pass continues unchanged;
+module hooks ignore the gradients of this inner pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from backprism.extend import CAPTURE
+
+__all__ = ["backprop_columns"]
+
+
+def _grad(
+    origins: list[Tensor], outputs: list[Tensor], cols: list[Tensor]
+) -> tuple[Tensor | None, ...]:
+    try:
+        return torch.autograd.grad(
+            origins, outputs, grad_outputs=cols, retain_graph=True, allow_unused=True,
+            is_grads_batched=True,
+        )
+    except (RuntimeError, NotImplementedError) as err:
+        if "vmap" not in str(err) and "batch" not in str(err).lower():
+            raise
+    # an operation in the graph has no batching rule: one column at a time
+    per_col = [
+        torch.autograd.grad(
+            origins, outputs, grad_outputs=[c[k] for c in cols], retain_graph=True,
+            allow_unused=True,
+        )
+        for k in range(cols[0].shape[0])
+    ]
+    return tuple(
+        None if per_col[0][i] is None else torch.stack([pc[i] for pc in per_col])
+        for i in range(len(outputs))
+    )
+
+
+def backprop_columns(
+    origins: list[Tensor], columns: list[Tensor], outputs: list[Tensor], chunk: int
+) -> Iterator[tuple[int, tuple[Tensor | None, ...]]]:
+    """Yield ``(start, grads)`` per chunk; ``grads[i]`` is ``[k, *outputs[i].shape]`` or None."""
+    k_total = columns[0].shape[0]
+    for start in range(0, k_total, chunk):
+        cols = [c[start : start + chunk] for c in columns]
+        CAPTURE.in_column_backprop += 1
+        try:
+            grads = _grad(origins, outputs, cols)
+        finally:
+            CAPTURE.in_column_backprop -= 1
+        yield start, grads

@@ -1,0 +1,249 @@
+"""``extend()``: forward hooks that capture what the extensions will need during backward.
+
+Only modules that *own* parameters (and loss modules, and BatchNorm for its train-mode check)
+are hooked; everything between them — residual additions, attention, functional code — is left to
+autograd. For each call of a hooked module under ``torch.enable_grad()`` the hook
+
+* stores a :class:`~backprism.rules.base.Call` with the detached inputs, and registers a hook on
+  the output tensor(s) that hands ``∂L/∂out`` to the active :func:`~backprism.collect` context;
+* keeps the outputs themselves in a *pending* list until an extended loss module takes them for
+  the second-order column backprop (or until their gradient arrives, or the same root model runs
+  its next forward) — so nothing outlives one step.
+
+Reference structure (no cycles through autograd nodes): an output's node holds the hook, which
+holds the ``Call`` (inputs only, all upstream). The loss output's node holds the taken outputs,
+which are all upstream of it. When the graph is freed, everything captured is freed with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from backprism.rules.base import Call
+
+__all__ = ["extend"]
+
+_LOSS_TYPES = (nn.modules.loss._Loss,)
+_EXTENDED_ATTR = "_backprism_handles"
+
+
+class Group:
+    """Calls made between two loss forwards; counts how often each parameter/module was used.
+
+    Holds no tensors, so calls may refer to it from hooks living inside the autograd graph.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self) -> None:
+        self.id = next(Group._ids)
+        self.param_count: Counter[int] = Counter()
+        self.module_count: Counter[int] = Counter()
+
+
+class _Capture:
+    """Global capture state shared by all extended modules (hooks may run on autograd threads)."""
+
+    def __init__(self) -> None:
+        self.group = Group()
+        # id(call) -> (call, outputs, root_key, generation)
+        self.pending: dict[int, tuple[Call, list[Tensor], int, int]] = {}
+        self.root_stack: list[int] = []
+        self.root_generation: Counter[int] = Counter()
+        self.in_column_backprop = 0
+
+    def take_pending(self) -> list[tuple[Call, list[Tensor]]]:
+        taken = [(c, outs) for c, outs, _, _ in self.pending.values()]
+        self.pending.clear()
+        self.group = Group()
+        return taken
+
+
+CAPTURE = _Capture()
+
+#: ``(enter, exit)`` callables run around every top-level forward of an extended root model
+#: (e.g. a ``TorchFunctionMode`` that records functional nonlinearities for DiagHessian).
+FORWARD_LISTENERS: list[tuple[Callable[[nn.Module], None], Callable[[nn.Module], None]]] = []
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def _owns_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _root_pre_hook(module: nn.Module, args: Any) -> None:
+    key = id(module)
+    if CAPTURE.root_stack:
+        CAPTURE.root_stack.append(-1)  # nested root: belongs to the outer one
+        return
+    # a new top-level forward of this root: outputs it left pending in its previous forward
+    # (never taken by a loss, never backpropagated) are dropped.
+    stale = [k for k, (_, _, rk, _) in CAPTURE.pending.items() if rk == key]
+    for k in stale:
+        del CAPTURE.pending[k]
+    CAPTURE.root_generation[key] += 1
+    CAPTURE.root_stack.append(key)
+    for enter, _ in FORWARD_LISTENERS:
+        enter(module)
+
+
+def _root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if CAPTURE.root_stack:
+        key = CAPTURE.root_stack.pop()
+        if key != -1 and not CAPTURE.root_stack:
+            for _, exit_ in reversed(FORWARD_LISTENERS):
+                exit_(module)
+
+
+def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if not torch.is_grad_enabled():
+        return
+    outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
+    if not any(o.requires_grad for o in outs):
+        return
+    first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)), None)
+    if first is None:
+        return
+    params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    call = Call(
+        module=module,
+        args=tuple(tree_map(_detach, a) for a in args),
+        kwargs={k: tree_map(_detach, v) for k, v in kwargs.items()},
+        out_shapes=[o.shape for o in outs],
+        batch_size=first.shape[0] if first.dim() > 0 else 1,
+        training=module.training,
+        versions=[
+            (a, a._version) for a in tree_flatten(args)[0] if isinstance(a, Tensor)
+        ],
+    )
+    group = CAPTURE.group
+    call.group = group  # type: ignore[attr-defined]
+    for p in params:
+        group.param_count[id(p)] += 1
+    group.module_count[id(module)] += 1
+
+    root = CAPTURE.root_stack[0] if CAPTURE.root_stack else -1
+    call_key = id(call)
+    CAPTURE.pending[call_key] = (call, outs, root, CAPTURE.root_generation[root])
+    # the hook must not hold `outs` (that would be a cycle through the autograd node)
+    call_ref = call
+    from backprism import context as _collect
+
+    grad_outs = [o for o in outs if o.requires_grad]
+    if len(outs) == 1:
+
+        def hook(grad: Tensor) -> None:
+            CAPTURE.pending.pop(call_key, None)
+            _collect.on_output_grad(call_ref, (grad,))
+
+        grad_outs[0].register_hook(hook)
+    else:
+        index = [i for i, o in enumerate(outs) if o.requires_grad]
+
+        def multi_hook(grads: Any) -> None:
+            CAPTURE.pending.pop(call_key, None)
+            full: list[Tensor | None] = [None] * len(outs)
+            for i, gr in zip(index, grads):
+                full[i] = gr
+            _collect.on_output_grad(call_ref, tuple(full))
+
+        torch.autograd.graph.register_multi_grad_hook(grad_outs, multi_hook)
+
+
+def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+        return
+    inputs = list(args) + list(kwargs.values())
+    taken = CAPTURE.take_pending()
+    record = LossRecord(
+        module=module,
+        inputs=[a if isinstance(a, Tensor) and a.requires_grad else _detach(a) for a in inputs],
+        taken=taken,
+    )
+    from backprism import context as _collect
+
+    def hook(grad: Tensor) -> None:
+        _collect.on_loss_grad(record, grad)
+
+    output.register_hook(hook)
+
+
+class LossRecord:
+    """One call of an extended loss: the model outputs fed to it and the calls it took."""
+
+    __slots__ = ("inputs", "module", "taken")
+
+    def __init__(self, module: nn.Module, inputs: list[Any], taken: list) -> None:
+        self.module = module
+        self.inputs = inputs
+        self.taken = taken
+
+
+def _activation_types() -> tuple[type, ...]:
+    try:
+        from backprism.hessian_residual import ACTIVATION_TYPES
+    except ImportError:  # pragma: no cover - optional component
+        return ()
+    return ACTIVATION_TYPES
+
+
+def extend(module: nn.Module) -> nn.Module:
+    """Prepare ``module`` (a model or a loss module) for :func:`backprism.collect`.
+
+    Registers forward hooks on every sub-module that owns parameters, on loss modules and on
+    BatchNorm layers. Idempotent; returns ``module`` itself. Outside a ``collect`` context the
+    hooks only keep references that are released when the autograd graph is.
+
+    Example:
+        >>> model = extend(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+        >>> lossfunc = extend(nn.CrossEntropyLoss())
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}")
+    handles: list = getattr(module, _EXTENDED_ATTR, None) or []
+    if isinstance(module, _LOSS_TYPES):
+        if not handles:
+            handles.append(module.register_forward_hook(_loss_forward_hook, with_kwargs=True))
+            object.__setattr__(module, _EXTENDED_ATTR, handles)
+        return module
+    if not handles:
+        handles.append(module.register_forward_pre_hook(_root_pre_hook))
+        handles.append(module.register_forward_hook(_root_post_hook, always_call=True))
+        object.__setattr__(module, _EXTENDED_ATTR, handles)
+    acts = _activation_types()
+    for sub in module.modules():
+        if getattr(sub, "_backprism_hooked", False):
+            continue
+        if isinstance(sub, _LOSS_TYPES):
+            extend(sub)
+        elif _owns_params(sub) or _is_batchnorm(sub):
+            sub.register_forward_hook(_module_forward_hook, with_kwargs=True)
+        elif acts and isinstance(sub, acts):
+            from backprism.hessian_residual import activation_forward_hook
+
+            sub.register_forward_hook(activation_forward_hook)
+        else:
+            continue
+        object.__setattr__(sub, "_backprism_hooked", True)
+    return module
+
+
+def is_extended(module: nn.Module) -> bool:
+    return getattr(module, "_backprism_hooked", False) or bool(
+        getattr(module, _EXTENDED_ATTR, None)
+    )
+

@@ -1,0 +1,139 @@
+r"""First-order extensions: per-sample gradients and their statistics.
+
+With ``L = (1/N) Σₙ ℓₙ`` (``"sum"`` drops the ``1/N``) and ``grad_batch[n] = ∇(ℓₙ/N)``:
+
+=================  ===================  ===============================================
+extension          attribute            value
+=================  ===================  ===============================================
+BatchGrad          ``grad_batch``       ``[N, *p]``: ``∇(ℓₙ/N)`` (``Σₙ grad_batch = grad``)
+BatchL2Grad        ``batch_l2``         ``[N]``: ``‖grad_batch[n]‖²``
+SumGradSquared     ``sum_grad_squared`` ``[*p]``: ``Σₙ grad_batch[n]²``
+Variance           ``variance``         ``[*p]``: ``(1/N)Σₙ grad_batch[n]² − ((1/N)Σₙ grad_batch[n])²``
+BatchDotGrad       ``batch_dot``        ``[N, N]``: ``⟨grad_batch[n], grad_batch[m]⟩``
+=================  ===================  ===============================================
+
+Statistics come from the layer rules' closed forms (e.g. Linear: ``‖gₙ‖² = ‖δₙ‖²‖xₙ‖²``)
+without materialising per-sample gradients wherever the algebra allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from backprism.extensions.base import FirstOrderExtension, check_subsampling, subsample_index
+from backprism.rules.base import Call, Rule
+
+__all__ = ["BatchDotGrad", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
+
+
+def _subset_call(call: Call, index: Tensor) -> Call:
+    """The call restricted to the samples ``index`` (tensors with the batch axis first)."""
+    from dataclasses import replace
+
+    def take(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == call.batch_size:
+            return x.index_select(0, index.to(x.device))
+        return x
+
+    new = replace(
+        call,
+        args=tuple(take(a) for a in call.args),
+        kwargs={k: take(v) for k, v in call.kwargs.items()},
+        batch_size=len(index),
+        versions=[],
+    )
+    new.group = getattr(call, "group", None)  # type: ignore[attr-defined]
+    new.out_shapes = [
+        s if len(s) == 0 or s[0] != call.batch_size else (len(index), *s[1:])
+        for s in call.out_shapes
+    ]
+    return new
+
+
+def subset_columns(g: Any, index: Tensor, batch_size: int) -> Any:
+    """Restrict ``[M, N, ...]`` columns (or a tuple of them) to the samples ``index``."""
+    if isinstance(g, tuple):
+        return tuple(subset_columns(x, index, batch_size) for x in g)
+    if g.dim() > 1 and g.shape[1] == batch_size:
+        return g.index_select(1, index.to(g.device))
+    return g
+
+
+class BatchGrad(FirstOrderExtension):
+    """Per-sample gradients ``grad_batch`` of shape ``[N, *param.shape]`` (``∇(ℓₙ/N)``).
+
+    Args:
+        subsampling: indices of the samples to keep (default: all); the result then has
+            ``len(subsampling)`` rows, in the given order.
+    """
+
+    savefield = "grad_batch"
+    additive = True
+
+    def __init__(self, subsampling: Sequence[int] | None = None) -> None:
+        self.subsampling = check_subsampling(subsampling)
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        idx = subsample_index(self.subsampling, call.batch_size, "BatchGrad")
+        if idx is not None:
+            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size)
+        return {k: v[0] for k, v in rule.per_sample(call, g).items()}
+
+
+class BatchL2Grad(FirstOrderExtension):
+    """Squared norms ``batch_l2[n] = ‖grad_batch[n]‖²`` of shape ``[N]``."""
+
+    savefield = "batch_l2"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return rule.batch_l2(call, g)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        return dense[0].flatten(1).square().sum(1)
+
+
+class SumGradSquared(FirstOrderExtension):
+    """Second moment ``sum_grad_squared = Σₙ grad_batch[n]²`` of shape ``param.shape``."""
+
+    savefield = "sum_grad_squared"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return rule.sum_squared(call, g)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        return dense[0].square().sum(0)
+
+
+class Variance(FirstOrderExtension):
+    """Biased variance of ``grad_batch`` over the batch, shape ``param.shape``:
+    ``(1/N)Σₙ grad_batch[n]² − ((1/N)Σₙ grad_batch[n])²``."""
+
+    savefield = "variance"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        n = call.batch_size
+        sq, s = rule.sum_squared(call, g), rule.summed(call, g)
+        return {k: (sq[k] / n - (s[k][0] / n).square()).clamp_min_(0) for k in sq}
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        d = dense[0]
+        return (d.square().mean(0) - d.mean(0).square()).clamp_min_(0)
+
+    def accumulate(self, old: Any, new: Any) -> Any:
+        return old + new
+
+
+class BatchDotGrad(FirstOrderExtension):
+    """Pairwise inner products ``batch_dot[n, m] = ⟨grad_batch[n], grad_batch[m]⟩``, ``[N, N]``."""
+
+    savefield = "batch_dot"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return rule.batch_dot(call, g)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        f = dense[0].flatten(1)
+        return f @ f.t()

@@ -1,0 +1,148 @@
+r"""Second-order extensions built on the GGN square root ``GGN = V Vᵀ``.
+
+The loss Hessian w.r.t. the model output factorises as ``∇²ℓₙ = Sₙ Sₙᵀ``; the engine pushes
+the ``K`` columns of ``Sₙ/√N`` (mean reduction) back to every module, where
+``V[k, n] = Jₙᵀ Sₙ[:, k] / √N``. Exact: ``K = C`` columns (times the number of output positions
+per sample); Monte-Carlo: ``K = M`` columns of gradients at labels sampled from the model's
+predictive distribution, scaled by ``1/√M`` so that ``E[V Vᵀ] = GGN``.
+
+==================  ===========================  ==================================
+extension           attribute                    value
+==================  ===========================  ==================================
+DiagGGNExact        ``diag_ggn_exact``           ``[*p]``: ``Σₖₙ V[k, n]²``
+DiagGGNMC           ``diag_ggn_mc``              same with MC columns
+BatchDiagGGNExact   ``diag_ggn_exact_batch``     ``[N, *p]``: ``Σₖ V[k, n]²``
+BatchDiagGGNMC      ``diag_ggn_mc_batch``        same with MC columns
+SqrtGGNExact        ``sqrt_ggn_exact``           ``[K, N, *p]``: ``V``
+SqrtGGNMC           ``sqrt_ggn_mc``              ``[M, N, *p]``: ``V`` with MC columns
+==================  ===========================  ==================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
+from backprism.extensions.firstorder import _subset_call, subset_columns
+from backprism.rules.base import Call, Rule
+
+__all__ = [
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+]
+
+
+def _check_mc(mc_samples: int) -> int:
+    if not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+    return mc_samples
+
+
+class _Exact(SecondOrderExtension):
+    def column_key(self) -> Hashable:
+        return ("exact",)
+
+
+class _MC(SecondOrderExtension):
+    def __init__(self, mc_samples: int = 1) -> None:
+        self.mc_samples = _check_mc(mc_samples)
+
+    def column_key(self) -> Hashable:
+        return ("mc", self.mc_samples)
+
+
+class _Diag:
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return rule.sum_squared(call, g, weights)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        sq = dense.square()
+        if weights is not None:
+            sq = sq * weights.reshape(weights.shape + (1,) * (dense.dim() - 2))
+        return sq.sum((0, 1))
+
+
+class _BatchDiag:
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return rule.batch_sum_squared(call, g, weights)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        sq = dense.square()
+        if weights is not None:
+            sq = sq * weights.reshape(weights.shape + (1,) * (dense.dim() - 2))
+        return sq.sum(0)
+
+
+class _Sqrt:
+    subsampling: list[int] | None
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
+        if idx is not None:
+            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size)
+        return rule.per_sample(call, g)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
+        return dense if idx is None else dense.index_select(1, idx.to(dense.device))
+
+    def accumulate(self, old: Tensor, new: Tensor) -> Tensor:
+        return torch.cat([old, new], 0)
+
+
+class DiagGGNExact(_Diag, _Exact):
+    """Diagonal of the generalized Gauss-Newton matrix, ``diag_ggn_exact``, shape ``param.shape``."""
+
+    savefield = "diag_ggn_exact"
+
+
+class DiagGGNMC(_Diag, _MC):
+    """Monte-Carlo estimate of the GGN diagonal with ``mc_samples`` sampled labels,
+    ``diag_ggn_mc``, shape ``param.shape``."""
+
+    savefield = "diag_ggn_mc"
+
+
+class BatchDiagGGNExact(_BatchDiag, _Exact):
+    """Per-sample terms of the GGN diagonal, ``diag_ggn_exact_batch``, ``[N, *param.shape]``
+    (they sum to ``diag_ggn_exact``)."""
+
+    savefield = "diag_ggn_exact_batch"
+
+
+class BatchDiagGGNMC(_BatchDiag, _MC):
+    """Per-sample terms of the MC GGN diagonal, ``diag_ggn_mc_batch``, ``[N, *param.shape]``."""
+
+    savefield = "diag_ggn_mc_batch"
+
+
+class SqrtGGNExact(_Sqrt, _Exact):
+    """Symmetric factorization of the GGN, ``sqrt_ggn_exact`` of shape ``[K, N, *param.shape]``.
+
+    Args:
+        subsampling: keep only these samples' columns (scaling is unchanged: the result is the
+            corresponding block of the full mini-batch factor).
+    """
+
+    savefield = "sqrt_ggn_exact"
+
+    def __init__(self, subsampling: Sequence[int] | None = None) -> None:
+        self.subsampling = check_subsampling(subsampling)
+
+
+class SqrtGGNMC(_Sqrt, _MC):
+    """Monte-Carlo factorization of the GGN, ``sqrt_ggn_mc`` of shape ``[M, N, *param.shape]``."""
+
+    savefield = "sqrt_ggn_mc"
+
+    def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None) -> None:
+        super().__init__(mc_samples)
+        self.subsampling = check_subsampling(subsampling)

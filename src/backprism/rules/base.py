@@ -1,0 +1,170 @@
+"""The layer-rule interface and its registry.
+
+A *rule* turns what the engine captured for one call of a parameter-owning module — its inputs
+and the gradients (or backpropagated loss-Hessian square-root columns) with respect to its output
+— into per-parameter quantities. Every method receives ``g`` with a leading *column* axis ``M``:
+
+* first order: ``M = 1`` and ``g[0] = ∂L/∂out`` (already holding the loss's ``1/N`` for a mean
+  reduction, so per-sample gradients follow the ``grad_batch[n] = ∇(ℓₙ/N)`` convention);
+* second order: ``g[m] = (∂out/∂·)`` applied to column ``m`` of ``S/√N``, so that
+  ``V[m, n] = Jₙᵀ g[m, n]`` are the columns of the GGN square root.
+
+Only :meth:`Rule.per_sample` is mandatory. Every statistic has a default built from it; rules
+override the statistics whose algebra avoids materialising ``[M, N, *param.shape]``.
+
+Optional ``weights`` of shape ``[M, N]`` multiply each column's squared contribution; they carry
+the signs of the Hessian residual terms used by ``DiagHessian``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Call", "Rule", "get_rule", "register_rule"]
+
+
+@dataclass(eq=False)
+class Call:
+    """What the engine keeps of one forward call of an extended module.
+
+    Attributes:
+        module: the module that was called.
+        args: the positional arguments, tensors detached (they share storage with the originals).
+        kwargs: the keyword arguments, tensors detached.
+        out_shapes: shapes of the tensor outputs, flattened in ``tree_flatten`` order.
+        batch_size: ``N``, the size of the batch axis of the first tensor input.
+        training: ``module.training`` at call time.
+    """
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out_shapes: list[torch.Size]
+    batch_size: int
+    training: bool
+    versions: list[tuple[Tensor, int]] = field(default_factory=list)
+
+    @property
+    def input(self) -> Tensor:
+        """The first positional tensor argument (the input of single-input layers)."""
+        for a in self.args:
+            if isinstance(a, Tensor):
+                return a
+        raise RuntimeError(f"{type(self.module).__name__} was called without a tensor input")
+
+    def check_unmodified(self) -> None:
+        """Raise if an input was modified in place between forward and backward."""
+        for t, v in self.versions:
+            if t._version != v:
+                raise RuntimeError(
+                    f"backprism: an input of {type(self.module).__name__} was modified in place "
+                    "after the forward pass; the quantities would be computed from the modified "
+                    "values. Avoid in-place operations on tensors fed to extended modules "
+                    "(e.g. use nn.ReLU(inplace=False) before them)."
+                )
+
+
+def _params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+class Rule:
+    """Per-module-type computations. Subclasses override what their algebra makes cheaper.
+
+    All methods take ``call`` (the captured :class:`Call`) and ``g`` of shape ``[M, *out.shape]``
+    (for multi-output modules, a tuple of such tensors), and return a dict from the module's own
+    parameter names to tensors.
+    """
+
+    #: whether the module's output depends on its parameters linearly (needed by DiagHessian:
+    #: a parameter entering nonlinearly has a Hessian term of its own).
+    linear_in_params: bool = True
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        """Per-sample, per-column parameter gradients ``Vₘₙ = Jₙᵀ g[m, n]``: ``[M, N, *p.shape]``."""
+        raise NotImplementedError
+
+    def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
+        r"""Sum over samples ``Σₙ Vₘₙ``: ``[M, *p.shape]`` (for ``M = 1``, the gradient)."""
+        return {k: v.sum(1) for k, v in self.per_sample(call, g).items()}
+
+    def sum_squared(self, call: Call, g: Any, weights: Tensor | None = None) -> dict[str, Tensor]:
+        r"""``Σₘ Σₙ wₘₙ Vₘₙ²``: ``[*p.shape]`` (SumGradSquared, DiagGGN)."""
+        return {k: _weighted_square_sum(v, weights, (0, 1)) for k, v in self.per_sample(call, g).items()}
+
+    def batch_sum_squared(
+        self, call: Call, g: Any, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        r"""``Σₘ wₘₙ Vₘₙ²``: ``[N, *p.shape]`` (BatchDiagGGN)."""
+        return {k: _weighted_square_sum(v, weights, (0,)) for k, v in self.per_sample(call, g).items()}
+
+    def batch_l2(self, call: Call, g: Any) -> dict[str, Tensor]:
+        r"""``Σₘ ‖Vₘₙ‖²``: ``[N]`` (BatchL2Grad)."""
+        return {k: v.flatten(2).square().sum((0, 2)) for k, v in self.per_sample(call, g).items()}
+
+    def batch_dot(self, call: Call, g: Any) -> dict[str, Tensor]:
+        r"""``Σₘ ⟨Vₘₙ, Vₘₙ'⟩``: ``[N, N]`` (BatchDotGrad)."""
+        out = {}
+        for k, v in self.per_sample(call, g).items():
+            f = v.flatten(2)
+            out[k] = torch.einsum("mni,mki->nk", f, f)
+        return out
+
+    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+        """Input-side Kronecker factor ``A`` per weight-like parameter (KFAC/KFLR/KFRA)."""
+        raise NotImplementedError(
+            f"Kronecker factors are not available for {type(call.module).__name__}"
+        )
+
+    def kfac_output(self, call: Call, g: Any) -> dict[str, Tensor]:
+        """Output-side Kronecker factor ``B = Σₘ Σₙ gₘₙ gₘₙᵀ`` per parameter (KFAC/KFLR)."""
+        raise NotImplementedError(
+            f"Kronecker factors are not available for {type(call.module).__name__}"
+        )
+
+
+def _weighted_square_sum(v: Tensor, weights: Tensor | None, dims: tuple[int, ...]) -> Tensor:
+    sq = v.square()
+    if weights is not None:
+        sq = sq * weights.reshape(weights.shape + (1,) * (v.dim() - 2))
+    return sq.sum(dims)
+
+
+_REGISTRY: dict[type[nn.Module], Rule] = {}
+_GENERIC: list[Rule] = []
+
+
+def register_rule(*module_types: type[nn.Module]):
+    """Class decorator registering a :class:`Rule` for exact module types (no subclasses)."""
+
+    def deco(cls: type[Rule]) -> type[Rule]:
+        inst = cls()
+        for t in module_types:
+            _REGISTRY[t] = inst
+        return cls
+
+    return deco
+
+
+def set_generic_rule(rule: Rule) -> None:
+    """Install the fallback rule used for parameter-owning modules without a registered rule."""
+    _GENERIC[:] = [rule]
+
+
+def get_rule(module: nn.Module) -> Rule:
+    """The rule for ``module``: registered by exact type, else the generic ``torch.func`` rule."""
+    rule = _REGISTRY.get(type(module))
+    if rule is not None:
+        return rule
+    if not _GENERIC:
+        from backprism.rules import generic  # noqa: F401  (registers itself)
+    if not _GENERIC:
+        raise NotImplementedError(f"no rule for {type(module).__name__}")
+    return _GENERIC[0]
+
+
+params_of = _params

@@ -1,0 +1,126 @@
+r"""Rule for :class:`torch.nn.Linear` with any number of leading axes.
+
+Input ``x`` of shape ``[N, *T, I]``, output columns ``g`` of shape ``[M, N, *T, O]``; ``T`` is the
+product of the middle axes (1 when there are none). With ``Vₘₙ`` the per-sample, per-column
+weight gradient,
+
+* ``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ`` (``[O, I]``) and bias ``Σₜ gₘₙₜ``;
+* without middle axes, ``‖Vₘₙ‖² = ‖gₘₙ‖² ‖xₙ‖²``, ``Σₘₙ wₘₙ Vₘₙ² = Σₙ (Σₘ wₘₙ gₘₙ²) (xₙ²)ᵀ`` and
+  ``⟨Vₘₙ, Vₘₖ⟩ = ⟨gₘₙ, gₘₖ⟩⟨xₙ, xₖ⟩`` — no ``[N, O, I]`` tensor is built;
+* with middle axes, ``‖Vₘₙ‖² = Σₜₛ ⟨gₘₙₜ, gₘₙₛ⟩⟨xₙₜ, xₙₛ⟩`` (Gram form, cost ``N T² (O + I)``) or
+  by materialising ``Vₘₙ`` (cost ``N T O I``), whichever is cheaper.
+
+Kronecker factors (BackPACK's convention): ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ`` and
+``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (the ``1/N`` of a mean loss sits in ``g``); the bias gets ``B``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from backprism.rules.base import Call, Rule, register_rule
+
+
+def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` as ``[N, T, I]`` and ``g`` as ``[M, N, T, O]``."""
+    x = call.input
+    n = x.shape[0]
+    return x.reshape(n, -1, x.shape[-1]), g.reshape(g.shape[0], n, -1, g.shape[-1])
+
+
+@register_rule(nn.Linear)
+class LinearRule(Rule):
+    def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        out = {"weight": torch.einsum("mnto,nti->mnoi", g, x)}
+        if call.module.bias is not None:
+            out["bias"] = g.sum(2)
+        return out
+
+    def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        out = {"weight": torch.einsum("mnto,nti->moi", g, x)}
+        if call.module.bias is not None:
+            out["bias"] = g.sum((1, 2))
+        return out
+
+    def sum_squared(self, call: Call, g: Tensor, weights: Tensor | None = None) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        if x.shape[1] != 1:
+            return super().sum_squared(call, g, weights)
+        g2 = g[:, :, 0].square()  # [M, N, O]
+        if weights is not None:
+            g2 = g2 * weights[..., None]
+        g2 = g2.sum(0)  # [N, O]
+        out = {"weight": g2.t() @ x[:, 0].square()}
+        if call.module.bias is not None:
+            out["bias"] = g2.sum(0)
+        return out
+
+    def batch_sum_squared(
+        self, call: Call, g: Tensor, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        if x.shape[1] != 1:
+            return super().batch_sum_squared(call, g, weights)
+        g2 = g[:, :, 0].square()
+        if weights is not None:
+            g2 = g2 * weights[..., None]
+        g2 = g2.sum(0)  # [N, O]
+        out = {"weight": g2[:, :, None] * x[:, 0].square()[:, None, :]}
+        if call.module.bias is not None:
+            out["bias"] = g2
+        return out
+
+    def batch_l2(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        m, n, t, o = g.shape
+        i = x.shape[-1]
+        out = {}
+        if t == 1:
+            out["weight"] = g[:, :, 0].square().sum(-1).sum(0) * x[:, 0].square().sum(-1)
+        elif t * (o + i) <= o * i:
+            gram_x = torch.einsum("nti,nsi->nts", x, x)
+            gram_g = torch.einsum("mnto,mnso->nts", g, g)
+            out["weight"] = (gram_x * gram_g).sum((1, 2))
+        else:
+            out["weight"] = torch.einsum("mnto,nti->mnoi", g, x).square().sum((0, 2, 3))
+        if call.module.bias is not None:
+            out["bias"] = g.sum(2).square().sum((0, 2))
+        return out
+
+    def batch_dot(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        x, g = _flat(call, g)
+        m, n, t, o = g.shape
+        i = x.shape[-1]
+        out = {}
+        if t == 1:
+            out["weight"] = torch.einsum("mno,mko->nk", g[:, :, 0], g[:, :, 0]) * (
+                x[:, 0] @ x[:, 0].t()
+            )
+        elif n * t * t * (o + i) <= 2 * o * i:
+            gram_x = torch.einsum("nti,ksi->ntks", x, x)
+            gram_g = torch.einsum("mnto,mkso->ntks", g, g)
+            out["weight"] = (gram_x * gram_g).sum((1, 3))
+        else:
+            v = torch.einsum("mnto,nti->mnoi", g, x).flatten(2)
+            out["weight"] = torch.einsum("mnj,mkj->nk", v, v)
+        if call.module.bias is not None:
+            b = g.sum(2)
+            out["bias"] = torch.einsum("mno,mko->nk", b, b)
+        return out
+
+    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+        x = call.input
+        n = x.shape[0]
+        x = x.reshape(-1, x.shape[-1])
+        return {"weight": x.t() @ x / n}
+
+    def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        f = g.reshape(-1, g.shape[-1])
+        b = f.t() @ f
+        out = {"weight": b}
+        if call.module.bias is not None:
+            out["bias"] = b
+        return out

@@ -1,0 +1,111 @@
+"""Independent dense references built from the definitions with ``torch.func`` / autograd.
+
+Never call backprism here. The trick used throughout: give every sample its own copy of the
+parameters, ``θₙ = θ`` (a leaf of shape ``[N, *p]``), run the model per sample with ``vmap`` and
+evaluate the *real* loss module on the stacked outputs. Then
+
+* ``∂L/∂θₙ`` is the per-sample gradient ``∇(ℓₙ/N)`` with whatever scaling the loss applies;
+* the Jacobian of the outputs w.r.t. ``θₙ`` and the loss Hessian w.r.t. the outputs give the
+  GGN ``Jᵀ (∇²_f L) J`` whose ``(n, n)`` blocks are the per-sample GGNs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev, vmap
+
+
+def trainable(model: nn.Module) -> dict[str, Tensor]:
+    return {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def _per_sample_forward(model: nn.Module, X, batched_params: dict[str, Tensor]):
+    """Outputs of ``model`` with sample ``n`` using ``batched_params[k][n]``."""
+    buffers = dict(model.named_buffers())
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+
+    def one(p, x):
+        x1 = tuple(t.unsqueeze(0) for t in x) if isinstance(x, tuple) else x.unsqueeze(0)
+        args = x1 if isinstance(x1, tuple) else (x1,)
+        out = functional_call(model, {**p, **frozen, **buffers}, args)
+        return out.squeeze(0)
+
+    return vmap(one, in_dims=(0, 0), randomness="same")(batched_params, X)
+
+
+def per_sample_grads(
+    model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], X, y
+) -> dict[str, Tensor]:
+    """``{name: [N, *p]}`` with ``Σₙ = ∇L``, following the loss's own reduction."""
+    n = (X[0] if isinstance(X, tuple) else X).shape[0]
+    params = {k: v.unsqueeze(0).expand(n, *v.shape).clone().requires_grad_(True)
+              for k, v in trainable(model).items()}
+    out = _per_sample_forward(model, X, params)
+    loss = loss_fn(out, y)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return {k: (g if g is not None else torch.zeros_like(p)) for (k, p), g in zip(params.items(), grads)}
+
+
+def _flat_batched(model: nn.Module, n: int):
+    params = trainable(model)
+    names = list(params)
+    shapes = [params[k].shape for k in names]
+    sizes = [params[k].numel() for k in names]
+    flat = torch.cat([params[k].reshape(-1) for k in names])
+    return names, shapes, sizes, flat
+
+
+def ggn_blocks(model: nn.Module, loss_fn, X, y) -> tuple[Tensor, list[str], list[int]]:
+    """Dense GGN over per-sample parameter copies: ``[N, N, P, P]`` blocks (``Σₙₘ`` = GGN(θ))."""
+    n = (X[0] if isinstance(X, tuple) else X).shape[0]
+    names, shapes, sizes, flat = _flat_batched(model, n)
+
+    def outputs(theta_b: Tensor) -> Tensor:  # theta_b [N, P]
+        parts = torch.split(theta_b, sizes, dim=1)
+        bp = {k: t.reshape(n, *s) for k, t, s in zip(names, parts, shapes)}
+        return _per_sample_forward(model, X, bp)
+
+    theta_b = flat.unsqueeze(0).expand(n, -1).clone()
+    out = outputs(theta_b)
+    J = jacrev(outputs)(theta_b).reshape(out.numel(), n, flat.numel())  # [O, N, P]
+    H = hessian(lambda o: loss_fn(o, y))(out.detach()).reshape(out.numel(), out.numel())
+    G = torch.einsum("oap,oq,qbr->abpr", J, H, J)
+    return G, names, sizes
+
+
+def ggn(model: nn.Module, loss_fn, X, y) -> Tensor:
+    """Dense GGN ``[P, P]`` of the mini-batch loss (parameters flattened in model order)."""
+    G, _, _ = ggn_blocks(model, loss_fn, X, y)
+    return G.sum((0, 1))
+
+
+def loss_hessian(model: nn.Module, loss_fn, X, y) -> Tensor:
+    """Dense Hessian ``[P, P]`` of the mini-batch loss w.r.t. all trainable parameters."""
+    names, shapes, sizes, flat = _flat_batched(model, 1)
+    buffers = dict(model.named_buffers())
+
+    def L(theta: Tensor) -> Tensor:
+        parts = torch.split(theta, sizes)
+        p = {k: t.reshape(s) for k, t, s in zip(names, parts, shapes)}
+        args = X if isinstance(X, tuple) else (X,)
+        return loss_fn(functional_call(model, {**p, **buffers}, args), y)
+
+    return hessian(L)(flat)
+
+
+def split(vec: Tensor, model: nn.Module, lead: int = 0) -> dict[str, Tensor]:
+    """Split a flat ``[..., P]`` tensor into ``{name: [..., *p.shape]}``."""
+    params = trainable(model)
+    out, i = {}, 0
+    for k, v in params.items():
+        out[k] = vec[..., i : i + v.numel()].reshape(*vec.shape[:-1], *v.shape)
+        i += v.numel()
+    return out
+
+
+def diag_blocks(G: Tensor) -> Tensor:
+    """Per-sample diagonals ``[N, P]`` from ``[N, N, P, P]`` blocks."""
+    return torch.stack([torch.diagonal(G[i, i]) for i in range(G.shape[0])])
