@@ -10,14 +10,47 @@ module hooks ignore the gradients of this inner pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from backprism.extend import CAPTURE
 
-__all__ = ["backprop_columns"]
+__all__ = ["Columns", "backprop_columns"]
+
+
+class Columns:
+    """``num`` columns for each of several origin tensors, generated lazily in chunks.
+
+    Args:
+        num: total number of columns ``K``.
+        make: ``make(start, stop)`` returns one ``[stop - start, *origin.shape]`` tensor per
+            origin.
+        inputs: for loss columns, the indices of the loss inputs the columns belong to.
+    """
+
+    def __init__(
+        self, num: int, make: Callable[[int, int], list[Tensor]], inputs: Sequence[int] = (0,)
+    ) -> None:
+        self.num = num
+        self._make = make
+        self.inputs = list(inputs)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor], inputs: Sequence[int] = (0,)) -> Columns:
+        tensors = list(tensors)
+        return cls(tensors[0].shape[0], lambda a, b: [t[a:b] for t in tensors], inputs)
+
+    def chunk(self, start: int, stop: int) -> list[Tensor]:
+        return self._make(start, min(stop, self.num))
+
+    def scaled(self, factor: float) -> Columns:
+        make = self._make
+        return Columns(self.num, lambda a, b: [t * factor for t in make(a, b)], self.inputs)
+
+    def materialize(self) -> list[Tensor]:
+        return self.chunk(0, self.num)
 
 
 def _grad(
@@ -46,12 +79,11 @@ def _grad(
 
 
 def backprop_columns(
-    origins: list[Tensor], columns: list[Tensor], outputs: list[Tensor], chunk: int
+    origins: list[Tensor], columns: Columns, outputs: list[Tensor], chunk: int
 ) -> Iterator[tuple[int, tuple[Tensor | None, ...]]]:
     """Yield ``(start, grads)`` per chunk; ``grads[i]`` is ``[k, *outputs[i].shape]`` or None."""
-    k_total = columns[0].shape[0]
-    for start in range(0, k_total, chunk):
-        cols = [c[start : start + chunk] for c in columns]
+    for start in range(0, columns.num, chunk):
+        cols = columns.chunk(start, start + chunk)
         CAPTURE.in_column_backprop += 1
         try:
             grads = _grad(origins, outputs, cols)

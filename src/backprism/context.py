@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backprism.columns import Columns
 from backprism.extend import CAPTURE, LossRecord
 from backprism.extensions.base import Extension, FirstOrderExtension, SecondOrderExtension
 from backprism.rules.base import Call, get_rule, params_of
@@ -192,7 +193,7 @@ class collect:
         bs = self._state()
         module = call.module
         _check_batchnorm(call, self.extensions)
-        params = params_of(module)
+        params = params_of(call)
         if self.first and params and any(g is not None for g in grads):
             call.check_unmodified()
             rule = _Memo(get_rule(module))
@@ -260,7 +261,7 @@ class collect:
 
         for c, _ in record.taken:
             _check_batchnorm(c, self.second)
-        calls = [(c, outs) for c, outs in record.taken if params_of(c.module)]
+        calls = [(c, outs) for c, outs in record.taken if params_of(c)]
         if not calls:
             return
         for c, _ in calls:
@@ -271,28 +272,29 @@ class collect:
         for key in keys:
             exts = [e for e in self.second if e.column_key() == key]
             cols = loss_hessian_sqrt(module, record.inputs, key, n_samples)
-            origins = [x for x, c in zip(record.inputs, cols) if c is not None]
-            cols = [c * scale**0.5 for c in cols if c is not None]
+            origins = [record.inputs[i] for i in cols.inputs]
+            if scale != 1.0:
+                cols = cols.scaled(scale**0.5)
             self.process_columns(bs, calls, origins, cols, exts, None)
-            del cols
 
     def process_columns(
         self,
         bs: _BackwardState,
         calls: list[tuple[Call, list[Tensor]]],
         origins: list[Tensor],
-        cols: list[Tensor],
+        cols: Columns,
         exts: list[SecondOrderExtension],
         weights: Tensor | None,
     ) -> None:
-        """Push columns ``cols`` (``[K, *origin.shape]``) from ``origins`` to the outputs of
-        ``calls`` and reduce them with ``exts``. ``weights`` (``[K, N]``) sign the columns."""
+        """Push columns ``cols`` (``[K, *origin.shape]`` each, generated lazily in chunks) from
+        ``origins`` to the outputs of ``calls`` and reduce them with ``exts``.
+        ``weights`` (``[K, N]``) multiply each column's squared contributions (signs)."""
         from backprism.columns import backprop_columns
 
         outputs = [o for _, outs in calls for o in outs]
         per_col = sum(o.numel() * o.element_size() for o in outputs) or 1
         chunk = self.chunk_size or max(1, self.memory_budget // per_col)
-        count = Counter(id(p) for c, _ in calls for p in params_of(c.module).values())
+        count = Counter(id(p) for c, _ in calls for p in params_of(c).values())
         for start, grads in backprop_columns(origins, cols, outputs, chunk):
             w = None if weights is None else weights[start : start + grads_k(grads)]
             dense: dict[int, list] = {}
@@ -307,7 +309,7 @@ class collect:
                     for j, x in enumerate(gs)
                 )
                 rule = _Memo(get_rule(call.module))
-                params = params_of(call.module)
+                params = params_of(call)
                 single = {n: p for n, p in params.items() if count[id(p)] <= 1}
                 for ext in exts:
                     names = params if ext.additive else single

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from backprism.rules.base import Call
 
-__all__ = ["extend"]
+__all__ = ["extend", "suspended"]
 
 _LOSS_TYPES = (nn.modules.loss._Loss,)
 _EXTENDED_ATTR = "_backprism_handles"
@@ -58,6 +59,9 @@ class _Capture:
         self.root_stack: list[int] = []
         self.root_generation: Counter[int] = Counter()
         self.in_column_backprop = 0
+        self.suspended = 0
+        # one frame per hooked module currently in its forward: ids of hooked descendants run
+        self.call_stack: list[set[int]] = []
 
     def take_pending(self) -> list[tuple[Call, list[Tensor]]]:
         taken = [(c, outs) for c, outs, _, _ in self.pending.values()]
@@ -90,6 +94,7 @@ def _root_pre_hook(module: nn.Module, args: Any) -> None:
     if CAPTURE.root_stack:
         CAPTURE.root_stack.append(-1)  # nested root: belongs to the outer one
         return
+    CAPTURE.call_stack.clear()
     # a new top-level forward of this root: outputs it left pending in its previous forward
     # (never taken by a loss, never backpropagated) are dropped.
     stale = [k for k, (_, _, rk, _) in CAPTURE.pending.items() if rk == key]
@@ -109,8 +114,40 @@ def _root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
                 exit_(module)
 
 
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Forward passes inside this context are not captured (rules re-running a forward)."""
+    CAPTURE.suspended += 1
+    try:
+        yield
+    finally:
+        CAPTURE.suspended -= 1
+
+
+def _module_pre_hook(module: nn.Module, args: Any) -> None:
+    CAPTURE.call_stack.append(set())
+
+
+def _call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
+    """Parameters a call of ``module`` is responsible for: its own, plus those of descendants
+    whose forward did not run during the call (e.g. ``MultiheadAttention.out_proj``, used
+    functionally), which therefore have no call of their own."""
+    params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    for name, sub in module.named_modules():
+        if sub is module or id(sub) in ran:
+            continue
+        for n, p in sub.named_parameters(recurse=False):
+            if p.requires_grad:
+                params[f"{name}.{n}"] = p
+    return params
+
+
 def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if not torch.is_grad_enabled():
+    ran = CAPTURE.call_stack.pop() if CAPTURE.call_stack else set()
+    if CAPTURE.call_stack:
+        CAPTURE.call_stack[-1].add(id(module))
+        CAPTURE.call_stack[-1].update(ran)
+    if not torch.is_grad_enabled() or CAPTURE.suspended:
         return
     outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
     if not any(o.requires_grad for o in outs):
@@ -118,7 +155,7 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
     first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)), None)
     if first is None:
         return
-    params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+    params = _call_params(module, ran)
     call = Call(
         module=module,
         args=tuple(tree_map(_detach, a) for a in args),
@@ -129,10 +166,11 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
         versions=[
             (a, a._version) for a in tree_flatten(args)[0] if isinstance(a, Tensor)
         ],
+        params=params,
     )
     group = CAPTURE.group
     call.group = group  # type: ignore[attr-defined]
-    for p in params:
+    for p in params.values():
         group.param_count[id(p)] += 1
     group.module_count[id(module)] += 1
 
@@ -165,7 +203,7 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
 
 
 def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if not torch.is_grad_enabled() or not isinstance(output, Tensor) or not output.requires_grad:
+    if not torch.is_grad_enabled() or CAPTURE.suspended or not isinstance(output, Tensor) or not output.requires_grad:
         return
     inputs = list(args) + list(kwargs.values())
     taken = CAPTURE.take_pending()
@@ -231,6 +269,7 @@ def extend(module: nn.Module) -> nn.Module:
         if isinstance(sub, _LOSS_TYPES):
             extend(sub)
         elif _owns_params(sub) or _is_batchnorm(sub):
+            sub.register_forward_pre_hook(_module_pre_hook)
             sub.register_forward_hook(_module_forward_hook, with_kwargs=True)
         elif acts and isinstance(sub, acts):
             from backprism.hessian_residual import activation_forward_hook

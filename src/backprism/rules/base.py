@@ -47,6 +47,9 @@ class Call:
     batch_size: int
     training: bool
     versions: list[tuple[Tensor, int]] = field(default_factory=list)
+    #: parameters this call is responsible for, by name relative to ``module``
+    #: (``"weight"``, or ``"out_proj.weight"`` for a descendant used functionally)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
 
     @property
     def input(self) -> Tensor:
@@ -66,10 +69,6 @@ class Call:
                     "values. Avoid in-place operations on tensors fed to extended modules "
                     "(e.g. use nn.ReLU(inplace=False) before them)."
                 )
-
-
-def _params(module: nn.Module) -> dict[str, nn.Parameter]:
-    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
 class Rule:
@@ -126,6 +125,13 @@ class Rule:
             f"Kronecker factors are not available for {type(call.module).__name__}"
         )
 
+    def kronecker_factors(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
+        """Kronecker factors per parameter in BackPACK's order: ``[B, A]`` for a weight-like
+        parameter (``B`` output side, ``A`` input side, so the block is ``≈ B ⊗ A``) and ``[B]``
+        for a bias. Rules whose parameter axes differ (Embedding) override this."""
+        a, b = self.kfac_input(call), self.kfac_output(call, g)
+        return {k: [b[k], a[k]] if k in a else [b[k]] for k in b}
+
 
 def _weighted_square_sum(v: Tensor, weights: Tensor | None, dims: tuple[int, ...]) -> Tensor:
     sq = v.square()
@@ -167,4 +173,7 @@ def get_rule(module: nn.Module) -> Rule:
     return _GENERIC[0]
 
 
-params_of = _params
+
+def params_of(call: Call) -> dict[str, nn.Parameter]:
+    """The trainable parameters a call is responsible for (see :attr:`Call.params`)."""
+    return call.params
