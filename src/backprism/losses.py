@@ -1,0 +1,589 @@
+r"""Square roots of loss Hessians with respect to the model outputs.
+
+:func:`loss_hessian_sqrt` returns lazily generated columns ``S[k]`` (one tensor per differentiable
+loss input, each ``[K, *input.shape]``) such that for every model sample ``n``
+
+.. math::  \sum_k S_k[n] S_k[n]^\top = \nabla^2_{f_n} L \quad\text{(exact)}, \qquad
+           \mathbb{E}\Big[\sum_k S_k[n] S_k[n]^\top\Big] = \nabla^2_{f_n} L \quad\text{(MC)},
+
+where ``L`` is the loss *as reduced by the module* (``reduction="mean"`` divides by the number of
+loss elements — or by the summed class weights of the targets for weighted ``CrossEntropyLoss`` /
+``NLLLoss`` with class-index targets, exactly as PyTorch does; ``"sum"`` divides by 1). Only the
+per-sample diagonal blocks matter (the losses are sums over samples), so a column is in general
+nonzero in all samples at once.
+
+Samples and positions. The model's batch has ``n_samples`` samples; the loss input's rows are
+grouped *sample-major*: if it has ``R = n_samples·P`` rows (e.g. a ``[N, T, C]`` output flattened
+to ``[N·T, C]``), rows ``n·P, …, n·P + P − 1`` belong to sample ``n``. ``R`` must be a multiple of
+``n_samples``.
+
+Supported losses (``reduction`` ``"mean"`` or ``"sum"``):
+
+* ``CrossEntropyLoss`` — input ``[R, C, d₁, …]`` (``D = d₁·d₂·…`` spatial positions), class-index
+  targets (with ``ignore_index``, class ``weight``, ``label_smoothing``) or probability targets
+  (same shape as the input). Per position with softmax ``p`` the Hessian is
+  ``a·(diag p − p pᵀ)/Z`` with ``a = (1−ε)·w_y + (ε/C)·Σ_c w_c`` (``a = 0`` for ignored
+  positions; probability targets ``q``: ``a = Σ_c w_c q̃_c``, ``q̃ = (1−ε)q + ε/C``) and ``Z`` the
+  reduction's denominator. Exact: ``K = C·P·D`` columns, column ``(c, p, d)`` (index
+  ``k = c·P·D + p·D + d``) is ``√(a/Z)·√p_c (e_c − p)`` at row ``n·P + p``, position ``d`` of
+  every sample ``n`` and zero elsewhere. MC: column ``m`` is ``√(a/Z)(p − e_ŷ)/√M`` at every
+  position, with independent ``ŷ ~ Cat(p)`` per position (``E[(p − e_ŷ)(p − e_ŷ)ᵀ] =
+  diag p − p pᵀ`` and cross-position terms vanish in expectation).
+* ``NLLLoss`` fed by ``log_softmax`` over the class axis: the columns live at the
+  log-probabilities ``l`` (``p = exp l``). Exact: ``√(a/Z)·√p_c e_c`` (backpropagated through
+  ``log_softmax``, whose Jacobian transpose maps ``e_c ↦ e_c − p``, they become the
+  cross-entropy columns above); MC: ``−√(a/Z)·e_ŷ/√M``, ``ŷ ~ Cat(p)``. ``a = w_y`` (0 if
+  ignored). An input that does not come straight from ``log_softmax`` is refused: NLL alone is
+  linear in its input and its Hessian is zero.
+* ``MSELoss`` — any shape (broadcasting included), ``∇² = 2/Z·I``. Exact: one column per loss
+  element of a sample, ``√(2/Z)·e_j``; MC: ``√(2/Z)·z/√M``, ``z ~ N(0, I)`` (the gradient at a
+  target sampled from ``N(f, I/2)``). If the target requires grad too, its columns are the
+  negated input columns (the joint Hessian is ``2/Z·[[I, −I], [−I, I]]``).
+* ``BCEWithLogitsLoss`` — any shape, ``weight`` ``w``, ``pos_weight`` ``w⁺``:
+  ``∇² = diag(w·σ(1−σ)·(w⁺y + 1 − y))/Z`` (``w⁺ = 1`` when absent). Exact: ``√h_j e_j``. MC
+  without ``pos_weight``: ``√(w/Z)(σ − ŷ)/√M`` with ``ŷ ~ Bernoulli(σ)`` (the Hessian does not
+  depend on the target then); with ``pos_weight``: Rademacher-signed ``±√h/√M`` (the Hessian
+  depends on the observed target, so sampling labels would estimate a different matrix).
+* ``GaussianNLLLoss(input=μ, target, var)`` — with ``v = max(var, eps)`` (broadcast as PyTorch
+  does), ``∇²_μ = diag(1/v)/Z`` (``full`` adds a constant only). Exact: ``e_j/√(v_j Z)``; needs
+  ``var`` not to require grad (the Hessian in ``var`` is indefinite). MC: gradients at
+  ``y ~ N(μ, v)`` scaled by ``1/√(Z M)``: ``−z/√v`` for ``μ`` and, when ``var`` requires grad,
+  ``(1 − z²)/(2v)`` for ``var`` (columns for inputs ``[0, 2]``); their expected outer product is
+  the Fisher information ``diag(1/v, 1/(2v²))/Z`` = the expected Hessian over the targets.
+  A target that requires grad gets the negated ``μ`` columns (if ``var`` does not).
+
+MC columns use torch's global RNG: one draw seeds a generator per column, so the numbers do not
+depend on how the engine chunks the columns, and ``torch.manual_seed`` makes them reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backprism.columns import Columns
+
+__all__ = ["SUPPORTED_LOSSES", "loss_hessian_sqrt"]
+
+#: loss modules :func:`loss_hessian_sqrt` knows
+SUPPORTED_LOSSES: tuple[type[nn.Module], ...] = (
+    nn.CrossEntropyLoss,
+    nn.NLLLoss,
+    nn.MSELoss,
+    nn.BCEWithLogitsLoss,
+    nn.GaussianNLLLoss,
+)
+
+
+def loss_hessian_sqrt(
+    module: nn.Module, inputs: Sequence[Any], key: Hashable, n_samples: int
+) -> Columns:
+    """Columns ``S`` with ``Σₖ Sₖ[n] Sₖ[n]ᵀ = ∇²_{fₙ} L`` (exactly or in expectation).
+
+    Args:
+        module: the loss module (see :data:`SUPPORTED_LOSSES`).
+        inputs: its positional (then keyword) arguments as passed to the forward call;
+            tensors that require grad are the differentiable loss inputs.
+        key: ``("exact",)`` or ``("mc", M)`` with ``M`` the number of Monte-Carlo samples.
+        n_samples: the model's batch size ``N``; the loss input's rows are grouped sample-major
+            into ``N`` samples of ``rows / N`` rows each.
+
+    Returns:
+        :class:`~backprism.columns.Columns` whose ``chunk(start, stop)`` gives one
+        ``[stop − start, *input.shape]`` tensor per differentiable loss input listed in
+        ``.inputs`` (indices into ``inputs``). See the module docstring for every loss's formulas.
+    """
+    name = type(module).__name__
+    if not isinstance(module, SUPPORTED_LOSSES):
+        supported = ", ".join(t.__name__ for t in SUPPORTED_LOSSES)
+        hint = ""
+        if isinstance(module, nn.BCELoss):
+            hint = " (use BCEWithLogitsLoss on logits instead)"
+        raise NotImplementedError(
+            f"backprism: no loss-Hessian square root for {name}{hint}; second-order extensions "
+            f"support {supported}"
+        )
+    reduction = getattr(module, "reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"backprism: {name}(reduction={reduction!r}) gives no per-sample scaling; use "
+            "reduction='mean' or 'sum'"
+        )
+    mc = _parse_key(key)
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
+    inputs = list(inputs)
+    if isinstance(module, nn.CrossEntropyLoss):
+        return _cross_entropy(module, inputs, mc, n_samples)
+    if isinstance(module, nn.NLLLoss):
+        return _nll(module, inputs, mc, n_samples)
+    if isinstance(module, nn.MSELoss):
+        return _mse(module, inputs, mc, n_samples)
+    if isinstance(module, nn.BCEWithLogitsLoss):
+        return _bce_with_logits(module, inputs, mc, n_samples)
+    return _gaussian_nll(module, inputs, mc, n_samples)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _parse_key(key: Hashable) -> int | None:
+    """``None`` for exact columns, ``M`` for Monte-Carlo."""
+    if isinstance(key, tuple) and key == ("exact",):
+        return None
+    if (
+        isinstance(key, tuple)
+        and len(key) == 2
+        and key[0] == "mc"
+        and isinstance(key[1], int)
+        and not isinstance(key[1], bool)
+        and key[1] >= 1
+    ):
+        return key[1]
+    raise ValueError(f"column key must be ('exact',) or ('mc', M) with M >= 1, got {key!r}")
+
+
+def _arg(inputs: list[Any], i: int, what: str, name: str) -> Any:
+    if len(inputs) <= i:
+        raise ValueError(f"backprism: {name} was called without its {what} argument")
+    return inputs[i]
+
+
+def _model_input(inputs: list[Any], name: str) -> Tensor:
+    x = _arg(inputs, 0, "input", name)
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"backprism: the input of {name} must be a floating-point tensor")
+    if not x.requires_grad:
+        raise ValueError(
+            f"backprism: the input of {name} does not require grad, so the loss has no curvature "
+            "with respect to the model; pass the model output as the first argument"
+        )
+    return x
+
+
+def _refuse_target_grad(target: Any, name: str) -> None:
+    if isinstance(target, Tensor) and target.requires_grad:
+        raise ValueError(
+            f"backprism: the target of {name} requires grad; the loss Hessian w.r.t. "
+            "(input, target) is indefinite, so it has no square root. Detach the target"
+        )
+
+
+def _rows_per_sample(rows: int, n_samples: int, name: str, layout: str) -> int:
+    if rows < n_samples or rows % n_samples:
+        raise ValueError(
+            f"backprism: the input of {name} has {rows} rows (layout {layout}), not a multiple "
+            f"of the model's batch size {n_samples}. Rows must be grouped sample-major "
+            "(e.g. flatten [N, T, C] to [N·T, C], not [T·N, C])"
+        )
+    return rows // n_samples
+
+
+def _seed() -> int:
+    """One draw from torch's global RNG (so ``torch.manual_seed`` controls MC columns)."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def _generator(seed: int, k: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed + k)
+    return g
+
+
+def _mc_columns(
+    m: int, device: torch.device, draw: Callable[[torch.Generator], list[Tensor]], inputs: list[int]
+) -> Columns:
+    """``M`` columns, column ``k`` = ``draw(generator_k)/√M`` (one generator per column)."""
+    seed = _seed()
+    scale = 1.0 / math.sqrt(m)
+
+    def make(a: int, b: int) -> list[Tensor]:
+        per_col = [draw(_generator(seed, k, device)) for k in range(a, b)]
+        return [torch.stack([c[i] for c in per_col]) * scale for i in range(len(inputs))]
+
+    return Columns(m, make, inputs)
+
+
+# -- cross-entropy family ------------------------------------------------------------------------
+
+
+def _class_layout(x: Tensor, n_samples: int, name: str) -> tuple[int, int, int, int]:
+    """``(N, P, D, C)`` for an input ``[N·P, C, *spatial]`` with ``D = prod(spatial)``."""
+    if x.dim() < 2:
+        raise ValueError(
+            f"backprism: {name} input of shape {tuple(x.shape)} has no batch axis; use "
+            "[N, C] or [N, C, d1, ...]"
+        )
+    rows, c = x.shape[0], x.shape[1]
+    d = math.prod(x.shape[2:])
+    p = _rows_per_sample(rows, n_samples, name, "[N·P, C, d1, ...]")
+    return n_samples, p, d, c
+
+
+def _to_positions(t: Tensor, n: int, q: int, c: int) -> Tensor:
+    """``[N·P, C, *spatial]`` → ``[N, Q, C]`` with position ``q = p·D + d``."""
+    return t.reshape(t.shape[0], c, -1).transpose(1, 2).reshape(n, q, c)
+
+
+def _class_index_factor(
+    target: Tensor, weight: Tensor | None, ignore_index: int, smoothing: float, c: int,
+    reduction: str, x: Tensor,
+) -> Tensor:
+    """Per-position factor ``a/Z`` for class-index targets (any shape)."""
+    target = target.to(x.device)
+    keep = target != ignore_index
+    y = torch.where(keep, target, torch.zeros_like(target))
+    if weight is None:
+        w_y = keep.to(x.dtype)
+        w_sum = torch.tensor(float(c), dtype=x.dtype, device=x.device)
+    else:
+        w = weight.to(device=x.device, dtype=x.dtype)
+        w_y = w[y] * keep
+        w_sum = w.sum()
+    a = (1 - smoothing) * w_y + (smoothing / c) * w_sum * keep
+    if reduction == "mean":
+        z = w_y.sum()
+        a = torch.where(z > 0, a / z, torch.zeros_like(a))
+    return a
+
+
+def _cross_entropy(
+    module: nn.CrossEntropyLoss, inputs: list[Any], mc: int | None, n_samples: int
+) -> Columns:
+    name = type(module).__name__
+    x = _model_input(inputs, name)
+    target = _arg(inputs, 1, "target", name)
+    _refuse_target_grad(target, name)
+    n, p_rows, d, c = _class_layout(x, n_samples, name)
+    q = p_rows * d
+    xd = x.detach()
+    eps = float(module.label_smoothing)
+    weight = module.weight
+    if not isinstance(target, Tensor):
+        raise TypeError(f"backprism: the target of {name} must be a tensor")
+    if target.is_floating_point():
+        if target.shape != x.shape:
+            raise ValueError(
+                f"backprism: {name} probability targets must have the input's shape "
+                f"{tuple(x.shape)}, got {tuple(target.shape)}"
+            )
+        qt = target.detach().to(xd.dtype)
+        qt = qt * (1 - eps) + eps / c
+        w = (
+            torch.ones(c, dtype=xd.dtype, device=xd.device)
+            if weight is None
+            else weight.to(device=xd.device, dtype=xd.dtype)
+        )
+        a = torch.einsum("rc...,c->r...", qt, w)
+        if (a < 0).any():
+            raise ValueError(
+                f"backprism: {name} has probability targets with negative total weight "
+                "Σ_c weight_c·target_c; the loss is not convex in the input"
+            )
+        if module.reduction == "mean":
+            a = a / (xd.numel() // c)
+    else:
+        if target.shape != (x.shape[0], *x.shape[2:]):
+            raise ValueError(
+                f"backprism: {name} class-index targets must have shape "
+                f"{(x.shape[0], *tuple(x.shape[2:]))} for an input of shape {tuple(x.shape)}, "
+                f"got {tuple(target.shape)}"
+            )
+        if weight is not None and (weight < 0).any():
+            raise ValueError(f"backprism: {name} has negative class weights; its GGN is not PSD")
+        a = _class_index_factor(
+            target, weight, module.ignore_index, eps, c, module.reduction, xd
+        )
+    probs = _to_positions(torch.softmax(xd, dim=1), n, q, c)  # [N, Q, C]
+    f = a.reshape(n, q).sqrt()  # [N, Q]
+    if mc is None:
+        return _exact_class_columns(probs, f, x.shape, p_rows, d, c, centered=True)
+    return _mc_class_columns(probs, f, x.shape, p_rows, d, c, mc, centered=True)
+
+
+def _nll(module: nn.NLLLoss, inputs: list[Any], mc: int | None, n_samples: int) -> Columns:
+    name = type(module).__name__
+    lp = _model_input(inputs, name)
+    target = _arg(inputs, 1, "target", name)
+    _refuse_target_grad(target, name)
+    fn = lp.grad_fn
+    dim = getattr(fn, "_saved_dim", None)
+    if type(fn).__name__ != "LogSoftmaxBackward0" or dim is None or (
+        lp.dim() >= 2 and dim % lp.dim() != 1
+    ):
+        raise ValueError(
+            f"backprism: the input of {name} must be the direct output of log_softmax over the "
+            f"class axis (dim=1); got one computed by {type(fn).__name__}"
+            f"{'' if dim is None else f' over dim={dim}'}. NLLLoss alone is linear in its "
+            "input (zero Hessian): use log_softmax(dim=1) right before it, or CrossEntropyLoss "
+            "on the logits"
+        )
+    n, p_rows, d, c = _class_layout(lp, n_samples, name)
+    q = p_rows * d
+    if not isinstance(target, Tensor) or target.is_floating_point():
+        raise TypeError(f"backprism: {name} needs integer class-index targets")
+    if target.shape != (lp.shape[0], *lp.shape[2:]):
+        raise ValueError(
+            f"backprism: {name} targets must have shape {(lp.shape[0], *tuple(lp.shape[2:]))} "
+            f"for an input of shape {tuple(lp.shape)}, got {tuple(target.shape)}"
+        )
+    if module.weight is not None and (module.weight < 0).any():
+        raise ValueError(f"backprism: {name} has negative class weights; its GGN is not PSD")
+    lpd = lp.detach()
+    a = _class_index_factor(
+        target, module.weight, module.ignore_index, 0.0, c, module.reduction, lpd
+    )
+    probs = _to_positions(lpd.exp(), n, q, c)
+    f = a.reshape(n, q).sqrt()
+    if mc is None:
+        return _exact_class_columns(probs, f, lp.shape, p_rows, d, c, centered=False)
+    return _mc_class_columns(probs, f, lp.shape, p_rows, d, c, mc, centered=False)
+
+
+def _from_positions(col: Tensor, shape: torch.Size, p_rows: int, d: int, c: int) -> Tensor:
+    """``[k, N, Q, C]`` → ``[k, N·P, C, *spatial]``."""
+    k, n = col.shape[0], col.shape[1]
+    col = col.reshape(k, n * p_rows, d, c).transpose(2, 3)
+    return col.reshape(k, *shape)
+
+
+def _exact_class_columns(
+    probs: Tensor, f: Tensor, shape: torch.Size, p_rows: int, d: int, c: int, centered: bool
+) -> Columns:
+    """Column ``k = c·Q + q``: ``f[:, q]·√p_c·(e_c − p)`` (centered) or ``f[:, q]·√p_c·e_c`` at
+    position ``q`` of every sample."""
+    n, q = probs.shape[0], probs.shape[1]
+
+    def make(a: int, b: int) -> list[Tensor]:
+        ks = torch.arange(a, b, device=probs.device)
+        cls, pos = ks // q, ks % q
+        k = b - a
+        idx = torch.arange(k, device=probs.device)
+        pq = probs[:, pos, :].transpose(0, 1)  # [k, N, C]
+        pc = pq[idx, :, cls]  # [k, N]
+        scale = f[:, pos].t() * pc.sqrt()  # [k, N]
+        vals = torch.zeros_like(pq)
+        vals[idx, :, cls] = scale
+        if centered:
+            vals = vals - scale.unsqueeze(-1) * pq
+        col = probs.new_zeros(k, n, q, c)
+        col[idx, :, pos, :] = vals
+        return [_from_positions(col, shape, p_rows, d, c)]
+
+    return Columns(c * q, make, [0])
+
+
+def _mc_class_columns(
+    probs: Tensor, f: Tensor, shape: torch.Size, p_rows: int, d: int, c: int, m: int,
+    centered: bool,
+) -> Columns:
+    """Column: ``f·(p − e_ŷ)`` (centered) or ``−f·e_ŷ`` with ``ŷ ~ Cat(p)`` per position."""
+    cdf = probs.cumsum(-1)
+    wf = f.unsqueeze(-1)
+
+    def draw(g: torch.Generator) -> list[Tensor]:
+        u = torch.rand(cdf.shape[:-1], generator=g, device=cdf.device, dtype=cdf.dtype)
+        y = (cdf < u.unsqueeze(-1)).sum(-1).clamp_max(c - 1)
+        onehot = torch.nn.functional.one_hot(y, c).to(probs.dtype)
+        col = (probs - onehot) if centered else -onehot
+        return [_from_positions((col * wf).unsqueeze(0), shape, p_rows, d, c)[0]]
+
+    return _mc_columns(m, probs.device, draw, [0])
+
+
+# -- elementwise losses ------------------------------------------------------------------------
+
+
+def _sum_to(col: Tensor, shape: Sequence[int]) -> Tensor:
+    """Sum ``[k, *B]`` over broadcast dimensions to ``[k, *shape]``."""
+    k, b = col.shape[0], col.shape[1:]
+    if tuple(b) == tuple(shape):
+        return col
+    pad = (1,) * (len(b) - len(shape)) + tuple(shape)
+    return col.sum_to_size((k, *pad)).reshape(k, *shape)
+
+
+def _loss_shape(shapes: list[torch.Size], n_samples: int, name: str) -> torch.Size:
+    b = torch.broadcast_shapes(*shapes)
+    if len(b) == 0:
+        raise ValueError(
+            f"backprism: {name} was called on 0-dimensional tensors; give the inputs a batch axis"
+        )
+    _rows_per_sample(b[0], n_samples, name, "[N·P, ...]")
+    return b
+
+
+def _elementwise(
+    shape: torch.Size,
+    n_samples: int,
+    sqrt_h: Tensor,
+    targets: list[tuple[int, Sequence[int], float]],
+    mc: int | None,
+    draw: Callable[[torch.Generator], list[Tensor]] | None = None,
+) -> Columns:
+    """Columns of a loss that is a sum of per-element terms.
+
+    Exact: column ``j`` (``j`` < elements per sample) is ``√h_j e_j`` at loss element ``j`` of
+    every sample, summed over broadcast dimensions into each input ``i``'s shape and multiplied
+    by its sign (``targets = [(i, shape_i, sign_i)]``). MC: ``draw(generator)`` returns one
+    loss-element-shaped tensor per input; they are summed to the input shapes the same way.
+    """
+    inputs = [i for i, _, _ in targets]
+    if mc is not None:
+        assert draw is not None
+
+        def draw_inputs(g: torch.Generator) -> list[Tensor]:
+            out = draw(g)
+            return [
+                _sum_to(t.unsqueeze(0), s)[0] * sign
+                for t, (_, s, sign) in zip(out, targets)
+            ]
+
+        return _mc_columns(mc, sqrt_h.device, draw_inputs, inputs)
+    e = sqrt_h.numel() // n_samples
+    flat = sqrt_h.reshape(n_samples, e)
+
+    def make(a: int, b: int) -> list[Tensor]:
+        k = b - a
+        idx = torch.arange(k, device=flat.device)
+        col = flat.new_zeros(k, n_samples, e)
+        col[idx, :, a + idx] = flat[:, a:b].t()
+        col = col.reshape(k, *shape)
+        return [_sum_to(col, s) * sign for _, s, sign in targets]
+
+    return Columns(e, make, inputs)
+
+
+def _mse(module: nn.MSELoss, inputs: list[Any], mc: int | None, n_samples: int) -> Columns:
+    name = type(module).__name__
+    x = _arg(inputs, 0, "input", name)
+    y = _arg(inputs, 1, "target", name)
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+        raise TypeError(f"backprism: {name} needs tensor input and target")
+    targets = [(i, t.shape, s) for i, t, s in ((0, x, 1.0), (1, y, -1.0)) if t.requires_grad]
+    if not targets:
+        raise ValueError(f"backprism: neither input nor target of {name} requires grad")
+    ref = x if x.requires_grad else y
+    shape = _loss_shape([x.shape, y.shape], n_samples, name)
+    z = math.prod(shape) if module.reduction == "mean" else 1
+    coef = math.sqrt(2.0 / z)
+    sqrt_h = torch.full(shape, coef, dtype=ref.dtype, device=ref.device)
+
+    def draw(g: torch.Generator) -> list[Tensor]:
+        noise = torch.randn(shape, generator=g, dtype=ref.dtype, device=ref.device) * coef
+        return [noise for _ in targets]
+
+    return _elementwise(shape, n_samples, sqrt_h, targets, mc, draw)
+
+
+def _bce_with_logits(
+    module: nn.BCEWithLogitsLoss, inputs: list[Any], mc: int | None, n_samples: int
+) -> Columns:
+    name = type(module).__name__
+    x = _model_input(inputs, name)
+    y = _arg(inputs, 1, "target", name)
+    _refuse_target_grad(y, name)
+    if not isinstance(y, Tensor) or y.shape != x.shape:
+        raise ValueError(
+            f"backprism: {name} needs a target tensor of the input's shape {tuple(x.shape)}"
+        )
+    shape = _loss_shape([x.shape], n_samples, name)
+    xd, yd = x.detach(), y.detach().to(x.dtype)
+    sig = torch.sigmoid(xd)
+    w = (
+        torch.ones_like(xd)
+        if module.weight is None
+        else module.weight.to(device=xd.device, dtype=xd.dtype).expand_as(xd)
+    )
+    pos = module.pos_weight
+    coef = (
+        torch.ones_like(xd)
+        if pos is None
+        else pos.to(device=xd.device, dtype=xd.dtype) * yd + 1 - yd
+    )
+    z = xd.numel() if module.reduction == "mean" else 1
+    h = w * sig * (1 - sig) * coef / z
+    if (h < 0).any():
+        raise ValueError(
+            f"backprism: {name} has a negative Hessian entry (negative weight, or targets outside "
+            "[0, 1] with pos_weight); its GGN is not PSD"
+        )
+    sqrt_h = h.sqrt()
+    targets = [(0, x.shape, 1.0)]
+    if pos is None:
+        sw = (w / z).sqrt()
+
+        def draw(g: torch.Generator) -> list[Tensor]:
+            u = torch.rand(shape, generator=g, dtype=xd.dtype, device=xd.device)
+            return [sw * (sig - (u < sig).to(xd.dtype))]
+    else:
+
+        def draw(g: torch.Generator) -> list[Tensor]:
+            u = torch.rand(shape, generator=g, dtype=xd.dtype, device=xd.device)
+            return [torch.where(u < 0.5, -sqrt_h, sqrt_h)]
+
+    return _elementwise(shape, n_samples, sqrt_h, targets, mc, draw)
+
+
+def _gaussian_nll(
+    module: nn.GaussianNLLLoss, inputs: list[Any], mc: int | None, n_samples: int
+) -> Columns:
+    name = type(module).__name__
+    mu = _model_input(inputs, name)
+    y = _arg(inputs, 1, "target", name)
+    var = _arg(inputs, 2, "var", name)
+    if not isinstance(y, Tensor):
+        raise TypeError(f"backprism: the target of {name} must be a tensor")
+    var_grad = isinstance(var, Tensor) and var.requires_grad
+    if isinstance(var, Tensor):
+        var_b = var.detach().to(mu.dtype)
+        if var.shape != mu.shape and mu.shape[:-1] == var.shape:
+            var_b = var_b.unsqueeze(-1)
+    else:
+        var_b = torch.full_like(mu.detach(), float(var))
+    v = var_b.clamp_min(module.eps)
+    shape = _loss_shape([mu.shape, y.shape, v.shape], n_samples, name)
+    z = math.prod(shape) if module.reduction == "mean" else 1
+    inv_sd = v.rsqrt().expand(shape) / math.sqrt(z)  # √(1/(v Z)) per loss element
+    targets: list[tuple[int, Sequence[int], float]] = [(0, mu.shape, 1.0)]
+    if y.requires_grad:
+        if var_grad:
+            raise ValueError(
+                f"backprism: {name} with both target and var requiring grad is not supported; "
+                "detach the target"
+            )
+        targets.append((1, y.shape, -1.0))
+    if var_grad and mc is None:
+        raise ValueError(
+            f"backprism: {name}'s var requires grad; the exact loss Hessian w.r.t. (mean, var) "
+            "is indefinite. Use the Monte-Carlo extensions (Fisher = expected Hessian), or "
+            "detach var"
+        )
+    if var_grad:
+        assert isinstance(var, Tensor)
+        targets.append((2, var_b.shape, 1.0))
+        var_coef = (1.0 / (2.0 * v * math.sqrt(z))).expand(shape)
+
+        def draw(g: torch.Generator) -> list[Tensor]:
+            e = torch.randn(shape, generator=g, dtype=mu.dtype, device=mu.device)
+            return [-e * inv_sd, (1 - e * e) * var_coef]
+
+        cols = _elementwise(shape, n_samples, inv_sd, targets, mc, draw)
+        make = cols._make
+        var_shape = var.shape
+
+        def reshape_var(a: int, b: int) -> list[Tensor]:
+            mean_cols, var_cols = make(a, b)
+            return [mean_cols, var_cols.reshape(var_cols.shape[0], *var_shape)]
+
+        return Columns(cols.num, reshape_var, cols.inputs)
+
+    def draw_mean(g: torch.Generator) -> list[Tensor]:
+        e = torch.randn(shape, generator=g, dtype=mu.dtype, device=mu.device) * inv_sd
+        return [-e for _ in targets]
+
+    return _elementwise(shape, n_samples, inv_sd, targets, mc, draw_mean)
