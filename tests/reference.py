@@ -41,12 +41,16 @@ def per_sample_grads(
 ) -> dict[str, Tensor]:
     """``{name: [N, *p]}`` with ``Σₙ = ∇L``, following the loss's own reduction."""
     n = (X[0] if isinstance(X, tuple) else X).shape[0]
-    params = {k: v.unsqueeze(0).expand(n, *v.shape).clone().requires_grad_(True)
-              for k, v in trainable(model).items()}
+    params = {
+        k: v.unsqueeze(0).expand(n, *v.shape).clone().requires_grad_(True)
+        for k, v in trainable(model).items()
+    }
     out = _per_sample_forward(model, X, params)
     loss = loss_fn(out, y)
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    return {k: (g if g is not None else torch.zeros_like(p)) for (k, p), g in zip(params.items(), grads)}
+    return {
+        k: (g if g is not None else torch.zeros_like(p)) for (k, p), g in zip(params.items(), grads)
+    }
 
 
 def _flat_batched(model: nn.Module, n: int):

@@ -39,8 +39,9 @@ def _check_first_order(model, lossfunc, X, y, rtol=1e-7, atol=1e-10):
         if not p.requires_grad:
             continue
         for field, value in _expected(ref[name]).items():
-            torch.testing.assert_close(getattr(p, field), value, rtol=rtol, atol=atol,
-                                       msg=f"{name}.{field}")
+            torch.testing.assert_close(
+                getattr(p, field), value, rtol=rtol, atol=atol, msg=f"{name}.{field}"
+            )
         torch.testing.assert_close(p.grad, ref[name].sum(0), rtol=rtol, atol=atol)
 
 
@@ -55,8 +56,9 @@ def _check_first_order(model, lossfunc, X, y, rtol=1e-7, atol=1e-10):
 )
 def test_linear_leading_axes(n, lead, d_in, d_out, bias, reduction):
     torch.manual_seed(n + 10 * d_in + 100 * d_out)
-    model = extend(nn.Sequential(nn.Linear(d_in, 3, bias=bias), nn.Tanh(),
-                                 nn.Linear(3, d_out, bias=bias))).double()
+    model = extend(
+        nn.Sequential(nn.Linear(d_in, 3, bias=bias), nn.Tanh(), nn.Linear(3, d_out, bias=bias))
+    ).double()
     lossfunc = extend(nn.MSELoss(reduction=reduction))
     X = torch.randn(n, *lead, d_in, dtype=torch.double)
     y = torch.randn(n, *lead, d_out, dtype=torch.double)

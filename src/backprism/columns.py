@@ -58,7 +58,11 @@ def _grad(
 ) -> tuple[Tensor | None, ...]:
     try:
         return torch.autograd.grad(
-            origins, outputs, grad_outputs=cols, retain_graph=True, allow_unused=True,
+            origins,
+            outputs,
+            grad_outputs=cols,
+            retain_graph=True,
+            allow_unused=True,
             is_grads_batched=True,
         )
     except (RuntimeError, NotImplementedError) as err:
@@ -67,7 +71,10 @@ def _grad(
     # an operation in the graph has no batching rule: one column at a time
     per_col = [
         torch.autograd.grad(
-            origins, outputs, grad_outputs=[c[k] for c in cols], retain_graph=True,
+            origins,
+            outputs,
+            grad_outputs=[c[k] for c in cols],
+            retain_graph=True,
             allow_unused=True,
         )
         for k in range(cols[0].shape[0])

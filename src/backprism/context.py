@@ -18,6 +18,7 @@ Results are stored as parameter attributes (``param.grad_batch``, ``param.diag_g
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -151,10 +152,9 @@ class collect:
     def _state(self) -> _BackwardState:
         if self._bs is None:
             self._bs = _BackwardState()
-            try:
+            # not inside a backward pass (e.g. called by hand): finished at context exit
+            with contextlib.suppress(RuntimeError):
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-            except RuntimeError:  # not inside a backward pass (e.g. called by hand)
-                pass
         self._saw_hook = True
         return self._bs
 
@@ -226,12 +226,13 @@ class collect:
         # extension hook once the module's last call in this group is done
         gid = call.group.id  # type: ignore[attr-defined]
         bs.module_fired[(gid, id(module))] += 1
-        done = bs.module_fired[(gid, id(module))] >= call.group.module_count[id(module)]  # type: ignore[attr-defined]
+        group = call.group  # type: ignore[attr-defined]
+        done = bs.module_fired[(gid, id(module))] >= group.module_count[id(module)]
         pending = any(k[1] == id(p) for k in bs.dense for p in params.values())
-        if done and not pending and self.extension_hook is not None and id(module) in bs.touched:
-            if id(module) not in bs.hooked:
-                bs.hooked.add(id(module))
-                self.extension_hook(module)
+        hook_due = self.extension_hook is not None and id(module) in bs.touched
+        if done and not pending and hook_due and id(module) not in bs.hooked:
+            bs.hooked.add(id(module))
+            self.extension_hook(module)
 
     # -- second order ------------------------------------------------------------------------
     def on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
@@ -304,9 +305,13 @@ class collect:
                 i += len(outs)
                 if all(x is None for x in gs):
                     continue
-                g = gs[0] if len(gs) == 1 else tuple(
-                    x if x is not None else _zeros_like_batched(gs, call, j)
-                    for j, x in enumerate(gs)
+                g = (
+                    gs[0]
+                    if len(gs) == 1
+                    else tuple(
+                        x if x is not None else _zeros_like_batched(gs, call, j)
+                        for j, x in enumerate(gs)
+                    )
                 )
                 rule = _Memo(get_rule(call.module))
                 params = params_of(call)
@@ -386,4 +391,3 @@ def on_loss_grad(record: LossRecord, grad: Tensor) -> None:
 def active() -> collect | None:
     """The active :class:`collect` context, if any."""
     return _ACTIVE
-

@@ -163,9 +163,7 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
         out_shapes=[o.shape for o in outs],
         batch_size=first.shape[0] if first.dim() > 0 else 1,
         training=module.training,
-        versions=[
-            (a, a._version) for a in tree_flatten(args)[0] if isinstance(a, Tensor)
-        ],
+        versions=[(a, a._version) for a in tree_flatten(args)[0] if isinstance(a, Tensor)],
         params=params,
     )
     group = CAPTURE.group
@@ -203,7 +201,12 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
 
 
 def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    if not torch.is_grad_enabled() or CAPTURE.suspended or not isinstance(output, Tensor) or not output.requires_grad:
+    if (
+        not torch.is_grad_enabled()
+        or CAPTURE.suspended
+        or not isinstance(output, Tensor)
+        or not output.requires_grad
+    ):
         return
     inputs = list(args) + list(kwargs.values())
     taken = CAPTURE.take_pending()
@@ -285,4 +288,3 @@ def is_extended(module: nn.Module) -> bool:
     return getattr(module, "_backprism_hooked", False) or bool(
         getattr(module, _EXTENDED_ATTR, None)
     )
-

@@ -8,6 +8,7 @@ from backprism.extensions.firstorder import (
     SumGradSquared,
     Variance,
 )
+from backprism.extensions.kronecker import KFAC, KFLR
 from backprism.extensions.secondorder import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -18,6 +19,8 @@ from backprism.extensions.secondorder import (
 )
 
 __all__ = [
+    "KFAC",
+    "KFLR",
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
     "BatchDotGrad",

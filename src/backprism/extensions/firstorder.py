@@ -8,7 +8,7 @@ extension          attribute            value
 BatchGrad          ``grad_batch``       ``[N, *p]``: ``∇(ℓₙ/N)`` (``Σₙ grad_batch = grad``)
 BatchL2Grad        ``batch_l2``         ``[N]``: ``‖grad_batch[n]‖²``
 SumGradSquared     ``sum_grad_squared`` ``[*p]``: ``Σₙ grad_batch[n]²``
-Variance           ``variance``         ``[*p]``: ``(1/N)Σₙ grad_batch[n]² − ((1/N)Σₙ grad_batch[n])²``
+Variance           ``variance``         ``[*p]``: ``(1/N)Σₙ gbₙ² − ((1/N)Σₙ gbₙ)²``, gb = grad_batch
 BatchDotGrad       ``batch_dot``        ``[N, N]``: ``⟨grad_batch[n], grad_batch[m]⟩``
 =================  ===================  ===============================================
 

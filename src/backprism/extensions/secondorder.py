@@ -99,7 +99,7 @@ class _Sqrt:
 
 
 class DiagGGNExact(_Diag, _Exact):
-    """Diagonal of the generalized Gauss-Newton matrix, ``diag_ggn_exact``, shape ``param.shape``."""
+    """Diagonal of the generalized Gauss-Newton matrix, ``diag_ggn_exact`` (``param.shape``)."""
 
     savefield = "diag_ggn_exact"
 

@@ -84,7 +84,7 @@ class Rule:
     linear_in_params: bool = True
 
     def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
-        """Per-sample, per-column parameter gradients ``Vₘₙ = Jₙᵀ g[m, n]``: ``[M, N, *p.shape]``."""
+        """Per-sample, per-column parameter gradients ``Vₘₙ = Jₙᵀ g[m, n]``, ``[M, N, *p]``."""
         raise NotImplementedError
 
     def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
@@ -93,13 +93,17 @@ class Rule:
 
     def sum_squared(self, call: Call, g: Any, weights: Tensor | None = None) -> dict[str, Tensor]:
         r"""``Σₘ Σₙ wₘₙ Vₘₙ²``: ``[*p.shape]`` (SumGradSquared, DiagGGN)."""
-        return {k: _weighted_square_sum(v, weights, (0, 1)) for k, v in self.per_sample(call, g).items()}
+        return {
+            k: _weighted_square_sum(v, weights, (0, 1)) for k, v in self.per_sample(call, g).items()
+        }
 
     def batch_sum_squared(
         self, call: Call, g: Any, weights: Tensor | None = None
     ) -> dict[str, Tensor]:
         r"""``Σₘ wₘₙ Vₘₙ²``: ``[N, *p.shape]`` (BatchDiagGGN)."""
-        return {k: _weighted_square_sum(v, weights, (0,)) for k, v in self.per_sample(call, g).items()}
+        return {
+            k: _weighted_square_sum(v, weights, (0,)) for k, v in self.per_sample(call, g).items()
+        }
 
     def batch_l2(self, call: Call, g: Any) -> dict[str, Tensor]:
         r"""``Σₘ ‖Vₘₙ‖²``: ``[N]`` (BatchL2Grad)."""
@@ -131,6 +135,11 @@ class Rule:
         for a bias. Rules whose parameter axes differ (Embedding) override this."""
         a, b = self.kfac_input(call), self.kfac_output(call, g)
         return {k: [b[k], a[k]] if k in a else [b[k]] for k in b}
+
+    def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
+        """Which of :meth:`kronecker_factors`' factors depend on the backpropagated columns
+        (summed over column chunks) rather than on the inputs only (computed once per call)."""
+        return [True] + [False] * (n_factors - 1)
 
 
 def _weighted_square_sum(v: Tensor, weights: Tensor | None, dims: tuple[int, ...]) -> Tensor:
@@ -171,7 +180,6 @@ def get_rule(module: nn.Module) -> Rule:
     if not _GENERIC:
         raise NotImplementedError(f"no rule for {type(module).__name__}")
     return _GENERIC[0]
-
 
 
 def params_of(call: Call) -> dict[str, nn.Parameter]:

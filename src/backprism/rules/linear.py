@@ -10,8 +10,9 @@ weight gradient,
 * with middle axes, ``‖Vₘₙ‖² = Σₜₛ ⟨gₘₙₜ, gₘₙₛ⟩⟨xₙₜ, xₙₛ⟩`` (Gram form, cost ``N T² (O + I)``) or
   by materialising ``Vₘₙ`` (cost ``N T O I``), whichever is cheaper.
 
-Kronecker factors (BackPACK's convention): ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ`` and
-``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (the ``1/N`` of a mean loss sits in ``g``); the bias gets ``B``.
+Kronecker factors (BackPACK's convention, which for middle axes follows its convolution rule):
+``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ`` and ``B = Σₘₙ (Σₜ gₘₙₜ)(Σₜ gₘₙₜ)ᵀ`` — the exact (KFLR) / MC (KFAC)
+GGN of the bias (the ``1/N`` of a mean loss sits in ``g``); the bias gets ``[B]``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class LinearRule(Rule):
             out["bias"] = g.sum((1, 2))
         return out
 
-    def sum_squared(self, call: Call, g: Tensor, weights: Tensor | None = None) -> dict[str, Tensor]:
+    def sum_squared(
+        self, call: Call, g: Tensor, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
         x, g = _flat(call, g)
         if x.shape[1] != 1:
             return super().sum_squared(call, g, weights)
@@ -75,7 +78,7 @@ class LinearRule(Rule):
 
     def batch_l2(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         x, g = _flat(call, g)
-        m, n, t, o = g.shape
+        _m, _n, t, o = g.shape
         i = x.shape[-1]
         out = {}
         if t == 1:
@@ -92,7 +95,7 @@ class LinearRule(Rule):
 
     def batch_dot(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         x, g = _flat(call, g)
-        m, n, t, o = g.shape
+        _m, n, t, o = g.shape
         i = x.shape[-1]
         out = {}
         if t == 1:
@@ -118,7 +121,8 @@ class LinearRule(Rule):
         return {"weight": x.t() @ x / n}
 
     def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
-        f = g.reshape(-1, g.shape[-1])
+        _, g = _flat(call, g)
+        f = g.sum(2).flatten(0, 1)  # [M * N, O]
         b = f.t() @ f
         out = {"weight": b}
         if call.module.bias is not None:
