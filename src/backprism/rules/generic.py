@@ -1,0 +1,480 @@
+r"""Generic rule for any parameter-owning module without a registered rule, via ``torch.func``.
+
+For a call ``out = f(θ, x)`` of a module with parameters ``θ`` (its own, plus those of
+descendants used functionally, see :attr:`~backprism.rules.base.Call.params`) and columns ``g``
+of shape ``[M, *out.shape]`` (one per tensor output for multi-output modules), the per-sample,
+per-column gradients are the vector-Jacobian products of the module's *own* forward, run on one
+sample at a time (with a batch axis of size 1 kept inside, so modules that need batched input
+work):
+
+.. math::
+
+    V_{mn} = \Big(\frac{\partial f(θ, x_n)}{\partial θ}\Big)^{\!\top} g_{m,n}
+    \qquad [M, N, *θ.shape],
+
+with ``g[m, n]`` the slice of ``g[m]`` at sample ``n`` along each output's batch axis. The
+scaling is that of ``g`` (first order: ``g[0] = ∂L/∂out`` already holds the ``1/N`` of a mean
+loss, so ``Σₙ V₀ₙ = ∇L`` and ``V₀ₙ = ∇(ℓₙ/N)``). The recomputation is ``vmap``-ped over samples
+and over columns (columns in chunks bounded by the active context's ``memory_budget``); if an
+operator of the module has no batching rule (or uses data-dependent control flow), it falls back,
+with a one-time warning, to plain autograd in a loop over samples — same numbers, slower. RNNs
+(whose fused kernels have no batching rule) take the loop directly.
+
+All statistics (``summed``, ``sum_squared``, ``batch_l2``, ``batch_dot``, …) are the
+:class:`~backprism.rules.base.Rule` defaults built from the materialised ``V``; the result of one
+``(call, g)`` is cached while ``g`` is alive, so several extensions share one recomputation.
+
+Which inputs are per-sample:
+
+* a tensor whose axis 0 has size ``N`` (``N`` = the engine's batch size of the call);
+* ``nn.RNNBase`` (LSTM, GRU, RNN): the input (``batch_first=True`` is required) and the initial
+  state ``hx`` (batch axis 1, also each of LSTM's ``(h_0, c_0)``);
+* ``nn.MultiheadAttention`` (``batch_first=True`` required for batched input):
+  ``key_padding_mask`` ``[N, S]``; a 3-d ``attn_mask`` ``[N·heads, L, S]`` is split per sample,
+  a 2-d ``attn_mask`` ``[L, S]`` is shared even if ``L = N``;
+* everything else (0-d tensors, masks, flags) is shared by all samples.
+
+Each output's batch axis is found by comparing the real output shape with the one-sample
+output's (e.g. ``h_n`` of an LSTM has it on axis 1).
+
+Refused with a clear error: dropout in train mode (the recomputation would draw other masks than
+the real forward — call ``model.eval()`` or use ``dropout=0``), BatchNorm descendants in train
+mode (they mix samples), RNNs with ``batch_first=False`` or unbatched / packed input, MHA with
+``batch_first=False``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from backprism.rules.base import Call, Rule, set_generic_rule
+
+__all__ = ["GenericRule"]
+
+#: module types for which the vmap path failed once (the loop fallback warned already)
+_WARNED: set[type] = set()
+#: module types whose kernels have no batching rule: straight to the loop over samples
+_LOOP_TYPES: tuple[type, ...] = (nn.RNNBase,)
+
+# A per-sample input is described by how it is laid out:
+#   ("axis", a): the batch is axis ``a`` of the tensor;
+#   ("heads", h): axis 0 holds ``N * h`` rows, ``h`` consecutive rows per sample (MHA masks);
+#   None: shared by all samples.
+_Spec = tuple[str, int] | None
+
+
+def _name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+# -- checks ----------------------------------------------------------------------------------
+def _check_randomness(module: nn.Module, training: bool) -> None:
+    """Raise if ``module`` (or a descendant) would draw random numbers in its forward."""
+    for name, sub in module.named_modules():
+        train = sub.training or (sub is module and training)
+        if not train:
+            continue
+        where = f"{_name(module)}" + (f" (sub-module {name!r}: {_name(sub)})" if name else "")
+        p = None
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            p = sub.p
+        elif isinstance(sub, nn.RNNBase):
+            p = sub.dropout if sub.num_layers > 1 else 0.0
+        elif isinstance(getattr(sub, "dropout", None), (int, float)) and not isinstance(
+            getattr(sub, "dropout", None), bool
+        ):
+            p = float(sub.dropout)
+        if p:
+            raise RuntimeError(
+                f"backprism: {where} applies dropout (p={p}) in train mode; the generic rule "
+                "recomputes the forward per sample and would draw different dropout masks "
+                "than the real forward, so per-sample quantities would be wrong. Call "
+                "model.eval() for this pass, or construct the module with dropout=0"
+            )
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub is not module:
+            raise RuntimeError(
+                f"backprism: {where} contains BatchNorm in train mode, which mixes the samples "
+                "of a batch; per-sample quantities are undefined. Call model.eval() for this "
+                "pass, or use GroupNorm/LayerNorm"
+            )
+
+
+def _check_inputs(module: nn.Module, named: list[tuple[str | None, Any]]) -> None:
+    """Module-specific layout requirements (RNNs and attention need the batch on axis 0)."""
+    values = dict(named)
+    if isinstance(module, nn.RNNBase):
+        x = values.get("input", named[0][1] if named else None)
+        if not isinstance(x, Tensor):
+            raise NotImplementedError(
+                f"backprism: {_name(module)} was called with a {type(x).__name__} input; the "
+                "generic rule supports padded tensor input only (not PackedSequence). Pad the "
+                "sequences and pass a [N, T, features] tensor with batch_first=True"
+            )
+        if x.dim() != 3:
+            raise ValueError(
+                f"backprism: {_name(module)} got an unbatched {x.dim()}-d input; per-sample "
+                "quantities need a batch: pass [N, T, features] with batch_first=True"
+            )
+        if not module.batch_first:
+            raise ValueError(
+                f"backprism: {_name(module)}(batch_first=False) puts the time axis first, so "
+                "the batch axis of the call is ambiguous; construct it with batch_first=True "
+                "and feed [N, T, features] inputs"
+            )
+    if isinstance(module, nn.MultiheadAttention):
+        q = values.get("query", named[0][1] if named else None)
+        if isinstance(q, Tensor) and q.dim() == 3 and not module.batch_first:
+            raise ValueError(
+                f"backprism: {_name(module)}(batch_first=False) puts the sequence axis first, "
+                "so the batch axis of the call is ambiguous; construct it with batch_first=True "
+                "and feed [N, L, E] inputs"
+            )
+
+
+def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int) -> _Spec:
+    """How the tensor ``x`` (argument ``name`` of ``module``) is split over the ``n`` samples."""
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        return None
+    if isinstance(module, nn.RNNBase) and name == "hx":
+        if x.dim() == 3 and x.shape[1] == n:
+            return ("axis", 1)
+        raise ValueError(
+            f"backprism: {_name(module)} initial state hx of shape {tuple(x.shape)} does not have "
+            f"the batch ({n}) on axis 1; pass hx as [layers*directions, N, hidden]"
+        )
+    if isinstance(module, nn.MultiheadAttention) and name == "attn_mask":
+        if x.dim() == 2:
+            return None
+        heads = module.num_heads
+        if x.dim() == 3 and x.shape[0] == n * heads:
+            return ("heads", heads)
+        raise ValueError(
+            f"backprism: {_name(module)} attn_mask of shape {tuple(x.shape)} is neither [L, S] "
+            f"nor [N*num_heads, L, S] = [{n * heads}, L, S]"
+        )
+    if x.shape[0] == n:
+        return ("axis", 0)
+    return None
+
+
+def _named_arguments(module: nn.Module, call: Call) -> list[tuple[str | None, Any]]:
+    """``(name, value)`` for every positional then keyword argument of the call."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # pragma: no cover - builtin forward without signature
+        params = []
+    names: list[str | None] = []
+    for i in range(len(call.args)):
+        p = params[i] if i < len(params) else None
+        ok = p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        names.append(p.name if ok else None)
+    return list(zip(names, call.args)) + list(call.kwargs.items())
+
+
+class _Inputs:
+    """The call's arguments split into per-sample leaves (batch moved to axis 0) and shared ones.
+
+    ``sample(slices)`` rebuilds ``(args, kwargs)`` for one sample from the per-sample slices
+    (leaves without their batch axis), restoring a batch axis of size 1.
+    """
+
+    def __init__(self, call: Call) -> None:
+        module, n = call.module, call.batch_size
+        named = _named_arguments(module, call)
+        _check_inputs(module, named)
+        self.n_args = len(call.args)
+        self.keys = list(call.kwargs)
+        self.leaves, self.treedef = tree_flatten(([v for _, v in named],))
+        self.specs: list[_Spec] = []
+        for name, value in named:
+            for leaf in tree_flatten(value)[0]:
+                self.specs.append(_leaf_spec(module, name, leaf, n))
+        if len(self.specs) != len(self.leaves):  # pragma: no cover - defensive
+            raise RuntimeError(f"backprism: could not flatten the inputs of {_name(module)}")
+        #: per-sample leaves with the batch on axis 0 (``[N, ...]``)
+        self.batched: list[Tensor] = []
+        for leaf, spec in zip(self.leaves, self.specs):
+            if spec is None:
+                continue
+            kind, k = spec
+            if kind == "axis":
+                self.batched.append(leaf.movedim(k, 0))
+            else:
+                self.batched.append(leaf.reshape(n, k, *leaf.shape[1:]))
+
+    def sample(self, slices: list[Tensor] | tuple[Tensor, ...]) -> tuple[tuple, dict]:
+        it = iter(slices)
+        leaves = []
+        for leaf, spec in zip(self.leaves, self.specs):
+            if spec is None:
+                leaves.append(leaf)
+                continue
+            s = next(it)
+            kind, k = spec
+            leaves.append(s.unsqueeze(k) if kind == "axis" else s)
+        (values,) = tree_unflatten(leaves, self.treedef)
+        args = tuple(values[: self.n_args])
+        kwargs = dict(zip(self.keys, values[self.n_args :]))
+        return args, kwargs
+
+    def index(self, i: int) -> list[Tensor]:
+        return [b[i] for b in self.batched]
+
+
+def _tensor_outputs(out: Any) -> list[Tensor]:
+    return [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
+
+
+def _batch_axis(module: nn.Module, i: int, real: torch.Size, one: torch.Size, n: int) -> int:
+    """The axis of output ``i`` holding the batch: ``real`` has ``n`` where ``one`` has 1."""
+    if len(real) == len(one):
+        for a in range(len(real)):
+            if (
+                real[a] == n
+                and one[a] == 1
+                and real[:a] == one[:a]
+                and real[a + 1 :] == one[a + 1 :]
+            ):
+                return a
+    raise RuntimeError(
+        f"backprism: cannot find the batch axis of output {i} of {_name(module)}: the batched "
+        f"call gave shape {tuple(real)}, a one-sample call {tuple(one)}. The generic rule needs "
+        f"every tensor output to carry the batch ({n}) on one axis"
+    )
+
+
+def _memory_budget() -> int:
+    from backprism import context
+
+    ctx = context.active()
+    return ctx.memory_budget if ctx is not None else 2**30
+
+
+class _NoRootCapture:
+    """While re-running a module that is also an extended *root* model, make its root hooks
+    see a nested call (so they neither reset the capture state nor run forward listeners)."""
+
+    def __enter__(self) -> None:
+        from backprism.extend import CAPTURE
+
+        CAPTURE.root_stack.append(-1)
+
+    def __exit__(self, *exc: Any) -> None:
+        from backprism.extend import CAPTURE
+
+        CAPTURE.root_stack.pop()
+
+
+class GenericRule(Rule):
+    """Per-sample VJPs of the module's own forward with ``torch.func`` (see module docstring).
+
+    ``linear_in_params`` is ``False``: the rule cannot know how the parameters enter, so a
+    Hessian-based extension must not assume linearity.
+    """
+
+    linear_in_params = False
+
+    def __init__(self) -> None:
+        self._cache: tuple[weakref.ref, Any, weakref.ref, dict[str, Tensor]] | None = None
+
+    # -- caching one (call, g) -------------------------------------------------------------
+    def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
+        c = self._cache
+        if c is None:
+            return None
+        g_ref, g_key, call_ref, result = c
+        first = g[0] if isinstance(g, tuple) else g
+        if call_ref() is call and g_ref() is first and g_key == _g_key(g):
+            return result
+        return None
+
+    def _store(self, call: Call, g: Any, result: dict[str, Tensor]) -> None:
+        """Keep ``result`` until ``g`` is freed (the engine drops ``g`` after the call)."""
+        first = g[0] if isinstance(g, tuple) else g
+        self_ref = weakref.ref(self)
+
+        def drop(ref: weakref.ref) -> None:
+            rule = self_ref()
+            if rule is not None and rule._cache is not None and rule._cache[0] is ref:
+                rule._cache = None
+
+        self._cache = (weakref.ref(first, drop), _g_key(g), weakref.ref(call), result)
+
+    # -- the rule --------------------------------------------------------------------------
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        r"""``Vₘₙ = (∂f(θ, xₙ)/∂θ)ᵀ g[m, n]`` for every parameter in ``call.params``:
+        ``{name: [M, N, *p.shape]}``."""
+        hit = self._lookup(call, g)
+        if hit is not None:
+            return hit
+        result = self._compute(call, g)
+        self._store(call, g, result)
+        return result
+
+    def _compute(self, call: Call, g: Any) -> dict[str, Tensor]:
+        from backprism.extend import suspended
+
+        module, n = call.module, call.batch_size
+        _check_randomness(module, call.training)
+        gs = list(g) if isinstance(g, tuple) else [g]
+        if len(gs) != len(call.out_shapes):
+            raise RuntimeError(
+                f"backprism: {_name(module)} produced {len(call.out_shapes)} tensor outputs but "
+                f"received {len(gs)} gradients"
+            )
+        m = gs[0].shape[0]
+
+        # trainable parameters this call owns (deduplicated: a tensor shared under two names
+        # gets its gradient under the first name and zeros under the others)
+        names, seen = [], {}
+        for name, p in call.params.items():
+            if id(p) in seen:
+                continue
+            seen[id(p)] = name
+            names.append(name)
+        primals = {k: call.params[k].detach() for k in names}
+        fixed: dict[str, Tensor] = {
+            k: v.detach()
+            for k, v in module.named_parameters(remove_duplicate=False)
+            if k not in call.params
+        }
+        fixed.update({k: v.detach().clone() for k, v in module.named_buffers()})
+
+        inputs = _Inputs(call)
+        if not inputs.batched:
+            raise RuntimeError(
+                f"backprism: no input of {_name(module)} has the batch size {n} on its batch "
+                "axis; the generic rule cannot tell the samples apart"
+            )
+
+        def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
+            with suspended(), _NoRootCapture():
+                out = functional_call(module, {**fixed, **params}, args, kwargs)
+            return _tensor_outputs(out)
+
+        # output layout from a one-sample forward
+        with torch.no_grad():
+            one = run(primals, *inputs.sample(inputs.index(0)))
+        if len(one) != len(gs):
+            raise RuntimeError(
+                f"backprism: {_name(module)} gave {len(one)} tensor outputs on one sample but "
+                f"{len(gs)} on the batch; the generic rule needs the same output structure"
+            )
+        axes = [
+            _batch_axis(module, i, call.out_shapes[i], o.shape, n) for i, o in enumerate(one)
+        ]
+        diff = [i for i, o in enumerate(one) if o.is_floating_point() or o.is_complex()]
+        # columns per output as [M, N, *rest] (sample axis 1)
+        cols = [gs[i].movedim(axes[i] + 1, 1) for i in diff]
+
+        budget = _memory_budget()
+        per_col = n * (
+            sum(p.numel() for p in primals.values()) + sum(c[0].numel() for c in cols)
+        ) * gs[0].element_size()
+        chunk = max(1, budget // max(per_col, 1))
+
+        def one_sample(slices: list[Tensor], g_n: list[Tensor]) -> dict[str, Tensor]:
+            args, kwargs = inputs.sample(slices)
+            cot = tuple(c.unsqueeze(axes[i] + 1) for c, i in zip(g_n, diff))
+
+            def f(params: dict[str, Tensor]) -> tuple[Tensor, ...]:
+                outs = run(params, args, kwargs)
+                return tuple(outs[i] for i in diff)
+
+            _, pullback = vjp(f, primals)
+            return vmap(lambda c: pullback(c)[0], chunk_size=min(chunk, m))(cot)
+
+        if isinstance(module, _LOOP_TYPES):
+            out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
+        else:
+            try:
+                out = vmap(one_sample, in_dims=(0, 1), out_dims=1, randomness="error")(
+                    inputs.batched, cols
+                )
+            except (RuntimeError, NotImplementedError) as err:
+                if "random" in str(err).lower():
+                    raise RuntimeError(
+                        f"backprism: {_name(module)} draws random numbers in its forward; the "
+                        "generic rule recomputes the forward per sample and cannot reproduce "
+                        "them. Call model.eval() for this pass or remove the randomness"
+                    ) from err
+                # no batching rule, data-dependent control flow, ...: plain autograd per
+                # sample. A genuine error in the module raises again there.
+                try:
+                    out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
+                except Exception as loop_err:
+                    raise loop_err from err
+                if type(module) not in _WARNED:
+                    _WARNED.add(type(module))
+                    first = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+                    warnings.warn(
+                        f"backprism: the generic rule cannot vmap {_name(module)} ({first}); "
+                        "using a slower loop over samples instead (same results)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+        result: dict[str, Tensor] = {}
+        for name, p in call.params.items():
+            first = seen[id(p)]
+            v = out[first]
+            result[name] = v if first == name else torch.zeros_like(v)
+        return result
+
+    @staticmethod
+    def _loop(
+        inputs: _Inputs,
+        primals: dict[str, Tensor],
+        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
+        cols: list[Tensor],
+        axes: list[int],
+        diff: list[int],
+        n: int,
+        m: int,
+    ) -> dict[str, Tensor]:
+        """Plain autograd, one sample and one column at a time (for non-vmappable modules)."""
+        keys = list(primals)
+        per_n: list[list[Tensor]] = []
+        for i in range(n):
+            args, kwargs = inputs.sample(inputs.index(i))
+            with torch.enable_grad():
+                params = {k: v.clone().requires_grad_(True) for k, v in primals.items()}
+                outs = run(params, args, kwargs)
+                outs = [outs[j] for j in diff]
+            per_m = []
+            for k in range(m):
+                cot = [c[k, i].unsqueeze(axes[j]) for c, j in zip(cols, diff)]
+                used = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
+                if used:
+                    grads = torch.autograd.grad(
+                        [o for o, _ in used],
+                        list(params.values()),
+                        [c for _, c in used],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
+                else:
+                    grads = (None,) * len(keys)
+                per_m.append(
+                    [torch.zeros_like(params[key]) if gr is None else gr
+                     for key, gr in zip(keys, grads)]
+                )
+            per_n.append([torch.stack([pm[j] for pm in per_m]) for j in range(len(keys))])
+        return {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
+
+
+def _g_key(g: Any) -> tuple:
+    gs = g if isinstance(g, tuple) else (g,)
+    return tuple((id(x), tuple(x.shape)) for x in gs)
+
+
+set_generic_rule(GenericRule())
