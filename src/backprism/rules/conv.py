@@ -1,0 +1,50 @@
+r"""Rules for :class:`torch.nn.Conv1d`, :class:`~torch.nn.Conv2d`, :class:`~torch.nn.Conv3d`.
+
+Input ``x`` ``[N, C_in, *S]`` is padded as the module pads it (``padding`` as int, tuple,
+``'same'`` or ``'valid'``; ``padding_mode`` zeros/reflect/replicate/circular — the convolution
+sees the padded input) and unfolded into ``X`` ``[N, G, (C_in/G)·K, L]`` with
+``X[n, c, κ, l] = x̃[n, c, s·l + d·κ]``. Then, per group and sample,
+
+* weight: ``V_{mn} = g_{mn} X_nᵀ`` reshaped to ``[C_out, C_in/G, *k]``; bias: ``Σ_l g_{mnl}``;
+* statistics and Kronecker factors as in :mod:`backprism.rules.unfold`:
+  ``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` (``[C_in·K, C_in·K]``) and
+  ``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ`` (``[C_out, C_out]``), as BackPACK; ``groups = 1``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from backprism.rules.base import Call, register_rule
+from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv
+
+__all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]
+
+
+class _ConvRule(UnfoldRule):
+    def unfold_input(self, call: Call) -> Tensor:
+        mod = call.module
+        return unfold_conv(
+            call.input, mod.kernel_size, mod.stride, mod.dilation, conv_padding(mod),
+            mod.padding_mode,
+        )
+
+    def to_param(self, call: Call, v: Tensor) -> Tensor:
+        w = call.module.weight
+        lead = v.shape[:-3]
+        return v.reshape(*lead, *w.shape)
+
+
+@register_rule(nn.Conv1d)
+class Conv1dRule(_ConvRule):
+    n_spatial = 1
+
+
+@register_rule(nn.Conv2d)
+class Conv2dRule(_ConvRule):
+    n_spatial = 2
+
+
+@register_rule(nn.Conv3d)
+class Conv3dRule(_ConvRule):
+    n_spatial = 3

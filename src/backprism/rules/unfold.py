@@ -1,0 +1,386 @@
+r"""Shared machinery of the convolution rules: unfolding the input and the per-sample algebra.
+
+Both convolution and transpose convolution are, per group, a matrix product with an *unfolded*
+input. With ``G`` groups, ``O = C_out/G`` output channels per group, ``I = (C_in/G)·K`` unfolded
+input features per group (``K`` kernel elements) and ``L`` output positions,
+
+.. math::  \mathrm{out}[n, g, o, l] = Σ_i W[g, o, i]\, X[n, g, i, l] (+ b[g, o]),
+
+so that the per-sample, per-column weight gradient for columns ``g_{mn}`` (``[M, N, C_out, *S]``)
+is ``V_{mn} = g_{mn} X_nᵀ`` (``[G, O, I]`` per sample) and the bias gradient ``Σ_l g_{mnl}``.
+The statistics follow:
+
+* ``Σₙ V_{mn}`` — one contraction over ``n`` and ``l`` (the ordinary gradient for ``M = 1``);
+* ``Σ_{mn} w_{mn} V_{mn}²`` and ``Σ_m w_{mn} V_{mn}²`` — materialised in sample chunks (there is
+  no closed form with spatial positions), squares taken per column;
+* ``Σ_m ‖V_{mn}‖² = Σ_{l,l'} (Σ_m g_{mnl}ᵀ g_{mnl'})(X_{nl}ᵀ X_{nl'})`` (Gram form, cost
+  ``N L² (M O + I)``) or by materialising ``V`` (cost ``N M O I L``), whichever is cheaper;
+* ``Σ_m ⟨V_{mn}, V_{mk}⟩`` from the materialised ``V``.
+
+Kronecker factors (BackPACK's convention, ``groups = 1`` only):
+``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` (``[I, I]``) and ``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``
+(``[C_out, C_out]``, the exact/MC GGN of the bias; the ``1/N`` of a mean loss sits in ``g``).
+The bias gets ``[B]``.
+
+The unfolded input of the most recent call is cached (weakly keyed on the call, one entry), so
+that several extensions of one backward step unfold once; the per-sample gradients computed by
+:meth:`per_sample` are reused by the other statistics for the same columns tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backprism.rules.base import Call, Rule
+
+__all__ = ["UnfoldRule", "unfold_conv", "unfold_conv_transpose"]
+
+#: elements of a materialised per-sample chunk ``[M, n, G, O, I]`` (or Gram chunk) at once
+CHUNK_ELEMENTS = 2**24
+
+
+def unfold_conv(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+    padding_mode: str = "zeros",
+) -> Tensor:
+    """Unfold ``x`` (``[N, C, *S]``) into the patches a convolution sees: ``[N, C, K, L]``.
+
+    ``X[n, c, κ, l] = x̃[n, c, s·l + d·κ]`` with ``x̃`` the input padded by ``padding``
+    (``(left, right)`` per spatial axis) in ``padding_mode`` (``"zeros"``, ``"reflect"``,
+    ``"replicate"``, ``"circular"``), ``K = Π kernel_size`` and ``L`` the output positions.
+    One copy of size ``N·C·K·L`` is made (plus the padded input).
+    """
+    d = len(kernel_size)
+    n, c = x.shape[:2]
+    if any(p for pair in padding for p in pair):
+        pad = [p for pair in reversed(padding) for p in pair]
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, pad, mode=mode)
+    v = x
+    for i in range(d):
+        v = v.unfold(2 + i, dilation[i] * (kernel_size[i] - 1) + 1, stride[i])
+    if any(dl != 1 for dl in dilation):
+        v = v[(slice(None),) * (2 + d) + tuple(slice(None, None, dl) for dl in dilation)]
+    out_size = v.shape[2 : 2 + d]
+    v = v.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
+    return v.reshape(n, c, math.prod(kernel_size), math.prod(out_size))
+
+
+def unfold_conv_transpose(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[int],
+    out_size: Sequence[int],
+) -> Tensor:
+    """Unfold the input of a transpose convolution: ``[N, C, *S] → [N, C, K, L_out]``.
+
+    ``X[n, c, κ, t] = x[n, c, j]`` where ``t = s·j + d·κ − p`` (zero where no ``j`` fits), so
+    that ``out[n, o, t] = Σ_{c,κ} W[c, o, κ] X[n, c, κ, t]``. ``out_size`` is the spatial output
+    shape (it fixes ``output_padding`` / ``output_size``). Built by ``K`` strided copies.
+    """
+    d = len(kernel_size)
+    n, c, *size = x.shape
+    out = x.new_zeros(n, c, *kernel_size, *out_size)
+    for kappa in itertools.product(*(range(k) for k in kernel_size)):
+        src: list[slice] = [slice(None), slice(None)]
+        dst: list[int | slice] = [slice(None), slice(None), *kappa]
+        for i in range(d):
+            s, off = stride[i], kappa[i] * dilation[i] - padding[i]
+            lo = max(0, (-off + s - 1) // s)
+            hi = min(size[i] - 1, (out_size[i] - 1 - off) // s)
+            if lo > hi:
+                break
+            src.append(slice(lo, hi + 1))
+            dst.append(slice(lo * s + off, hi * s + off + 1, s))
+        else:
+            out[tuple(dst)] = x[tuple(src)]
+    return out.reshape(n, c, math.prod(kernel_size), math.prod(out_size))
+
+
+class _UnfoldCache:
+    """One entry: the unfolded input of the latest call, and ``per_sample``'s result for the
+    latest columns tensor. Weakly keyed, so nothing outlives the call / columns."""
+
+    def __init__(self) -> None:
+        self._x: weakref.WeakKeyDictionary[Call, Tensor] = weakref.WeakKeyDictionary()
+        self._v: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def unfolded(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
+        x = self._x.get(call)
+        if x is None:
+            self._x.clear()
+            x = make(call)
+            self._x[call] = x
+        return x
+
+    def get_v(self, call: Call, g: Tensor) -> Tensor | None:
+        hit = self._v.get(call)
+        return hit[1] if hit is not None and hit[0]() is g else None
+
+    def set_v(self, call: Call, g: Tensor, v: Tensor) -> None:
+        self._v.clear()
+        self._v[call] = (weakref.ref(g), v)
+
+
+def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, per_sample))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+class UnfoldRule(Rule):
+    """Base of the convolution rules; subclasses provide :meth:`unfold_input`,
+    :meth:`to_param` and :meth:`check_call`."""
+
+    #: number of spatial axes (1, 2, 3)
+    n_spatial: int = 2
+
+    def __init__(self) -> None:
+        self._cache = _UnfoldCache()
+
+    # -- to be provided by subclasses ----------------------------------------------------
+    def unfold_input(self, call: Call) -> Tensor:
+        """The unfolded input ``[N, C_in, K, L]``."""
+        raise NotImplementedError
+
+    def to_param(self, call: Call, v: Tensor) -> Tensor:
+        """Reshape ``[..., G, O, I]`` into ``[..., *weight.shape]``."""
+        raise NotImplementedError
+
+    # -- shared helpers ------------------------------------------------------------------
+    def check_call(self, call: Call) -> None:
+        x = call.input
+        name = type(call.module).__name__
+        if x.dim() != self.n_spatial + 2:
+            raise ValueError(
+                f"backprism: {name} was called with an input of shape {tuple(x.shape)}; "
+                f"per-sample quantities need a batch axis ([N, C, {self.n_spatial} spatial "
+                "axes]). Call the module on x.unsqueeze(0) for a single sample."
+            )
+
+    def _x(self, call: Call) -> Tensor:
+        """Unfolded input grouped: ``[N, G, I, L]`` (cached)."""
+
+        def make(c: Call) -> Tensor:
+            self.check_call(c)
+            x = self.unfold_input(c)
+            n, cin, k, length = x.shape
+            groups = c.module.groups
+            out_len = math.prod(c.out_shapes[0][2:])
+            if length != out_len:
+                raise RuntimeError(
+                    f"backprism: unfolding the input of {type(c.module).__name__} gave {length} "
+                    f"output positions, but its output has {out_len}"
+                )
+            return x.reshape(n, groups, (cin // groups) * k, length)
+
+        return self._cache.unfolded(call, make)
+
+    def _g(self, call: Call, g: Tensor) -> Tensor:
+        """Columns grouped: ``[M, N, G, O, L]``."""
+        m, n, cout = g.shape[:3]
+        groups = call.module.groups
+        return g.reshape(m, n, groups, cout // groups, -1)
+
+    @staticmethod
+    def _vmat(g5: Tensor, x: Tensor) -> Tensor:
+        """``V = g Xᵀ``: ``[M, n, G, O, L] × [n, G, I, L] → [M, n, G, O, I]``."""
+        if g5.shape[0] == 1:
+            return torch.matmul(g5[0], x.transpose(-1, -2)).unsqueeze(0)
+        return torch.einsum("mngol,ngil->mngoi", g5, x)
+
+    @staticmethod
+    def _has_bias(call: Call) -> bool:
+        return call.module.bias is not None and "bias" in call.params
+
+    @staticmethod
+    def _has_weight(call: Call) -> bool:
+        return "weight" in call.params
+
+    def _bias_cols(self, g: Tensor) -> Tensor:
+        """Per-sample bias gradients ``Σ_l g_{mnl}``: ``[M, N, C_out]``."""
+        return g.flatten(3).sum(-1)
+
+    # -- rule methods --------------------------------------------------------------------
+    def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            v = self._cache.get_v(call, g)
+            if v is None:
+                v = self.to_param(call, self._vmat(self._g(call, g), self._x(call)))
+                self._cache.set_v(call, g, v)
+            out["weight"] = v
+        if self._has_bias(call):
+            out["bias"] = self._bias_cols(g)
+        return out
+
+    def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            v = self._cache.get_v(call, g)
+            if v is not None:
+                out["weight"] = v.sum(1)
+            else:
+                g5, x = self._g(call, g), self._x(call)
+                m, n, grp, o, length = g5.shape
+                gt = g5.permute(0, 2, 3, 1, 4).reshape(m, grp, o, n * length)
+                xt = x.permute(1, 0, 3, 2).reshape(grp, n * length, -1)
+                out["weight"] = self.to_param(call, torch.matmul(gt, xt))
+        if self._has_bias(call):
+            out["bias"] = g.flatten(3).sum((1, 3))
+        return out
+
+    def _squares(
+        self, call: Call, g: Tensor, weights: Tensor | None, keep_batch: bool
+    ) -> Tensor:
+        """``Σ_m w_{mn} V_{mn}²`` summed over ``n`` unless ``keep_batch`` (``[G, O, I]`` layout
+        or, from the cache, the parameter layout)."""
+        v = self._cache.get_v(call, g)
+        if v is not None:
+            sq = v.square()
+            if weights is not None:
+                sq = sq * weights.reshape(weights.shape + (1,) * (sq.dim() - 2))
+            return sq.sum(0) if keep_batch else sq.sum((0, 1))
+        g5, x = self._g(call, g), self._x(call)
+        m, n, grp, o, _ = g5.shape
+        per = m * grp * o * x.shape[2]
+        parts = []
+        for sl in _sample_chunks(n, per):
+            sq = self._vmat(g5[:, sl], x[sl]).square_()
+            if weights is not None:
+                sq.mul_(weights[:, sl].reshape(m, -1, 1, 1, 1))
+            sq = sq.sum(0)
+            parts.append(sq if keep_batch else sq.sum(0))
+        res = torch.cat(parts) if keep_batch else torch.stack(parts).sum(0)
+        return self.to_param(call, res)
+
+    def _bias_squares(
+        self, g: Tensor, weights: Tensor | None, keep_batch: bool
+    ) -> Tensor:
+        sq = self._bias_cols(g).square()
+        if weights is not None:
+            sq = sq * weights[..., None]
+        return sq.sum(0) if keep_batch else sq.sum((0, 1))
+
+    def sum_squared(
+        self, call: Call, g: Tensor, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            out["weight"] = self._squares(call, g, weights, keep_batch=False)
+        if self._has_bias(call):
+            out["bias"] = self._bias_squares(g, weights, keep_batch=False)
+        return out
+
+    def batch_sum_squared(
+        self, call: Call, g: Tensor, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            out["weight"] = self._squares(call, g, weights, keep_batch=True)
+        if self._has_bias(call):
+            out["bias"] = self._bias_squares(g, weights, keep_batch=True)
+        return out
+
+    def batch_l2(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            v = self._cache.get_v(call, g)
+            if v is not None:
+                out["weight"] = v.flatten(2).square().sum((0, 2))
+            else:
+                out["weight"] = self._batch_l2_weight(call, g)
+        if self._has_bias(call):
+            out["bias"] = self._bias_cols(g).square().sum((0, 2))
+        return out
+
+    def _batch_l2_weight(self, call: Call, g: Tensor) -> Tensor:
+        g5, x = self._g(call, g), self._x(call)
+        m, n, grp, o, length = g5.shape
+        i = x.shape[2]
+        parts = []
+        if length * length * (m * o + i) < m * o * i * length:  # Gram form is cheaper
+            for sl in _sample_chunks(n, grp * length * length * 2):
+                gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
+                gs = g5[:, sl]
+                if m == 1:
+                    gram_g = torch.matmul(gs[0].transpose(-1, -2), gs[0])
+                else:
+                    gram_g = torch.einsum("mngol,mngok->ngkl", gs, gs)
+                parts.append((gram_x * gram_g).sum((1, 2, 3)))
+        else:
+            for sl in _sample_chunks(n, m * grp * o * i):
+                parts.append(self._vmat(g5[:, sl], x[sl]).square_().sum((0, 2, 3, 4)))
+        return torch.cat(parts)
+
+    def batch_dot(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self._has_weight(call):
+            v = self.per_sample(call, g)["weight"].flatten(2)
+            out["weight"] = torch.matmul(v, v.transpose(1, 2)).sum(0)
+        if self._has_bias(call):
+            b = self._bias_cols(g)
+            out["bias"] = torch.matmul(b, b.transpose(1, 2)).sum(0)
+        return out
+
+    # -- Kronecker factors ---------------------------------------------------------------
+    def _refuse_groups(self, call: Call) -> None:
+        if call.module.groups != 1:
+            raise NotImplementedError(
+                f"backprism: Kronecker factors (KFAC/KFLR/KFRA) of {type(call.module).__name__} "
+                f"with groups={call.module.groups} are not supported (the curvature is "
+                "block-diagonal over groups, not one Kronecker product). Use groups=1, or a "
+                "diagonal curvature extension (DiagGGNExact/DiagGGNMC) for this layer."
+            )
+
+    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+        r"""``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` over the unfolded input, ``[I, I]``."""
+        self._refuse_groups(call)
+        if not self._has_weight(call):
+            return {}
+        x = self._x(call)[:, 0]  # [N, I, L]
+        n = x.shape[0]
+        xt = x.transpose(0, 1).reshape(x.shape[1], -1)
+        return {"weight": xt @ xt.t() / n}
+
+    def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        r"""``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``, ``[C_out, C_out]`` (BackPACK)."""
+        self._refuse_groups(call)
+        b = self._bias_cols(g).flatten(0, 1)
+        f = b.t() @ b
+        out = {}
+        if self._has_weight(call):
+            out["weight"] = f
+        if self._has_bias(call):
+            out["bias"] = f
+        return out
+
+
+def conv_padding(module: nn.Module) -> list[tuple[int, int]]:
+    """``(left, right)`` padding per spatial axis of a ``ConvNd`` (``'same'``: the extra
+    element goes to the right, as in PyTorch)."""
+    pad = module.padding
+    if isinstance(pad, str):
+        if pad == "valid":
+            return [(0, 0)] * len(module.kernel_size)
+        out = []
+        for d, k in zip(module.dilation, module.kernel_size):
+            total = d * (k - 1)
+            out.append((total // 2, total - total // 2))
+        return out
+    return [(p, p) for p in pad]
