@@ -1,0 +1,209 @@
+r"""Rules for normalisation layers: LayerNorm, RMSNorm, GroupNorm and BatchNorm in eval mode.
+
+All of them compute ``y = x̂ ⊙ w + b`` where the normalised input ``x̂`` does not depend on the
+parameters, so with output columns ``g`` (``[M, N, *out.shape]``) the per-sample, per-column
+gradients are
+
+    ``Vₘₙ(w) = Σ_r gₘₙ ⊙ x̂ₙ``,   ``Vₘₙ(b) = Σ_r gₘₙ``,
+
+summed over the positions ``r`` that the parameter is broadcast over (leading axes for
+LayerNorm/RMSNorm, spatial axes for GroupNorm/BatchNorm). ``x̂`` is recomputed from the captured
+input and the module's hyper-parameters exactly as PyTorch computes it:
+
+* ``LayerNorm``: ``x̂ = (x − E[x]) / √(Var[x] + eps)``, biased variance over the trailing
+  ``normalized_shape`` axes;
+* ``RMSNorm``: ``x̂ = x / √(E[x²] + eps)`` over the trailing ``normalized_shape`` axes, with
+  ``eps = torch.finfo(x.dtype).eps`` when ``eps is None``;
+* ``GroupNorm``: ``x̂ = (x − E[x]) / √(Var[x] + eps)``, biased variance over each group of
+  ``C / num_groups`` channels and all spatial axes;
+* ``BatchNorm1d/2d/3d`` in eval mode: ``x̂ = (x − running_mean) / √(running_var + eps)`` per
+  channel (axis 1). BatchNorm using batch statistics (train mode, or
+  ``track_running_stats=False``) mixes the samples and is refused.
+
+The parameters are small, so statistics are reduced from the materialised ``[M, N, *p.shape]``
+per-sample gradients (the :class:`~backprism.rules.base.Rule` defaults). ``x̂`` is computed once
+per call: the last one is cached (keyed on the call and its input's version counter) and
+dropped at the end of the backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backprism.rules.base import Call, Rule, register_rule
+
+__all__ = ["BatchNormRule", "GroupNormRule", "LayerNormRule", "RMSNormRule"]
+
+#: ``(weakref to call, input version, x̂)`` of the most recent call; at most one x̂ is kept.
+_LAST: tuple[weakref.ref, int, Tensor] | None = None
+
+
+def _clear_cache() -> None:
+    global _LAST
+    _LAST = None
+
+
+class _AffineNormRule(Rule):
+    """``y = x̂ ⊙ w + b``; subclasses define ``x̂`` and whether parameters run along the channel
+    axis 1 (``channel = True``) or the trailing axes."""
+
+    channel: bool = False
+
+    def validate(self, call: Call) -> None:
+        """Raise if per-sample quantities are undefined for this call."""
+
+    def normalized(self, call: Call) -> Tensor:
+        """``x̂``, the normalised input, with the input's shape."""
+        raise NotImplementedError
+
+    def _xhat(self, call: Call) -> Tensor:
+        global _LAST
+        x = call.input
+        last = _LAST
+        if last is not None and last[0]() is call and last[1] == x._version:
+            return last[2]
+        xhat = self.normalized(call)
+        _LAST = (weakref.ref(call), x._version, xhat)
+        # drop the cached x̂ once the surrounding backward pass ends (outside a backward pass
+        # this raises, and the entry is kept until the next call replaces it)
+        with contextlib.suppress(RuntimeError):
+            torch.autograd.Variable._execution_engine.queue_callback(_clear_cache)
+        return xhat
+
+    def _names(self, call: Call) -> list[str]:
+        module = call.module
+        return [
+            k
+            for k in ("weight", "bias")
+            if getattr(module, k, None) is not None and (not call.params or k in call.params)
+        ]
+
+    def _layout(self, call: Call, t: Tensor) -> Tensor:
+        """``t`` of shape ``[M, N, *x.shape[1:]]`` as ``[M, N, R, P]`` (``P`` parameter entries,
+        ``R`` positions they are broadcast over)."""
+        m, n = t.shape[:2]
+        if self.channel:
+            return t.reshape(m, n, t.shape[2], -1).transpose(2, 3)
+        p = math.prod(call.module.normalized_shape)
+        return t.reshape(m, n, -1, p)
+
+    def _reduce(self, call: Call, g: Tensor, eq: str, bias_dims: tuple[int, ...]) -> dict:
+        self.validate(call)
+        names = self._names(call)
+        gl = self._layout(call, g)
+        out: dict[str, Tensor] = {}
+        if "weight" in names:
+            xhat = self._layout(call, self._xhat(call).to(gl.dtype)[None])[0]
+            out["weight"] = torch.einsum(eq, gl, xhat)
+        if "bias" in names:
+            out["bias"] = gl.sum(bias_dims)
+        return {
+            k: v.reshape(*v.shape[:-1], *getattr(call.module, k).shape) for k, v in out.items()
+        }
+
+    def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        """``Vₘₙ(w) = Σ_r gₘₙ ⊙ x̂ₙ`` and ``Vₘₙ(b) = Σ_r gₘₙ``: ``[M, N, *p.shape]``."""
+        return self._reduce(call, g, "mnrp,nrp->mnp", (2,))
+
+    def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        """``Σₙ Vₘₙ``: ``[M, *p.shape]``."""
+        return self._reduce(call, g, "mnrp,nrp->mp", (1, 2))
+
+
+def _check_batched(call: Call, ndim: int) -> None:
+    x = call.input
+    if x.dim() <= ndim:
+        raise ValueError(
+            f"backprism: {type(call.module).__name__} normalises over all {x.dim()} axes of its "
+            f"input of shape {tuple(x.shape)}, including the batch axis, so the samples are "
+            "mixed and per-sample quantities are undefined. Feed a batched input "
+            "[N, *, *normalized_shape]."
+        )
+
+
+@register_rule(nn.LayerNorm)
+class LayerNormRule(_AffineNormRule):
+    """``x̂ = (x − E[x]) / √(Var[x] + eps)`` over ``normalized_shape`` (biased variance)."""
+
+    def validate(self, call: Call) -> None:
+        _check_batched(call, len(call.module.normalized_shape))
+
+    def normalized(self, call: Call) -> Tensor:
+        module: nn.LayerNorm = call.module
+        k = len(module.normalized_shape)
+        x = call.input
+        dims = tuple(range(-k, 0))
+        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + module.eps)
+
+
+@register_rule(nn.RMSNorm)
+class RMSNormRule(_AffineNormRule):
+    """``x̂ = x / √(E[x²] + eps)`` over ``normalized_shape`` (``eps=None``: ``finfo.eps``)."""
+
+    def validate(self, call: Call) -> None:
+        _check_batched(call, len(call.module.normalized_shape))
+
+    def normalized(self, call: Call) -> Tensor:
+        module: nn.RMSNorm = call.module
+        k = len(module.normalized_shape)
+        x = call.input
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        dims = tuple(range(-k, 0))
+        return x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
+
+
+@register_rule(nn.GroupNorm)
+class GroupNormRule(_AffineNormRule):
+    """``x̂ = (x − E[x]) / √(Var[x] + eps)`` per sample and group of channels (biased variance)."""
+
+    channel = True
+
+    def validate(self, call: Call) -> None:
+        _check_batched(call, 1)
+
+    def normalized(self, call: Call) -> Tensor:
+        module: nn.GroupNorm = call.module
+        x = call.input
+        xg = x.reshape(x.shape[0], module.num_groups, -1)
+        var, mean = torch.var_mean(xg, -1, correction=0, keepdim=True)
+        return ((xg - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+
+
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+class BatchNormRule(_AffineNormRule):
+    """Eval mode: ``x̂ = (x − running_mean) / √(running_var + eps)`` per channel."""
+
+    channel = True
+
+    def validate(self, call: Call) -> None:
+        module: Any = call.module
+        name = type(module).__name__
+        if module.running_mean is None or module.running_var is None:
+            raise RuntimeError(
+                f"backprism: {name}(track_running_stats=False) normalises with the statistics "
+                "of the current batch even in eval mode, which mixes the samples, so "
+                "per-sample quantities are undefined. Use track_running_stats=True and "
+                "model.eval() for the backward pass, or replace BatchNorm by GroupNorm/LayerNorm."
+            )
+        if call.training:
+            raise RuntimeError(
+                f"backprism: {name} in train mode normalises with the statistics of the current "
+                "batch, which mixes the samples. Call model.eval() for the backward pass, or "
+                "replace BatchNorm by GroupNorm/LayerNorm."
+            )
+        _check_batched(call, 1)
+
+    def normalized(self, call: Call) -> Tensor:
+        module: Any = call.module
+        x = call.input
+        shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+        mean = module.running_mean.reshape(shape).to(x.dtype)
+        var = module.running_var.reshape(shape).to(x.dtype)
+        return (x - mean) * torch.rsqrt(var + module.eps)
