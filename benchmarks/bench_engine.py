@@ -1,0 +1,220 @@
+"""Engine benchmark: each extension's time as a ratio to a plain forward+backward, and peak memory.
+
+Usage::
+
+    python benchmarks/bench_engine.py                       # first- and second-order, all problems
+    python benchmarks/bench_engine.py --problems cifar10_3c3d mnist_mlp --order 1 --repeats 7
+    python benchmarks/bench_engine.py --quick               # small N, few repeats (smoke test)
+
+Timing: ``torch.set_num_threads(2)``, one warm-up round, then ``--repeats`` rounds in which all
+configurations run in turn (alternating, so drifting machine load hits all alike); the median of
+each is divided by the median of the plain forward+backward measured in the same rounds.
+When ``backpack-for-pytorch`` is installed, its extensions run side by side on the problems it
+supports (chains of known layers).
+
+Memory: each configuration runs once more in a fresh subprocess; we report its peak resident
+set size above the same process's plain forward+backward peak (``ru_maxrss``), in MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from problems import PROBLEMS
+
+FIRST = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "BatchDotGrad"]
+SECOND = ["DiagGGNMC", "KFAC", "DiagGGNExact", "KFLR", "DiagHessian"]
+BACKPACK_OK = {"mnist_mlp", "cifar10_3c3d", "mnist_2c2d", "cifar100_allcnnc"}
+
+
+def _have_backpack() -> bool:
+    try:
+        import backpack  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_runner(problem: str, method: str, tool: str, n: int):
+    """Return a closure running one forward+backward with ``method`` under ``tool``."""
+    torch.manual_seed(0)
+    model, lossfunc, X, y = PROBLEMS[problem](n)
+    if tool == "plain":
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            lossfunc(model(X), y).backward()
+
+        return run
+    if tool == "backprism":
+        import backprism
+        from backprism import extensions as E
+
+        ext_cls = getattr(E, method, None)
+        if ext_cls is None:
+            import importlib
+
+            for mod in ("backprism.extensions.hessian", "backprism.extensions.kronecker"):
+                try:
+                    ext_cls = getattr(importlib.import_module(mod), method, None)
+                except ImportError:
+                    continue
+                if ext_cls is not None:
+                    break
+        if ext_cls is None:
+            return None
+        backprism.extend(model)
+        lossfunc = backprism.extend(lossfunc)
+        ctx = lambda: backprism.collect(ext_cls())  # noqa: E731
+    else:
+        import backpack
+        from backpack import extensions as BE
+
+        if problem not in BACKPACK_OK or not hasattr(BE, method):
+            return None
+        if method == "BatchDotGrad":
+            return None
+        model = backpack.extend(model)
+        lossfunc = backpack.extend(lossfunc)
+        ctx = lambda: backpack.backpack(getattr(BE, method)())  # noqa: E731
+
+    params = list(model.parameters())
+    fields = {
+        "BatchL2Grad": "batch_l2",
+        "SumGradSquared": "sum_grad_squared",
+        "Variance": "variance",
+        "BatchGrad": "grad_batch",
+        "BatchDotGrad": "batch_dot",
+        "DiagGGNMC": "diag_ggn_mc",
+        "DiagGGNExact": "diag_ggn_exact",
+        "KFAC": "kfac",
+        "KFLR": "kflr",
+        "DiagHessian": "diag_h",
+    }
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        for p in params:  # free last round's results before measuring this one
+            if hasattr(p, fields[method]):
+                delattr(p, fields[method])
+        with ctx():
+            lossfunc(model(X), y).backward()
+
+    return run
+
+
+def time_problem(problem: str, methods: list[str], n: int, repeats: int, backpack: bool):
+    configs = {("plain", "plain"): make_runner(problem, "plain", "plain", n)}
+    for m in methods:
+        r = make_runner(problem, m, "backprism", n)
+        if r is not None:
+            configs[("backprism", m)] = r
+        if backpack:
+            r = make_runner(problem, m, "backpack", n)
+            if r is not None:
+                configs[("backpack", m)] = r
+    times: dict = {k: [] for k in configs}
+    for rnd in range(repeats + 1):
+        for key, run in configs.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            run()
+            dt = time.perf_counter() - t0
+            if rnd > 0:
+                times[key].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med
+
+
+def peak_memory(problem: str, method: str, tool: str, n: int) -> float | None:
+    """Extra peak RSS (MiB) of one run over the plain run, in a fresh subprocess."""
+    code = (
+        "import sys, resource, torch; torch.set_num_threads(2);"
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
+        "from bench_engine import make_runner;"
+        f"p = make_runner({problem!r}, 'plain', 'plain', {n}); p();"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        f"r = make_runner({problem!r}, {method!r}, {tool!r}, {n});"
+        "r is None and sys.exit(3); r();"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", nargs="+", default=list(PROBLEMS)[:5])
+    ap.add_argument("--order", choices=["1", "2", "both"], default="both")
+    ap.add_argument("--methods", nargs="+", default=None)
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-backpack", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="N=16, 2 repeats, no memory")
+    ap.add_argument("--json", help="write the results to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n, args.repeats, args.no_memory = 16, 2, True
+    torch.set_num_threads(args.threads)
+    methods = args.methods or (
+        FIRST if args.order == "1" else SECOND if args.order == "2" else FIRST + SECOND
+    )
+    bp = _have_backpack() and not args.no_backpack
+    results = []
+    print(f"N={args.n}, threads={args.threads}, repeats={args.repeats}, backpack={bp}")
+    header = f"{'problem':<16} {'extension':<16} {'backprism':>10} {'backpack':>10}"
+    if not args.no_memory:
+        header += f" {'mem MiB':>9} {'bp MiB':>9}"
+    print(header)
+    for problem in args.problems:
+        med = time_problem(problem, methods, args.n, args.repeats, bp)
+        plain = med[("plain", "plain")]
+        print(f"{problem:<16} {'(plain, s)':<16} {plain:>10.3f}")
+        for m in methods:
+            ours = med.get(("backprism", m))
+            theirs = med.get(("backpack", m))
+            row = {
+                "problem": problem,
+                "extension": m,
+                "plain_s": plain,
+                "backprism": ours and ours / plain,
+                "backpack": theirs and theirs / plain,
+            }
+            line = (
+                f"{problem:<16} {m:<16} "
+                + (f"{ours / plain:>9.2f}x" if ours else f"{'-':>10}")
+                + (f" {theirs / plain:>9.2f}x" if theirs else f" {'-':>10}")
+            )
+            if not args.no_memory:
+                row["mem"] = peak_memory(problem, m, "backprism", args.n) if ours else None
+                row["mem_bp"] = peak_memory(problem, m, "backpack", args.n) if theirs else None
+                line += "".join(
+                    f" {v:>9.0f}" if v is not None else f" {'-':>9}"
+                    for v in (row["mem"], row["mem_bp"])
+                )
+            print(line, flush=True)
+            results.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+_ = resource  # used in the memory subprocess
+
+if __name__ == "__main__":
+    main()

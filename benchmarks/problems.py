@@ -1,0 +1,174 @@
+"""Benchmark problems (DESIGN.md §7): DeepOBS architectures and modern blocks, random data.
+
+Every builder returns ``(model, lossfunc, X, y)`` with ``N`` samples; nothing is extended here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def mnist_mlp(n: int = 128):
+    """Flatten, 784-1000-500-100-10 with ReLU (1,336,610 parameters)."""
+    model = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 1000),
+        nn.ReLU(),
+        nn.Linear(1000, 500),
+        nn.ReLU(),
+        nn.Linear(500, 100),
+        nn.ReLU(),
+        nn.Linear(100, 10),
+    )
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+
+
+def cifar10_3c3d(n: int = 128, classes: int = 10):
+    """3 conv + 3 dense layers (895,210 parameters), input 3×32×32."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(64, 96, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Flatten(),
+        nn.Linear(1152, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, classes),
+    )
+    X, y = torch.randn(n, 3, 32, 32), torch.randint(0, classes, (n,))
+    return model, nn.CrossEntropyLoss(), X, y
+
+
+def mnist_2c2d(n: int = 128):
+    """2 conv + 2 dense layers (3,274,634 parameters), input 1×28×28."""
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(3136, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+
+
+def cifar100_allcnnc(n: int = 128):
+    """All-CNN-C (DeepOBS), C = 100, input 3×32×32, dropout removed (per-sample work)."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 96, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(96, 96, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(96, 96, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(96, 192, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(192, 192, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(192, 192, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(192, 192, 3),
+        nn.ReLU(),
+        nn.Conv2d(192, 192, 1),
+        nn.ReLU(),
+        nn.Conv2d(192, 100, 1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 100, (n,))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.skip(x))
+
+
+def resnet18(n: int = 128, width: int = 16):
+    """ResNet-18-style CNN for 32×32 inputs (8 basic blocks; BatchNorm in eval mode, since
+    per-sample quantities are undefined with batch statistics)."""
+    w = width
+    layers: list[nn.Module] = [nn.Conv2d(3, w, 3, 1, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU()]
+    cin = w
+    for cout, stride in (
+        (w, 1),
+        (w, 1),
+        (2 * w, 2),
+        (2 * w, 1),
+        (4 * w, 2),
+        (4 * w, 1),
+        (8 * w, 2),
+        (8 * w, 1),
+    ):
+        layers.append(_BasicBlock(cin, cout, stride))
+        cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    model = nn.Sequential(*layers).eval()
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
+class _TinyTransformer(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int, classes: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens):
+        h = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h).mean(1))
+
+
+def transformer(n: int = 128, seq: int = 32, vocab: int = 1000, d: int = 64):
+    """Small transformer encoder classifier (2 layers, 4 heads, d = 64, T = 32)."""
+    model = _TinyTransformer(vocab, d, 4, 2, seq, 10)
+    return (
+        model,
+        nn.CrossEntropyLoss(),
+        torch.randint(0, vocab, (n, seq)),
+        torch.randint(0, 10, (n,)),
+    )
+
+
+PROBLEMS: dict[str, Callable] = {
+    "mnist_mlp": mnist_mlp,
+    "cifar10_3c3d": cifar10_3c3d,
+    "mnist_2c2d": mnist_2c2d,
+    "resnet18": resnet18,
+    "transformer": transformer,
+    "cifar100_allcnnc": cifar100_allcnnc,
+}
