@@ -213,6 +213,26 @@ def test_embedding_kronecker_factors(case):
     assert a.shape == (vocab, vocab) and b.shape == (dim, dim)
 
 
+def test_embedding_kflr_exact_for_one_token():
+    """One sample, one position: ``A_tokens ⊗ B`` is the exact GGN block of the weight."""
+    pytest.importorskip("backprism.extensions.kronecker")
+    from backprism.extensions.kronecker import KFLR
+
+    from reference import ggn
+
+    model = _randomize(nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 5)).double(), 4)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = torch.tensor([2]), torch.tensor([1])
+    block = ggn(model, loss_fn, x, y)[:12, :12]
+    backprism.extend(model)
+    backprism.extend(loss_fn)
+    with backprism.collect(KFLR(), chunk_size=2):  # B summed over 3 chunks, A_tokens once
+        loss_fn(model(x), y).backward()
+    a, b = model[0].weight.kflr
+    close(a, torch.diag(torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64)))
+    close(torch.kron(a, b), block)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"max_norm": 1.0}, "max_norm"), ({"scale_grad_by_freq": True}, "scale_grad_by_freq")],

@@ -27,7 +27,9 @@ Linear, whose weight is ``[out, in]``)::
     B        = Σₘₙₜ gₘₙₜ gₘₙₜᵀ                                       ([D, D]),
 
 with padding positions left out of both sums (they do not touch the weight); the ``1/N`` of a
-mean loss sits in ``g``, as for Linear.
+mean loss sits in ``g``, as for Linear. ``B`` sums outer products *per position* (each position
+has its own one-hot input, so ``A_tokens`` counts positions too); for one sample with a single
+position, ``A_tokens ⊗ B`` is the exact GGN block of the weight.
 
 Unsupported options raise: ``max_norm`` (renormalises weight rows in place during the forward
 pass) and ``scale_grad_by_freq`` (scales each gradient by the token's frequency in the whole
@@ -183,3 +185,8 @@ class EmbeddingRule(Rule):
     def kronecker_factors(self, call: Call, g: Tensor) -> dict[str, list[Tensor]]:
         """``{"weight": [A_tokens, B]}`` in the weight's axis order: ``weight ≈ A_tokens ⊗ B``."""
         return {"weight": [self.kfac_input(call)["weight"], self.kfac_output(call, g)["weight"]]}
+
+    def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
+        """``B`` (second) depends on the columns and is summed over column chunks; ``A_tokens``
+        (first) depends on the indices only."""
+        return [False, True]
