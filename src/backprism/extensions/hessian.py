@@ -1,0 +1,201 @@
+r"""Exact Hessian diagonals and a Hutchinson estimator.
+
+With ``L = (1/N) Σₙ ℓₙ`` (``"sum"`` drops the ``1/N``), the Hessian of ``L`` w.r.t. the parameters
+is the GGN plus one residual term per elementwise nonlinearity ``a = σ(z)`` between parameters
+and loss (see :mod:`backprism.hessian_residual`):
+
+.. math::
+
+    ∇²L = \frac{1}{N}\sum_n J_nᵀ S_n S_nᵀ J_n
+          + \sum_σ J(z)ᵀ \operatorname{diag}\Big(\frac{∂L}{∂a} ⊙ σ''(z)\Big) J(z).
+
+======================  =====================  ==========================================
+extension               attribute              value
+======================  =====================  ==========================================
+DiagHessian             ``diag_h``             ``[*p]``: ``diag ∇²L``
+BatchDiagHessian        ``diag_h_batch``       ``[N, *p]``: ``diag ∇²(ℓₙ/N)`` (sum: diag_h)
+HutchinsonDiagHessian   ``diag_h_hutchinson``  ``[*p]``: ``(1/S) Σₛ vₛ ⊙ (∇²L vₛ)``
+======================  =====================  ==========================================
+
+(Hutchinson: ``vₛ`` Rademacher vectors.)
+
+``DiagHessian``/``BatchDiagHessian`` are exact for graphs built from layers that are linear in
+their input and parameters (Linear, Conv, …), elementwise nonlinearities, piecewise-linear
+operations and linear glue code; anything else between parameters and loss (softmax/attention,
+LayerNorm of a parameter-dependent input, products of two parameter-dependent tensors, a parameter
+used by several nested calls) raises a clear error pointing to ``DiagGGNExact`` or
+``HutchinsonDiagHessian``, which works on any twice-differentiable graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backprism.extend import CAPTURE, suspended
+from backprism.extensions.base import SecondOrderExtension
+from backprism.hessian_residual import NonlinearityError, check_linear_in_params
+from backprism.rules.base import Call, Rule
+
+__all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
+
+
+def refuse_shared(ext: SecondOrderExtension, call: Call) -> None:
+    """Parameters used by several calls (RNN unrolling, tied weights) get a Hessian term from the
+    product of their uses, which the column construction does not contain."""
+    raise NonlinearityError(
+        f"backprism {type(ext).__name__}: a parameter of {type(call.module).__name__} is used by "
+        "several calls in one forward pass; the Hessian term from the product of its uses is not "
+        "built from columns. Use DiagGGNExact() for the GGN diagonal or HutchinsonDiagHessian() "
+        "for an unbiased estimate of the exact Hessian diagonal."
+    )
+
+
+class _Residual(SecondOrderExtension):
+    needs_residual = True
+
+    def column_key(self) -> Hashable:
+        return ("exact",)
+
+
+class DiagHessian(_Residual):
+    r"""Exact diagonal of the Hessian of the loss, ``diag_h``, shape ``param.shape``.
+
+    ``diag_h = Σₖₙ V[k, n]² + Σ_σ Σⱼₙ sign(rₙⱼ) (∂zₙⱼ/∂θ)² |rₙⱼ|`` with the exact GGN square root
+    ``V`` and the residuals ``r = ∂L/∂a ⊙ σ''(z)`` of the elementwise nonlinearities.
+    """
+
+    savefield = "diag_h"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        check_linear_in_params(call, [self])
+        return rule.sum_squared(call, g, weights)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        refuse_shared(self, call)
+        raise AssertionError  # pragma: no cover
+
+
+class BatchDiagHessian(_Residual):
+    r"""Per-sample terms of the Hessian diagonal, ``diag_h_batch``, ``[N, *param.shape]``:
+    ``diag ∇²_θ(ℓₙ/N)`` (mean reduction; ``ℓₙ`` for ``"sum"``); they sum to ``diag_h``."""
+
+    savefield = "diag_h_batch"
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        check_linear_in_params(call, [self])
+        return rule.batch_sum_squared(call, g, weights)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        refuse_shared(self, call)
+        raise AssertionError  # pragma: no cover
+
+
+class HutchinsonDiagHessian(SecondOrderExtension):
+    r"""Hutchinson estimate of the Hessian diagonal, ``diag_h_hutchinson``, shape ``param.shape``:
+
+    .. math:: \hat d = \frac{1}{S}\sum_{s=1}^S v_s ⊙ (∇²L\, v_s),\qquad v_s ∼ \text{Rademacher}
+
+    over all parameters of the extended model jointly, so ``E[\hat d] = diag ∇²L`` exactly and
+    ``Var[\hat d_i] = (1/S) Σ_{j≠i} (∇²L)_{ij}²``. Works on any twice-differentiable graph
+    (attention, LayerNorm, shared parameters). The Hessian-vector products are computed by double
+    backward from the loss, re-evaluated from its recorded inputs when the backward pass starts
+    (the forward graph is still intact then); cost ≈ ``1 + 2S`` extra backward passes.
+
+    Args:
+        samples: number ``S`` of Rademacher vectors (positive integer).
+    """
+
+    savefield = "diag_h_hutchinson"
+    additive = True
+    per_sample = False
+
+    def __init__(self, samples: int = 1) -> None:
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive integer, got {samples!r}")
+        self.samples = samples
+
+    def column_key(self) -> Hashable:
+        # The engine has no "loss hook" for extensions yet: the cheapest column pass (one MC
+        # column) is used as the trigger; the columns themselves are ignored.
+        return ("mc", 1)
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return self._deliver(call)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        raise AssertionError("additive extension")  # pragma: no cover
+
+    def _deliver(self, call: Call) -> dict[str, Tensor]:
+        from backprism import context
+
+        ctx = context.active()
+        assert ctx is not None
+        bs = ctx._state()
+        cache: dict = bs.__dict__.setdefault("_hutchinson", {})
+        for rec in bs.loss_records:
+            if any(c is call for c, _ in rec.taken) and id(rec) not in cache.setdefault(
+                "records", set()
+            ):
+                cache["records"].add(id(rec))
+                for p, est in self.estimate(rec).items():
+                    pid = id(p)
+                    cache[pid] = cache[pid] + est if pid in cache else est
+        delivered: set = cache.setdefault("delivered", set())
+        out = {}
+        for name, p in call.params.items():
+            if id(p) in delivered or id(p) not in cache:
+                out[name] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+            else:
+                delivered.add(id(p))
+                out[name] = cache[id(p)]
+        return out
+
+    def estimate(self, record: Any) -> dict[nn.Parameter, Tensor]:
+        """``(1/S) Σₛ vₛ ⊙ ∇²L vₛ`` for the parameters of the calls ``record`` took.
+
+        The loss is recomputed from ``record.inputs`` (not captured); its value times the
+        incoming gradient scale is the objective, consistent with ``.grad``."""
+        params: dict[int, nn.Parameter] = {}
+        for c, _ in record.taken:
+            for p in c.params.values():
+                params.setdefault(id(p), p)
+        plist = list(params.values())
+        if not plist:
+            return {}
+        scale = self._scale(record)
+        CAPTURE.in_column_backprop += 1
+        try:
+            with torch.enable_grad(), suspended():
+                loss = record.module(*record.inputs)
+                grads = torch.autograd.grad(
+                    loss, plist, create_graph=True, allow_unused=True
+                )
+                pairs = [(p, g) for p, g in zip(plist, grads) if g is not None and g.requires_grad]
+                est = {p: torch.zeros_like(p).detach() for p in plist}
+                if pairs:
+                    ps, gs = zip(*pairs)
+                    for _ in range(self.samples):
+                        vs = [torch.randint_like(p, 2).mul_(2).sub_(1).detach() for p in ps]
+                        hvs = torch.autograd.grad(
+                            gs, ps, grad_outputs=vs, retain_graph=True, allow_unused=True
+                        )
+                        for p, v, hv in zip(ps, vs, hvs):
+                            if hv is not None:
+                                est[p] += v * hv.detach()
+        finally:
+            CAPTURE.in_column_backprop -= 1
+        return {p: e * (scale / self.samples) for p, e in est.items()}
+
+    @staticmethod
+    def _scale(record: Any) -> float:
+        """The gradient the backward pass fed into this loss (``(c·L).backward()`` → ``c``), if
+        the engine recorded it in ``bs.loss_scales[id(record)]``; else ``1``."""
+        from backprism import context
+
+        ctx = context.active()
+        scales = getattr(ctx._state(), "loss_scales", None) if ctx is not None else None
+        return float(scales.get(id(record), 1.0)) if scales else 1.0

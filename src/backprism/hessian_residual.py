@@ -1,0 +1,472 @@
+r"""Hessian residual terms of elementwise nonlinearities (the non-GGN part of ``DiagHessian``).
+
+For a loss ``L`` reached from the parameters ``θ`` through an elementwise nonlinearity
+``a = σ(z)`` (``z = z(θ)``), the exact Hessian is the GGN plus one *residual* term per
+nonlinearity:
+
+.. math::
+
+    ∇²_θ L = J_θ(f)ᵀ ∇²_f L\, J_θ(f) + \sum_{σ} J_θ(z)ᵀ \operatorname{diag}(r)\, J_θ(z) + (\ldots),
+    \qquad r = \frac{∂L}{∂a} ⊙ σ''(z),
+
+where ``(…)`` collects the terms of operations that are *not* linear in their inputs apart from
+elementwise nonlinearities (products of two parameter-dependent tensors, softmax, normalisation,
+parameters entering a module nonlinearly). Those are refused for the DiagHessian family with a
+clear error; everything linear or piecewise linear (Linear, Conv, ReLU, LeakyReLU, max/avg
+pooling, Flatten, residual additions, dropout) contributes nothing.
+
+``r`` already carries the loss's scaling (``1/N`` for a mean reduction), because ``∂L/∂a`` does.
+The residual is written with *signed columns*: for every element ``j`` of ``zₙ`` (sample ``n``),
+column ``cⱼ = √|rₙⱼ| eⱼ`` with weight ``sign(rₙⱼ)``, so that
+``Σⱼ sign(rₙⱼ) (Jₙᵀcⱼ)(Jₙᵀcⱼ)ᵀ = Jₙᵀ diag(rₙ) Jₙ``. The engine pushes them from ``z`` to all
+captured module outputs exactly like the loss-Hessian square root and lets the layer rules
+reduce them (``Σₖₙ wₖₙ Vₖₙ²`` for the diagonal).
+
+How the nonlinearities are found
+--------------------------------
+
+* :data:`FORWARD_LISTENERS` entry: a :class:`torch.overrides.TorchFunctionMode` is active during
+  every top-level forward of an extended model. It sees functional calls (``torch.tanh``,
+  ``F.gelu``, ``x.sigmoid()``, and the calls made inside ``nn.Tanh``, ``nn.GELU``, …) and, for each
+  smooth elementwise nonlinearity whose input ``z`` requires grad, registers a hook on its output
+  ``a``. The hook's closure holds ``z`` (upstream of ``a``: no reference cycle through autograd
+  nodes) and the function; nothing is computed unless a DiagHessian-family extension is active
+  when the gradient ``∂L/∂a`` arrives during the backward pass.
+* Non-elementwise nonlinear operations between parameters and loss get a hook that raises a clear
+  error — only when a DiagHessian-family extension is active (``needs_residual``).
+* :func:`activation_forward_hook` is the fallback for activation modules called while the mode is
+  not active (e.g. a sub-module called by hand).
+
+Overhead when no DiagHessian is requested: one Python dispatch per operation during forward, one
+closure per smooth nonlinearity, and a cheap early return in its backward hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from backprism.columns import Columns
+from backprism.extend import CAPTURE, FORWARD_LISTENERS
+
+__all__ = [
+    "ACTIVATION_TYPES",
+    "NonlinearityError",
+    "activation_forward_hook",
+    "residual_extensions",
+]
+
+#: activation modules with a non-zero second derivative (hooked by ``extend``)
+ACTIVATION_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.GELU,
+    nn.SiLU,
+    nn.Softplus,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.Mish,
+    nn.LogSigmoid,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.Hardswish,
+)
+
+
+class NonlinearityError(RuntimeError):
+    """An operation between parameters and loss whose Hessian term DiagHessian cannot build."""
+
+
+_WAY_OUT = (
+    "Use DiagGGNExact() for the GGN diagonal (no residual terms), or HutchinsonDiagHessian() for "
+    "an unbiased estimate of the exact Hessian diagonal on any graph."
+)
+
+
+# -- classification of operations by name ------------------------------------------------------
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+_SMOOTH = frozenset(
+    _words(
+    """tanh sigmoid gelu silu softplus elu selu celu mish log_sigmoid logsigmoid softsign
+    tanhshrink hardswish exp exp2 expm1 log log2 log10 log1p sqrt rsqrt reciprocal square sin cos
+    tan sinh cosh asinh atan atanh asin acos erf erfc erfinv lgamma digamma sinc logit pow
+    float_power __pow__ __rpow__ special_expit expit xlogy"""
+    )
+)
+_PIECEWISE_OR_LINEAR = frozenset(
+    _words(
+    """relu relu6 leaky_relu hardtanh threshold abs absolute clamp clip clamp_min clamp_max
+    hardsigmoid hardshrink softshrink rrelu max_pool1d max_pool2d max_pool3d
+    max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_max_pool1d
+    adaptive_max_pool2d adaptive_max_pool3d adaptive_max_pool1d_with_indices
+    adaptive_max_pool2d_with_indices adaptive_max_pool3d_with_indices fractional_max_pool2d
+    fractional_max_pool3d max min amax amin maximum minimum fmax fmin sort topk cummax cummin
+    where masked_fill floor ceil round trunc sign sgn frac dropout dropout1d dropout2d dropout3d
+    alpha_dropout feature_alpha_dropout feature_dropout native_dropout add sub rsub neg negative
+    __add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __neg__ __pos__ positive sum mean nansum
+    nanmean cumsum cat concat concatenate stack hstack vstack dstack split chunk unbind
+    tensor_split narrow select index_select gather scatter scatter_add index_add index_copy
+    index_put take take_along_dim masked_select masked_scatter __getitem__ __setitem__ view
+    view_as reshape reshape_as flatten unflatten squeeze unsqueeze expand expand_as repeat
+    repeat_interleave tile broadcast_to broadcast_tensors transpose t permute movedim moveaxis
+    swapaxes swapdims T mT H mH contiguous clone detach to type float double half bfloat16 cpu
+    cuda flip fliplr flipud roll rot90 diagonal diag diag_embed diagflat tril triu trace pad
+    avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
+    pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold fold interpolate
+    upsample upsample_nearest upsample_bilinear real imag conj zeros_like ones_like empty_like
+    full_like rand_like randn_like new_zeros new_ones new_empty new_full new_tensor
+    requires_grad_ retain_grad register_hook as_strided unsqueeze_ squeeze_ copy_ zero_ fill_
+    cross_entropy nll_loss mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy
+    binary_cross_entropy_with_logits kl_div poisson_nll_loss gaussian_nll_loss
+    soft_margin_loss multilabel_soft_margin_loss embedding embedding_bag one_hot linear conv1d
+    conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d _convolution
+    convolution"""
+    )
+)
+_PRODUCTS = frozenset(
+    _words(
+    """mul multiply __mul__ __rmul__ __imul__ matmul __matmul__ __rmatmul__ mm bmm mv dot vdot
+    inner outer ger einsum tensordot kron addmm addmv addbmm baddbmm addcmul bilinear linear
+    conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution
+    _convolution lerp"""
+    )
+)
+_QUOTIENTS = frozenset(
+    _words(
+    "div divide true_divide __truediv__ __rtruediv__ __itruediv__ __div__ __rdiv__ addcdiv "
+    "floor_divide remainder fmod atan2 hypot"
+    )
+)
+_NONLINEAR = frozenset(
+    _words(
+    """softmax _softmax softmin log_softmax layer_norm group_norm rms_norm instance_norm
+    local_response_norm normalize batch_norm scaled_dot_product_attention
+    multi_head_attention_forward norm vector_norm matrix_norm logsumexp logcumsumexp var std
+    var_mean std_mean prod cumprod cdist pdist cosine_similarity pairwise_distance gumbel_softmax
+    glu lp_pool1d lp_pool2d lp_pool3d dist renorm det slogdet logdet inverse solve cholesky
+    svd eigh lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+    prelu"""
+    )
+)
+
+_LINEAR, _SMOOTH_KIND, _PRODUCT, _QUOTIENT, _NONLIN, _UNKNOWN = range(6)
+_KIND_CACHE: dict[Any, tuple[int, str]] = {}
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "") or ""
+    if name == "__get__":  # property access (``x.T``): name the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _classify(func: Any) -> tuple[int, str]:
+    try:
+        return _KIND_CACHE[func]
+    except (KeyError, TypeError):
+        pass
+    name = _op_name(func)
+    base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    if base in _SMOOTH:
+        kind = _SMOOTH_KIND
+    elif base in _PRODUCTS:
+        kind = _PRODUCT
+    elif base in _QUOTIENTS:
+        kind = _QUOTIENT
+    elif base in _NONLINEAR:
+        kind = _NONLIN
+    elif base in _PIECEWISE_OR_LINEAR or name.startswith("_set_") or name in ("size", "dim"):
+        kind = _LINEAR
+    else:
+        kind = _UNKNOWN
+    with contextlib.suppress(TypeError):  # unhashable callable: not cached
+        _KIND_CACHE[func] = (kind, name)
+    return kind, name
+
+
+def _grad_tensors(args: Any, kwargs: dict) -> list[Tensor]:
+    leaves = tree_flatten((args, kwargs))[0]
+    return [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+
+
+def residual_extensions() -> list:
+    """The active DiagHessian-family extensions (``needs_residual``), or ``[]``."""
+    if CAPTURE.in_column_backprop:
+        return []
+    from backprism import context
+
+    ctx = context.active()
+    if ctx is None:
+        return []
+    return [e for e in ctx.second if getattr(e, "needs_residual", False)]
+
+
+# -- error hooks -------------------------------------------------------------------------------
+def _error_hook(what: str, nll_node: int | None = None) -> Callable[[Tensor], None]:
+    """Hook raising for the DiagHessian family; holds only a string and an int (no tensors)."""
+
+    def hook(grad: Tensor) -> None:
+        if not residual_extensions():
+            return
+        if nll_node is not None and _feeds_nll(nll_node):
+            return
+        names = ", ".join(sorted({type(e).__name__ for e in residual_extensions()}))
+        raise NonlinearityError(
+            f"backprism {names}: {what} lies between the parameters and the loss; its Hessian "
+            f"term is not an elementwise residual, so the exact Hessian diagonal/blocks cannot be "
+            f"built from columns. {_WAY_OUT}"
+        )
+
+    return hook
+
+
+def _feeds_nll(node_id: int) -> bool:
+    """Whether the ``log_softmax`` output with grad_fn id ``node_id`` is the input of an
+    ``NLLLoss`` of this backward pass (then it is part of the loss)."""
+    from backprism import context
+
+    ctx = context.active()
+    if ctx is None:
+        return False
+    for rec in ctx._state().loss_records:
+        if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
+            x = rec.inputs[0]
+            if isinstance(x, Tensor) and x.grad_fn is not None and id(x.grad_fn) == node_id:
+                return True
+    return False
+
+
+def _add_hook(out: Tensor, hook: Callable[[Tensor], None]) -> None:
+    with contextlib.suppress(RuntimeError):  # e.g. inside a functorch transform
+        out.register_hook(hook)
+
+
+# -- residual hooks ----------------------------------------------------------------------------
+def _residual_hook(
+    fn: Callable[[Tensor], Tensor], z: Tensor, name: str
+) -> Callable[[Tensor], None]:
+    """Hook for ``a = fn(z)``. Holds ``z`` (upstream of ``a``) and ``fn``, never ``a``."""
+
+    def hook(grad_a: Tensor) -> None:
+        exts = residual_extensions()
+        if exts:
+            push_residual(exts, fn, z, grad_a, name)
+
+    return hook
+
+
+def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
+    """``σ''(z)`` elementwise for an elementwise ``σ = fn``, by double backward."""
+    with torch.enable_grad():
+        zz = z.detach().requires_grad_(True)
+        a = fn(zz)
+        (d1,) = torch.autograd.grad(a.sum(), zz, create_graph=True)
+        if not d1.requires_grad:
+            return torch.zeros_like(zz)
+        (d2,) = torch.autograd.grad(d1.sum(), zz, allow_unused=True)
+    return torch.zeros_like(z) if d2 is None else d2.detach()
+
+
+def _loss_calls(bs: Any) -> list:
+    """Distinct captured calls (with parameters) of the loss records of this backward pass."""
+    seen: set[int] = set()
+    calls = []
+    for rec in bs.loss_records:
+        for call, outs in rec.taken:
+            if id(call) in seen or not call.params:
+                continue
+            seen.add(id(call))
+            calls.append((call, outs))
+    return calls
+
+
+def check_linear_in_params(call: Any, exts: list) -> None:
+    """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family)."""
+    from backprism.rules.base import get_rule
+
+    if not get_rule(call.module).linear_in_params:
+        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        raise NonlinearityError(
+            f"backprism {names}: the parameters of {type(call.module).__name__} enter its output "
+            f"nonlinearly, so its own Hessian term is missing from the column construction. "
+            f"{_WAY_OUT}"
+        )
+
+
+def push_residual(
+    exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor, name: str
+) -> None:
+    r"""Push the signed residual columns of ``a = fn(z)`` back from ``z``.
+
+    ``r = ∂L/∂a ⊙ σ''(z)``; for every element ``j`` of one sample's ``z``, column
+    ``cⱼ[n] = √|rₙⱼ| eⱼ`` with weight ``wⱼₙ = sign(rₙⱼ)``. Columns whose weights are all zero
+    are skipped.
+    """
+    from backprism import context
+
+    ctx = context.active()
+    if ctx is None:
+        return
+    bs = ctx._state()
+    calls = _loss_calls(bs)
+    if not calls:
+        return
+    for call, _ in calls:
+        check_linear_in_params(call, exts)
+    r = grad_a.detach() * second_derivative(fn, z)
+    if r.dim() == 0:
+        raise NonlinearityError(
+            f"backprism: the nonlinearity {name} acts on a scalar without a batch axis; "
+            f"{_WAY_OUT}"
+        )
+    n = r.shape[0]
+    flat = r.reshape(n, -1)
+    active = (flat != 0).any(0).nonzero().flatten()  # [K] element indices
+    if active.numel() == 0:
+        return
+    sqrt_abs = flat.abs().sqrt()[:, active]  # [N, K]
+    weights = flat.sign()[:, active].t().contiguous()  # [K, N]
+    d = flat.shape[1]
+    shape = z.shape
+
+    def make(start: int, stop: int) -> list[Tensor]:
+        idx = active[start:stop]
+        k = idx.numel()
+        cols = flat.new_zeros(k, n, d)
+        cols[torch.arange(k, device=flat.device), :, idx] = sqrt_abs[:, start:stop].t()
+        return [cols.reshape(k, *shape)]
+
+    ctx.process_columns(bs, calls, [z], Columns(active.numel(), make), exts, weights)
+
+
+# -- recording during forward ------------------------------------------------------------------
+_MODE_DEPTH = [0]
+
+
+def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
+    rest = args[1:]
+    kw = dict(kwargs)
+
+    def fn(zz: Tensor) -> Tensor:
+        return func(zz, *rest, **kw)
+
+    return fn
+
+
+def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Classify one operation and register what DiagHessian will need (cheap)."""
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, Tensor) and o.requires_grad), None)
+    if not isinstance(out, Tensor) or not out.requires_grad or not out.is_floating_point():
+        return
+    kind, name = _classify(func)
+    if kind == _LINEAR:
+        return
+    inside_module = bool(CAPTURE.call_stack)
+    if kind == _SMOOTH_KIND:
+        z = args[0] if args else None
+        others = _grad_tensors(args[1:], kwargs)
+        if others:
+            _add_hook(out, _error_hook(f"{name} with a parameter-dependent second operand"))
+            return
+        if not isinstance(z, Tensor) or not z.requires_grad:
+            return
+        if out is z:
+            _add_hook(out, _error_hook(f"the in-place nonlinearity {name}"))
+            return
+        if out.shape != z.shape:
+            _add_hook(out, _error_hook(f"{name} (broadcasting its input)"))
+            return
+        _add_hook(out, _residual_hook(_unary(func, args, kwargs), z, name))
+        return
+    grads = _grad_tensors(args, kwargs)
+    if kind == _PRODUCT:
+        if inside_module or len(grads) < 2:
+            return  # a module with a rule is linear in input and parameters (checked later)
+        _add_hook(out, _error_hook(f"{name} (a product of two parameter-dependent tensors)"))
+        return
+    if kind == _QUOTIENT:
+        denom = args[1] if len(args) > 1 else kwargs.get("other")
+        if name in ("__rtruediv__", "__rdiv__"):
+            denom = args[0]
+        if isinstance(denom, Tensor) and denom.requires_grad:
+            _add_hook(out, _error_hook(f"{name} (division by a parameter-dependent tensor)"))
+        return
+    inputs = [t for t in grads if not isinstance(t, nn.Parameter)]
+    if not inputs:
+        return  # nonlinear only in data: linear in the module's parameters
+    if kind == _NONLIN:
+        if name == "batch_norm" and not _bn_training(args, kwargs):
+            return  # eval-mode batch norm is affine in its input
+        if name == "log_softmax":
+            node = out.grad_fn
+            _add_hook(out, _error_hook("log_softmax", id(node) if node is not None else None))
+            return
+        _add_hook(out, _error_hook(f"the non-elementwise nonlinear operation {name}"))
+        return
+    if inside_module:
+        return  # the module's rule accounts for its internals
+    _add_hook(out, _error_hook(f"the operation {name or func!r} (not known to be linear)"))
+
+
+def _bn_training(args: tuple, kwargs: dict) -> bool:
+    if "training" in kwargs:
+        return bool(kwargs["training"])
+    return bool(args[5]) if len(args) > 5 else False
+
+
+class _RecordMode(TorchFunctionMode):
+    """Records nonlinearities during the forward of an extended model (see module doc)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and not CAPTURE.suspended:
+            _record(func, args, kwargs, out)
+        return out
+
+
+_MODES: list[_RecordMode] = []
+
+
+def _enter(root: nn.Module) -> None:
+    mode = _RecordMode()
+    mode.__enter__()
+    _MODES.append(mode)
+    _MODE_DEPTH[0] += 1
+
+
+def _exit(root: nn.Module) -> None:
+    if _MODES:
+        _MODE_DEPTH[0] -= 1
+        _MODES.pop().__exit__(None, None, None)
+
+
+def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
+    not active (a sub-module called on its own); otherwise the mode saw its functional call."""
+    if _MODE_DEPTH[0] or CAPTURE.suspended or not torch.is_grad_enabled():
+        return
+    if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
+        return
+    z = args[0]
+    if not z.requires_grad or not output.requires_grad:
+        return
+    if output is z:
+        _add_hook(output, _error_hook(f"the in-place {type(module).__name__}"))
+        return
+    _add_hook(output, _residual_hook(module.forward, z, type(module).__name__))
+
+
+if (_enter, _exit) not in FORWARD_LISTENERS:
+    FORWARD_LISTENERS.append((_enter, _exit))
