@@ -1,0 +1,305 @@
+"""Reading a monitor log (JSON lines) into a :class:`RunLog`.
+
+The log written by :mod:`backprism.monitor` is one JSON object per line:
+
+* first line ``{"kind": "meta", "version": 1, "quantities": [key, ...]}``;
+* per tracked step ``{"kind": "step", "step": int, "values": {key: value}}`` where ``value`` is
+  a float (``null`` for NaN), a list of floats (one per parameter), or a histogram
+  ``{"hist": [...] | [[...]], "edges": [...] | [xedges, yedges]}``;
+* ``{"kind": "log", "step": int, "epoch": int | null, "train_loss": ..., ...}`` from
+  ``monitor.log`` (absent values omitted).
+
+The reader is robust to a cut last line (a crashed run loses only its last record) and raises a
+one-line :class:`ValueError` for missing, empty or foreign files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LOG_METRICS", "SUPPORTED_VERSION", "RunLog", "combine", "load", "read_log"]
+
+SUPPORTED_VERSION = 1
+
+#: Keys of ``{"kind": "log"}`` records, in display order.
+LOG_METRICS = ("train_loss", "valid_loss", "train_accuracy", "valid_accuracy", "learning_rate")
+
+# Per-parameter lists of these quantities are norms: the whole-model value is the root of the sum
+# of squares. All other per-parameter lists (traces, TIC, ...) add up.
+_NORM_QUANTITIES = ("GradNorm", "UpdateSize", "Distance")
+
+
+def base_name(key: str) -> str:
+    """Quantity class name of a log key (``"GradNorm_1"`` → ``"GradNorm"``)."""
+    head, sep, tail = key.rpartition("_")
+    return head if sep and tail.isdigit() else key
+
+
+def combine(key: str, value: Any) -> float:
+    """Whole-model scalar of one logged value.
+
+    Floats pass through (``None`` → NaN). A per-parameter list ``[v_1, ..., v_P]`` becomes
+    ``sqrt(Σ v_p²)`` for the norms (``GradNorm``, ``UpdateSize``, ``Distance``) and ``Σ v_p``
+    otherwise (``HessTrace``, ``TICDiag``, ...). Histograms give NaN.
+    """
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        arr = np.asarray([math.nan if v is None else v for v in _flatten(value)], dtype=float)
+        if arr.size == 0:
+            return math.nan
+        if base_name(key) in _NORM_QUANTITIES:
+            return float(np.sqrt(np.sum(arr**2)))
+        return float(np.sum(arr))
+    return math.nan
+
+
+def _flatten(value: Iterable[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in value:
+        if isinstance(v, (list, tuple)):
+            out.extend(_flatten(v))
+        else:
+            out.append(v)
+    return out
+
+
+@dataclass
+class RunLog:
+    """A monitor log in memory.
+
+    Attributes:
+        quantities: quantity keys announced by the meta record (in order).
+        steps: ``{key: [(step, value), ...]}`` raw logged values in step order.
+        records: the ``monitor.log`` records (dicts with ``step``, ``epoch`` and metrics).
+        source: file the log came from, if any.
+        truncated: whether a cut last line was dropped.
+    """
+
+    quantities: list[str] = field(default_factory=list)
+    steps: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    source: str | None = None
+    truncated: bool = False
+
+    # ------------------------------------------------------------------ building
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Add one record of the schema (``meta``, ``step`` or ``log``)."""
+        kind = record.get("kind")
+        if kind == "meta":
+            for key in record.get("quantities", []):
+                if key not in self.quantities:
+                    self.quantities.append(str(key))
+        elif kind == "step":
+            step = int(record["step"])
+            for key, value in (record.get("values") or {}).items():
+                self.steps.setdefault(str(key), []).append((step, value))
+                if key not in self.quantities:
+                    self.quantities.append(str(key))
+        elif kind == "log":
+            self.records.append({k: v for k, v in record.items() if k != "kind"})
+
+    @classmethod
+    def from_records(
+        cls, records: Iterable[Mapping[str, Any]], source: str | None = None
+    ) -> RunLog:
+        """Build from parsed records of the schema."""
+        log = cls(source=source)
+        for rec in records:
+            log.add(rec)
+        return log
+
+    # ------------------------------------------------------------------ access
+    @property
+    def tracked(self) -> list[str]:
+        """Keys with at least one logged value."""
+        return [k for k in self.quantities if self.steps.get(k)]
+
+    @property
+    def num_steps(self) -> int:
+        """Number of distinct steps with a quantity value."""
+        return len({s for series in self.steps.values() for s, _ in series})
+
+    @property
+    def last_step(self) -> int | None:
+        """Largest step in the log (quantities or ``monitor.log`` records)."""
+        cands = [s for series in self.steps.values() for s, _ in series]
+        cands += [int(r["step"]) for r in self.records if r.get("step") is not None]
+        return max(cands) if cands else None
+
+    def keys_of(self, name: str) -> list[str]:
+        """Logged keys whose quantity class is ``name`` (``"GradNorm"``, ``"GradNorm_1"``, …)."""
+        return [k for k in self.tracked if base_name(k) == name]
+
+    def key(self, name: str) -> str | None:
+        """First logged key of quantity class ``name``, or ``None``."""
+        keys = self.keys_of(name)
+        return keys[0] if keys else None
+
+    def scalar(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of ``key`` reduced to whole-model floats (see :func:`combine`)."""
+        series = self.steps.get(key, [])
+        x = np.asarray([s for s, _ in series], dtype=float)
+        y = np.asarray([combine(key, v) for _, v in series], dtype=float)
+        return x, y
+
+    def per_param(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(steps, values[T, P])`` for a per-parameter list quantity, else ``None``."""
+        series = [(s, v) for s, v in self.steps.get(key, []) if isinstance(v, (list, tuple))]
+        if not series:
+            return None
+        width = max(len(v) for _, v in series)
+        vals = np.full((len(series), width), np.nan)
+        for i, (_, v) in enumerate(series):
+            flat = [math.nan if e is None else e for e in v]
+            if all(isinstance(e, (int, float)) for e in flat):
+                vals[i, : len(flat)] = flat
+        return np.asarray([s for s, _ in series], dtype=float), vals
+
+    def histograms(self, key: str) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
+        """``[(step, hist, edges)]`` for a histogram quantity (edges: one array per axis)."""
+        out = []
+        for step, value in self.steps.get(key, []):
+            if not isinstance(value, Mapping) or "hist" not in value:
+                continue
+            hist = np.asarray(value["hist"], dtype=float)
+            edges = value.get("edges", [])
+            if hist.ndim == 1:
+                edge_list = [np.asarray(edges, dtype=float)]
+            else:
+                edge_list = [np.asarray(e, dtype=float) for e in edges]
+            out.append((step, hist, edge_list))
+        return out
+
+    def metric(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of a ``monitor.log`` metric such as ``"valid_accuracy"``."""
+        pts = [
+            (float(r["step"]), math.nan if r.get(name) is None else float(r[name]))
+            for r in self.records
+            if name in r and r.get("step") is not None
+        ]
+        if not pts:
+            return np.zeros(0), np.zeros(0)
+        arr = np.asarray(pts, dtype=float)
+        return arr[:, 0], arr[:, 1]
+
+    def metrics(self) -> list[str]:
+        """``monitor.log`` metrics present in the log."""
+        return [m for m in LOG_METRICS if any(m in r for r in self.records)]
+
+
+def read_log(path: str | os.PathLike[str]) -> RunLog:
+    """Read a monitor JSONL log.
+
+    Raises:
+        ValueError: one-line message if the file is missing, empty, not a monitor log, of an
+            unsupported version, or corrupt before its last line.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"log file not found: {p}")
+    if p.is_dir():
+        raise ValueError(f"log path is a directory, not a file: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"not a backprism monitor log (binary file): {p}") from None
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise ValueError(f"log file is empty: {p}")
+    log = RunLog(source=str(p))
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == 0:
+                if line.lstrip().startswith('{"kind": "meta"') or '"kind":"meta"' in line:
+                    raise ValueError(f"log file is truncated inside its header: {p}") from None
+                raise ValueError(
+                    f"not a backprism monitor log (first line is not JSON): {p}"
+                ) from None
+            if i == len(lines) - 1:
+                log.truncated = True
+                break
+            raise ValueError(f"corrupt log {p}: line {i + 1} is not valid JSON") from None
+        if i == 0:
+            if not isinstance(rec, dict) or rec.get("kind") != "meta":
+                raise ValueError(
+                    f"not a backprism monitor log (first line is not a meta record): {p}"
+                )
+            version = rec.get("version")
+            if version != SUPPORTED_VERSION:
+                raise ValueError(
+                    f"unsupported monitor log version {version!r} in {p} "
+                    f"(this backprism reads version {SUPPORTED_VERSION})"
+                )
+        if not isinstance(rec, dict):
+            raise ValueError(f"corrupt log {p}: line {i + 1} is not a JSON object")
+        try:
+            log.add(rec)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"corrupt log {p}: line {i + 1} is not a valid record") from None
+    return log
+
+
+def _from_output(output: Any) -> RunLog:
+    """Normalise what ``Monitor.get_output()`` returns into a :class:`RunLog`.
+
+    Accepts a list of schema records, or a mapping ``{step: {key: value}}`` (optionally
+    with ``"log"``/``"records"`` and ``"meta"`` entries).
+    """
+    if isinstance(output, RunLog):
+        return output
+    if isinstance(output, (list, tuple)):
+        return RunLog.from_records(output)
+    if isinstance(output, Mapping):
+        if "steps" in output and isinstance(output["steps"], Mapping):
+            log = RunLog(quantities=list(output.get("quantities", [])))
+            for key, series in output["steps"].items():
+                for step, value in series:
+                    log.add({"kind": "step", "step": step, "values": {key: value}})
+            for rec in output.get("records", output.get("log", [])) or []:
+                log.add({"kind": "log", **rec})
+            return log
+        log = RunLog()
+        if isinstance(output.get("meta"), Mapping):
+            log.add({"kind": "meta", **output["meta"]})
+        for step, values in output.items():
+            if step in ("meta", "log", "records"):
+                continue
+            if isinstance(values, Mapping):
+                log.add({"kind": "step", "step": int(step), "values": dict(values)})
+        for rec in output.get("log", output.get("records", [])) or []:
+            log.add({"kind": "log", **rec})
+        return log
+    raise ValueError(f"cannot read a monitor log from {type(output).__name__}")
+
+
+def load(source: Any) -> RunLog:
+    """Turn a path, a :class:`RunLog`, parsed output or a Monitor into a :class:`RunLog`.
+
+    A Monitor (anything with ``get_output()``) is read through ``get_output()``.
+    """
+    if isinstance(source, RunLog):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return read_log(source)
+    if hasattr(source, "get_output") and callable(source.get_output):
+        return _from_output(source.get_output())
+    return _from_output(source)
