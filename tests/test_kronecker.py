@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from backprism import collect, extend
-from backprism.extensions.kronecker import KFAC, KFLR
+from backprism.extensions.kronecker import KFAC, KFLR, KFRA
 
 from reference import ggn
 
@@ -74,3 +74,52 @@ def test_kfac_unbiased_for_bias_block():
     for name in ("0.bias", "2.bias"):
         est = dict(model.named_parameters())[name].kfac[0]
         assert (est - blocks[name]).norm() <= 0.08 * blocks[name].norm()
+
+
+def test_kfra_exact_for_single_sample_and_last_layer():
+    torch.manual_seed(3)
+    model = extend(
+        nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3))
+    ).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(1, 4, dtype=torch.double), torch.randint(0, 3, (1,))
+    with collect(KFRA()):
+        lossfunc(model(X), y).backward()
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_kron(p.kfra), blocks[name])
+    # batch: the last layer's B is the batch-averaged loss Hessian = exact bias GGN
+    X, y = torch.randn(6, 4, dtype=torch.double), torch.randint(0, 3, (6,))
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model[4].bias.kfra[0], model[4].bias.kflr[0])
+    torch.testing.assert_close(model[4].weight.kfra[1], model[4].weight.kflr[1])
+
+
+def test_kfra_conv_chain_single_sample():
+    torch.manual_seed(4)
+    model = extend(
+        nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
+    ).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(1, 1, 5, 5, dtype=torch.double), torch.randint(0, 3, (1,))
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    for p in model.parameters():
+        for a, b in zip(p.kfra, p.kflr):
+            torch.testing.assert_close(a, b)
+
+
+def test_kfra_rejects_non_chain():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return x + self.lin(x)
+
+    model = extend(Res())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with pytest.raises(NotImplementedError, match="KFLR"), collect(KFRA()):
+        lossfunc(model(torch.randn(2, 3)), torch.tensor([0, 1])).backward()

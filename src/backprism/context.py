@@ -269,9 +269,14 @@ class collect:
             c.check_unmodified()
         sizes = Counter(c.batch_size for c, _ in calls)
         n_samples = sizes.most_common(1)[0][0]
-        keys = list(dict.fromkeys(e.column_key() for e in self.second))
+        # extensions that do their own work at the loss (KFRA's recursion, HVP estimators)
+        for ext in self.second:
+            if hasattr(ext, "handle_loss"):
+                ext.handle_loss(self, bs, record, calls, n_samples, scale)
+        column_exts = [e for e in self.second if not hasattr(e, "handle_loss")]
+        keys = list(dict.fromkeys(e.column_key() for e in column_exts))
         for key in keys:
-            exts = [e for e in self.second if e.column_key() == key]
+            exts = [e for e in column_exts if e.column_key() == key]
             cols = loss_hessian_sqrt(module, record.inputs, key, n_samples)
             origins = [record.inputs[i] for i in cols.inputs]
             if scale != 1.0:

@@ -62,6 +62,9 @@ class _Capture:
         self.suspended = 0
         # one frame per hooked module currently in its forward: ids of hooked descendants run
         self.call_stack: list[set[int]] = []
+        # latest top-level input of each extended root (detached), for chain-wise recursions
+        # such as KFRA; one entry per root, overwritten by its next forward
+        self.root_inputs: dict[int, tuple[nn.Module, tuple]] = {}
 
     def take_pending(self) -> list[tuple[Call, list[Tensor]]]:
         taken = [(c, outs) for c, outs, _, _ in self.pending.values()]
@@ -102,6 +105,8 @@ def _root_pre_hook(module: nn.Module, args: Any) -> None:
         del CAPTURE.pending[k]
     CAPTURE.root_generation[key] += 1
     CAPTURE.root_stack.append(key)
+    if torch.is_grad_enabled() and not CAPTURE.suspended:
+        CAPTURE.root_inputs[key] = (module, tuple(tree_map(_detach, a) for a in args))
     for enter, _ in FORWARD_LISTENERS:
         enter(module)
 

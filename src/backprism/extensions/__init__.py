@@ -8,7 +8,7 @@ from backprism.extensions.firstorder import (
     SumGradSquared,
     Variance,
 )
-from backprism.extensions.kronecker import KFAC, KFLR
+from backprism.extensions.kronecker import KFAC, KFLR, KFRA
 from backprism.extensions.secondorder import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -21,6 +21,7 @@ from backprism.extensions.secondorder import (
 __all__ = [
     "KFAC",
     "KFLR",
+    "KFRA",
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
     "BatchDotGrad",

@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from backprism.extensions.base import SecondOrderExtension
 from backprism.extensions.secondorder import _check_mc
 from backprism.rules.base import Call, Rule
 
-__all__ = ["KFAC", "KFLR"]
+__all__ = ["KFAC", "KFLR", "KFRA"]
 
 
 class KroneckerFactors(list):
@@ -78,3 +79,179 @@ class KFLR(_Kronecker):
 
     def column_key(self) -> Hashable:
         return ("exact",)
+
+
+_ELEMENTWISE = (
+    nn.ReLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.ELU,
+    nn.LeakyReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Softplus,
+    nn.Mish,
+    nn.Hardtanh,
+    nn.SELU,
+    nn.CELU,
+    nn.ReLU6,
+    nn.LogSigmoid,
+    nn.Softsign,
+)
+_IDENTITY = (nn.Flatten, nn.Identity, nn.Dropout, nn.Unflatten)
+_SAMPLE_INDEPENDENT = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+    nn.ZeroPad2d,
+    nn.ConstantPad1d,
+    nn.ConstantPad2d,
+    nn.ConstantPad3d,
+)
+_SAMPLE_DEPENDENT = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+
+
+def _chain(module: nn.Module) -> list[nn.Module]:
+    if isinstance(module, nn.Sequential):
+        return [m for child in module for m in _chain(child)]
+    return [module]
+
+
+def _psd_factor(G: Tensor) -> Tensor:
+    """``L`` with ``G ≈ L Lᵀ`` from the eigen-decomposition (negative round-off dropped)."""
+    evals, evecs = torch.linalg.eigh((G + G.t()) / 2)
+    keep = evals > evals.abs().max().clamp_min(1e-30) * 1e-10
+    return evecs[:, keep] * evals[keep].sqrt()
+
+
+class KFRA(SecondOrderExtension):
+    r"""Kronecker-factored recursive approximation (Botev et al., 2017), stored in ``param.kfra``.
+
+    The batch-averaged Hessian of the loss w.r.t. the model output, ``Ḡ = (1/N) Σₙ ∇²_{fₙ} ℓₙ``
+    (for a mean loss; ``Σₙ`` for sum), is propagated backwards through the chain:
+    ``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ`` (Linear: ``Wᵀ Ḡ W``; elementwise σ: ``Ḡ ⊙ E[σ'σ'ᵀ]``;
+    convolution / pooling: through autograd). A weight gets ``[Ḡ_out, A]`` (for convolutions
+    ``Ḡ_out`` summed over output positions, as BackPACK does), a bias ``[Ḡ_out]``.
+
+    Only for models that are chains (``nn.Sequential``, nested allowed) of Linear, Conv,
+    elementwise activations, pooling, Flatten and Dropout in eval mode; anything else raises.
+    ``Ḡ`` is dense over a layer's flattened output, so KFRA is practical only for small
+    convolutional feature maps.
+    """
+
+    savefield = "kfra"
+    additive = True
+
+    def column_key(self) -> Hashable:
+        return ("exact",)
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        raise RuntimeError("KFRA is computed by its own recursion (handle_loss)")
+
+    def handle_loss(self, ctx: Any, bs: Any, record: Any, calls: list, n: int, scale: float):
+        from backprism.extend import CAPTURE, suspended
+        from backprism.losses import loss_hessian_sqrt
+
+        modules = {id(c.module) for c, _ in calls}
+        roots = [
+            (m, args)
+            for m, args in CAPTURE.root_inputs.values()
+            if any(id(sub) in modules for sub in m.modules())
+        ]
+        if len(roots) != 1 or not isinstance(roots[0][0], nn.Sequential):
+            raise NotImplementedError(
+                "KFRA needs the extended model to be an nn.Sequential chain; use KFLR or KFAC "
+                "for other architectures"
+            )
+        root, args = roots[0]
+        chain = _chain(root)
+        for m in chain:
+            ok = isinstance(
+                m, (nn.Linear, *_ELEMENTWISE, *_IDENTITY, *_SAMPLE_INDEPENDENT, *_SAMPLE_DEPENDENT)
+            )
+            if not ok or (isinstance(m, nn.Dropout) and m.training and m.p > 0):
+                raise NotImplementedError(
+                    f"KFRA does not support {type(m).__name__} in the chain; supported: Linear, "
+                    "Conv, ConvTranspose, elementwise activations, pooling, Flatten, Dropout "
+                    "(eval). Use KFLR or KFAC instead"
+                )
+        cols = loss_hessian_sqrt(record.module, record.inputs, ("exact",), n).materialize()
+        if len(cols) != 1:
+            raise NotImplementedError("KFRA needs a loss with a single differentiable input")
+        s = cols[0].flatten(2)  # [K, N, D]
+        G = torch.einsum("kni,knj->ij", s, s) * scale
+        with suspended(), torch.no_grad():
+            xs = [args[0]]
+            for m in chain:
+                xs.append(m(xs[-1]))
+        first_param = next((i for i, m in enumerate(chain) if _trainable(m)), len(chain))
+        by_call = {id(c.module): c for c, _ in calls}
+        for i in reversed(range(first_param, len(chain))):
+            m, x = chain[i], xs[i]
+            if _trainable(m):
+                self._store_factors(ctx, bs, by_call.get(id(m)), m, G, xs[i + 1])
+            if i > first_param:
+                G = self._backprop(m, x, G)
+        return None
+
+    def _store_factors(self, ctx, bs, call, m, G, out) -> None:
+        if call is None:
+            return
+        from backprism.rules.base import get_rule
+
+        a = get_rule(m).kfac_input(call)
+        positions = out[0].numel() // out.shape[1] if out.dim() > 2 else 1
+        c = out.shape[1]
+        B = G.view(c, positions, c, positions).sum((1, 3)) if positions > 1 else G
+        for name, p in call.params.items():
+            value = KroneckerFactors(
+                [B, a[name]] if name in a else [B],
+                {id(call)},
+                [True, False][: 2 if name in a else 1],
+            )
+            ctx._store(bs, p, self, value)
+        bs.touched[id(m)] = m
+
+    def accumulate(self, old: KroneckerFactors, new: KroneckerFactors) -> KroneckerFactors:
+        return _Kronecker.accumulate(self, old, new)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _backprop(m: nn.Module, x: Tensor, G: Tensor) -> Tensor:
+        n = x.shape[0]
+        if isinstance(m, nn.Linear):
+            return m.weight.detach().t() @ G @ m.weight.detach()
+        if isinstance(m, _IDENTITY):
+            return G
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            if isinstance(m, _ELEMENTWISE):
+                (d,) = torch.autograd.grad(m(x).sum(), x)
+                d = d.reshape(n, -1)
+                return G * (d.t() @ d) / n
+            sample_independent = isinstance(m, _SAMPLE_INDEPENDENT)
+            xin = x[:1] if sample_independent else x
+            out = m(xin)
+            L = _psd_factor(G)  # [D_out, r]
+            res = x.new_zeros(x[0].numel(), x[0].numel())
+            r = L.shape[1]
+            step = max(1, int(2**26 // max(1, out.numel())))
+            for start in range(0, r, step):
+                cols = L[:, start : start + step].t()  # [c, D_out]
+                go = cols[:, None].expand(-1, out.shape[0], -1).reshape(-1, *out.shape)
+                (v,) = torch.autograd.grad(out, xin, go, retain_graph=True, is_grads_batched=True)
+                v = v.reshape(-1, x[0].numel())
+                res += v.t() @ v
+            return res if sample_independent else res / n
+
+
+def _trainable(m: nn.Module) -> bool:
+    return any(p.requires_grad for p in m.parameters(recurse=False))
