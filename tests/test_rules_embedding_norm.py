@@ -437,20 +437,54 @@ def test_batchnorm_train_mode_error():
         loss_fn(model(x), torch.tensor([0, 2, 1])).backward()
 
 
-def test_diag_ggn_end_to_end():
+def _diag_ggn_models() -> list[tuple[nn.Module, Tensor, Tensor]]:
+    seq = _randomize(SequenceModel(5, 3, 4, 0).double(), 3)
+    seq_x, seq_y = torch.tensor([[0, 2, 2, 4], [1, 1, 0, 3]]), torch.tensor([0, 3])
+    group = _randomize(_conv_model(nn.GroupNorm(2, 4)).double(), 5)
+    bn = nn.BatchNorm2d(4)
+    batch = _randomize(_conv_model(bn).double(), 6).eval()
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 1.5)
+    img = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    return [(seq, seq_x, seq_y), (group, img, torch.tensor([2, 0])), (batch, img, seq_y[:2] % 3)]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["embedding-layernorm", "groupnorm", "batchnorm"])
+def test_diag_ggn_end_to_end(which):
     """Second order through the engine (needs the loss square roots from ``backprism.losses``)."""
     pytest.importorskip("backprism.losses")
     from backprism.extensions import BatchDiagGGNExact, DiagGGNExact
 
-    model = _randomize(SequenceModel(5, 3, 4, 0).double(), 3)
+    torch.manual_seed(which)
+    model, x, y = _diag_ggn_models()[which]
     loss_fn = nn.CrossEntropyLoss()
-    x = torch.tensor([[0, 2, 2, 4], [1, 1, 0, 3]])
-    y = torch.tensor([0, 3])
     batch = batch_diag_ggn_loop(model, loss_fn, x, y)
     backprism.extend(model)
     backprism.extend(loss_fn)
-    with backprism.collect(DiagGGNExact(), BatchDiagGGNExact()):
+    with backprism.collect(DiagGGNExact(), BatchDiagGGNExact(), chunk_size=3):
         loss_fn(model(x), y).backward()
     for name, p in model.named_parameters():
-        close(p.diag_ggn_exact_batch, batch[name])
-        close(p.diag_ggn_exact, batch[name].sum(0))
+        if p.requires_grad:
+            close(p.diag_ggn_exact_batch, batch[name])
+            close(p.diag_ggn_exact, batch[name].sum(0))
+
+
+def test_norm_normalizes_once_per_call(monkeypatch):
+    """``x̂`` is computed once per call although several statistics need it, and the cache is
+    dropped at the end of the backward pass."""
+    from backprism.rules import norm
+
+    counts: dict[int, int] = {}
+    original = norm.LayerNormRule.normalized
+
+    def counting(self, call):
+        counts[id(call)] = counts.get(id(call), 0) + 1
+        return original(self, call)
+
+    monkeypatch.setattr(norm.LayerNormRule, "normalized", counting)
+    model = _randomize(SequenceModel(5, 3, 4, None).double(), 7)
+    x, y = torch.tensor([[0, 2], [1, 1]]), torch.tensor([0, 3])
+    check_first_order(model, nn.CrossEntropyLoss(), x, y)
+    assert list(counts.values()) == [1]
+    assert norm._LAST is None
