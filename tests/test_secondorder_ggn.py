@@ -92,6 +92,12 @@ class Case:
             self.lossfunc = nn.CrossEntropyLoss(reduction=reduction)
             self.y = torch.randint(0, c, (N, 2))
             self.post = lambda o: o.flatten(0, 1)
+        elif name == "ce_spatial":  # [N, C, D] logits (Linear over [N, D, in], transposed)
+            c = 3
+            self.X = torch.randn(N, 2, D_IN, dtype=DT)
+            self.lossfunc = nn.CrossEntropyLoss(reduction=reduction, ignore_index=1)
+            self.y = torch.tensor([[0, 1], [2, 2], [1, 0]])
+            self.post = lambda o: o.transpose(-1, -2)
         elif name == "nll":
             c = 3
             self.lossfunc = nn.NLLLoss(reduction=reduction)
@@ -152,7 +158,7 @@ class Case:
         return torch.cat(parts, -1)
 
 
-LOSSES = ["ce", "ce_rows", "nll", "mse", "bce", "bce_plain", "gauss"]
+LOSSES = ["ce", "ce_rows", "ce_spatial", "nll", "mse", "bce", "bce_plain", "gauss"]
 CASES = [
     (loss, red, kind) for loss in LOSSES for red in ("mean", "sum") for kind in ("chain", "resmlp")
 ]
