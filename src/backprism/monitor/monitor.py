@@ -1,0 +1,497 @@
+r"""The :class:`Monitor`: tracks quantities on schedules around the backward pass.
+
+Usage (the model and the loss module must be ``backprism.extend``-ed)::
+
+    monitor = Monitor(model.parameters(), configuration("economy"), log_path="run.jsonl")
+    for step, (X, y) in enumerate(loader):
+        optimizer.zero_grad()
+        outputs = model(X)
+        loss = lossfunc(outputs, y)                       # mean reduction
+        losses = individual_lossfunc(outputs, y)          # reduction="none"
+        with monitor(step, info={"batch_size": X.shape[0], "individual_losses": losses,
+                                 "loss": loss, "optimizer": optimizer}):
+            loss.backward(create_graph=monitor.create_graph(step))
+        optimizer.step()
+
+``info`` keys (Cockpit's): ``loss`` (mini-batch loss tensor), ``batch_size`` (int),
+``individual_losses`` (``[N]`` tensor of ``ℓₙ``), ``optimizer``. A key needed at a step by an
+active quantity but missing raises ``KeyError`` naming the key and the quantity.
+
+**Extension requests are merged.** Quantities ask for engine extensions (``BatchL2Grad``,
+``BatchDotGrad``, ``SumGradSquared``, ``BatchGrad``, curvature diagonals); equal requests (same
+type and hyperparameters) are computed once; requests of one type with *different*
+hyperparameters (e.g. ``DiagGGNMC(mc_samples=1)`` from a quantity and ``DiagGGNMC(mc_samples=4)``
+passed by the user) are all computed in the same backward pass, the later ones under the
+attribute ``"<savefield>_<i>"`` (``i = 1, 2, …``); extensions passed by the user keep their
+standard attribute and are left on the parameters, the monitor's own are deleted after the step.
+Per-sample gradients (``BatchGrad``) are reduced module by module during the backward pass
+(histograms, α projections) and freed right away.
+
+**Output keys.** A quantity's key is its class name. If several quantities of one class are
+tracked, each key gets the hyperparameters in which they differ, e.g.
+``"HessTrace(curvature=diag_h)"`` and ``"HessTrace(curvature=diag_ggn_exact)"``; if that still
+does not separate them (only their schedules differ) ``"#<i>"`` (position among them, from 1)
+is appended: ``"Loss#1"``, ``"Loss#2"``.
+
+:meth:`Monitor.get_output` returns ``{key: {step: value}}`` (plus the :meth:`Monitor.log`
+fields ``{field: {step: value}}``); :meth:`Monitor.write` saves it as JSON; the streamed log is
+described in :mod:`backprism.monitor.log`.
+
+**Bad input.** A step with NaN/inf loss or gradients makes every quantity that depends on them
+record NaN, with one ``RuntimeWarning``; training continues. Per-sample quantities need a
+mean-reduced loss (``ValueError`` otherwise) and refuse BatchNorm in train mode with a
+``RuntimeError`` naming them (``Loss``, ``GradNorm``, ``Distance``, ``UpdateSize``, ``HessMaxEV``
+work with it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from backprism.context import active, collect
+from backprism.extensions import BatchGrad
+from backprism.extensions.base import Extension
+from backprism.monitor.log import LogWriter, to_jsonable
+from backprism.monitor.quantities.base import (
+    Quantity,
+    StepData,
+    extension_key,
+    missing_info_message,
+)
+
+__all__ = ["Monitor"]
+
+_LOG_FIELDS = (
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
+
+_NUMERICAL_ERRORS: tuple[type[BaseException], ...] = (
+    FloatingPointError,
+    np.linalg.LinAlgError,
+    torch.linalg.LinAlgError,
+    ZeroDivisionError,
+)
+
+
+def _fmt(v: Any) -> str:
+    return v if isinstance(v, str) else repr(v)
+
+
+def assign_keys(quantities: list[Quantity]) -> None:
+    """Give every quantity a unique output key (see the module docstring)."""
+    by_name: dict[str, list[Quantity]] = defaultdict(list)
+    for q in quantities:
+        by_name[type(q).__name__].append(q)
+    for name, group in by_name.items():
+        if len(group) == 1:
+            group[0].key = name
+            continue
+        hps = [q.hyperparameters() for q in group]
+        names = sorted({k for h in hps for k in h})
+        differing = [k for k in names if len({repr(h.get(k)) for h in hps}) > 1]
+        keys = []
+        for h in hps:
+            if differing:
+                keys.append(
+                    f"{name}(" + ", ".join(f"{k}={_fmt(h.get(k))}" for k in differing) + ")"
+                )
+            else:
+                keys.append(name)
+        counts = Counter(keys)
+        seen: Counter[str] = Counter()
+        for q, k in zip(group, keys):
+            if counts[k] > 1:
+                seen[k] += 1
+                k = f"{k}#{seen[k]}"
+            q.key = k
+
+
+class Monitor:
+    """Training instrument panel: tracks ``quantities`` of ``params`` on their schedules.
+
+    Args:
+        params: the parameters the quantities are computed for (all ``requires_grad``).
+        quantities: :class:`~backprism.monitor.quantities.Quantity` instances (e.g. from
+            :func:`~backprism.monitor.configuration`); default none.
+        log_path: if given, stream the log to this file (see :meth:`stream`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        quantities: Iterable[Quantity] | None = None,
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("Monitor needs at least one parameter")
+        for p in self.params:
+            if not isinstance(p, Tensor) or not p.requires_grad:
+                raise ValueError(
+                    "Got parameter with requires_grad=False "
+                    f"(shape {tuple(getattr(p, 'shape', ()))})"
+                )
+        self.quantities: list[Quantity] = []
+        for q in quantities or []:
+            self.add(q)
+        self._log_output: dict[str, dict[int, Any]] = defaultdict(dict)
+        self._writer: LogWriter | None = None
+        self._written: dict[str, int] = {}
+        if log_path is not None:
+            self.stream(log_path)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def add(self, quantity: Quantity) -> None:
+        """Track one more quantity (output keys are re-assigned)."""
+        if not isinstance(quantity, Quantity):
+            raise ValueError(f"Added quantities must be instances of Quantity. Got {quantity!r}")
+        if any(q is quantity for q in self.quantities):
+            raise ValueError(f"{quantity!r} is already tracked by this monitor")
+        self.quantities.append(quantity)
+        assign_keys(self.quantities)
+
+    def keys(self) -> list[str]:
+        """Output keys of the tracked quantities."""
+        return [q.key for q in self.quantities]
+
+    def stream(self, path: str | os.PathLike, mode: str = "w", fsync: bool = False) -> None:
+        """Stream the log to ``path`` (JSON Lines, one flushed line per tracked step; schema in
+        :mod:`backprism.monitor.log`). ``mode="a"`` appends to an existing log."""
+        self.close()
+        self._writer = LogWriter(path, self.keys(), mode=mode, fsync=fsync)
+        self._written = {}
+
+    def close(self) -> None:
+        """Close the streamed log (if any)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- per step ----------------------------------------------------------------------------
+    def create_graph(self, global_step: int) -> bool:
+        """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
+        return any(q.create_graph(global_step) for q in self.quantities)
+
+    def __call__(
+        self, global_step: int, *exts: Extension, info: dict[str, Any] | None = None
+    ) -> _StepContext:
+        """Context for the backward pass of step ``global_step``; ``exts`` are extra engine
+        extensions computed on top (their results stay on the parameters)."""
+        for e in exts:
+            if not isinstance(e, Extension):
+                raise TypeError(f"*exts must be backprism extension instances. Got {e!r}")
+        return _StepContext(self, int(global_step), list(exts), dict(info or {}))
+
+    # -- epoch-level log ---------------------------------------------------------------------
+    def log(
+        self,
+        global_step: int,
+        epoch: int | None = None,
+        train_loss: float | None = None,
+        valid_loss: float | None = None,
+        train_accuracy: float | None = None,
+        valid_accuracy: float | None = None,
+        learning_rate: float | None = None,
+        test_loss: float | None = None,
+        test_accuracy: float | None = None,
+    ) -> None:
+        """Record epoch-level metrics under ``global_step`` (streamed as a ``log`` line)."""
+        values = {
+            "train_loss": train_loss,
+            "valid_loss": valid_loss,
+            "test_loss": test_loss,
+            "train_accuracy": train_accuracy,
+            "valid_accuracy": valid_accuracy,
+            "test_accuracy": test_accuracy,
+            "learning_rate": learning_rate,
+        }
+        step = int(global_step)
+        self._log_output["epoch"][step] = epoch
+        record: dict[str, Any] = {"kind": "log", "step": step, "epoch": epoch}
+        for k, v in values.items():
+            if v is None:
+                continue
+            v = float(v.item() if isinstance(v, Tensor) else v)
+            self._log_output[k][step] = v
+            record[k] = v
+        if self._writer is not None:
+            self._writer.write(record)
+
+    # -- output ------------------------------------------------------------------------------
+    def get_output(self) -> dict[str, dict[int, Any]]:
+        """``{key: {step: value}}`` for every quantity and every :meth:`log` field."""
+        out: dict[str, dict[int, Any]] = {q.key: dict(q.get_output()) for q in self.quantities}
+        for k, v in self._log_output.items():
+            out[k] = dict(v)
+        return out
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write :meth:`get_output` to ``path`` as JSON (steps as string keys, NaN → null)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        data = to_jsonable(
+            {k: {str(s): v for s, v in d.items()} for k, d in self.get_output().items()}
+        )
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
+
+    def _stream_new(self) -> None:
+        if self._writer is None:
+            return
+        by_step: dict[int, dict[str, Any]] = defaultdict(dict)
+        sources: list[tuple[str, dict[int, Any]]] = []
+        for q in self.quantities:
+            sources.append((q.key, q.output))
+            fit = getattr(q, "fit_output", None)
+            if fit is not None:
+                sources.append((f"{q.key}/fit", fit))
+        for key, output in sources:
+            done = self._written.get(key, 0)
+            if len(output) > done:
+                for step, value in list(output.items())[done:]:
+                    by_step[step][key] = value
+                self._written[key] = len(output)
+        for step in sorted(by_step):
+            self._writer.step(step, by_step[step])
+
+
+class _StepContext:
+    """One step: requests extensions, runs transforms during the backward, then tracks."""
+
+    def __init__(self, monitor: Monitor, step: int, exts: list[Extension], info: dict[str, Any]):
+        self.monitor = monitor
+        self.step = step
+        self.user_exts = exts
+        self.info = info
+        self.data = StepData(step, monitor.params, info)
+        self.ctx: collect | None = None
+        self.owned_fields: set[str] = set()
+        self.batch_field: str | None = None
+        self.transforms: dict[str, dict[str, Any]] = {}
+        self.done: set[int] = set()
+        self.param_ids = {id(p) for p in monitor.params}
+        self.needs_mean = False
+        self.checked_reduction = False
+
+    # -- entering ----------------------------------------------------------------------------
+    def __enter__(self) -> _StepContext:
+        step, data, quants = self.step, self.data, self.monitor.quantities
+        for q in quants:
+            q.begin_step(step, data)
+        active_q = [q for q in quants if q.should_compute(step)]
+        for q in active_q:
+            for key in sorted(q.info_keys(step)):
+                if key not in self.info:
+                    raise KeyError(missing_info_message(key, q, step))
+        requests: list[Extension] = []
+        for q in quants:
+            requests += q.extensions(step)
+            fns = q.transforms(step, data)
+            if fns:
+                self.transforms[q.key] = fns
+        per_sample = [q for q in active_q if q.per_sample]
+        self.needs_mean = bool(per_sample) or bool(self.transforms)
+        if self.needs_mean:
+            self._check_mean_from_info(per_sample)
+        exts = self._merge(requests)
+        if self.transforms:
+            self.batch_field = data.fields[extension_key(BatchGrad())]
+            for p in self.monitor.params:  # no stale per-sample gradients from earlier steps
+                if hasattr(p, self.batch_field):
+                    delattr(p, self.batch_field)
+        if exts:
+            self.ctx = collect(*exts, extension_hook=self._hook)
+            self.ctx.__enter__()
+        return self
+
+    def _merge(self, requests: list[Extension]) -> list[Extension]:
+        fields = self.data.fields
+        exts = list(self.user_exts)
+        used = set()
+        for e in exts:
+            fields.setdefault(extension_key(e), e.savefield)
+            used.add(e.savefield)
+        if self.transforms:
+            requests = [*requests, BatchGrad()]
+        for e in requests:
+            key = extension_key(e)
+            if key in fields:
+                continue
+            field = e.savefield
+            i = 0
+            while field in used:
+                i += 1
+                field = f"{e.savefield}_{i}"
+            if field != e.savefield:
+                e = copy.copy(e)
+                e.savefield = field
+            exts.append(e)
+            fields[key] = field
+            used.add(field)
+            self.owned_fields.add(field)
+        return exts
+
+    def _check_mean_from_info(self, per_sample: list[Quantity]) -> None:
+        loss, losses = self.info.get("loss"), self.info.get("individual_losses")
+        if not isinstance(loss, Tensor) or not isinstance(losses, Tensor) or losses.numel() < 2:
+            return
+        value, mean, total = (
+            float(loss.detach()),
+            float(losses.detach().mean()),
+            float(losses.detach().sum()),
+        )
+        if not (math.isfinite(value) and math.isfinite(mean)):
+            return
+        tol = 1e-4 * max(1.0, abs(mean))
+        if abs(value - mean) > tol and abs(value - total) <= 1e-4 * max(1.0, abs(total)):
+            names = ", ".join(q.key for q in per_sample) or "the histogram/α quantities"
+            raise ValueError(
+                f"backprism.monitor: {names} need a mean-reduced loss (L = (1/N) Σ ℓₙ), but "
+                f"info['loss'] = {value:.6g} equals the sum of info['individual_losses']; use "
+                "reduction='mean'"
+            )
+
+    # -- during the backward pass ------------------------------------------------------------
+    def _check_reduction(self) -> None:
+        if self.checked_reduction or not self.needs_mean:
+            return
+        self.checked_reduction = True
+        ctx = active()
+        if ctx is None:
+            return
+        for record in ctx._state().loss_records:
+            reduction = getattr(record.module, "reduction", "mean")
+            if reduction != "mean":
+                names = ", ".join(
+                    q.key
+                    for q in self.monitor.quantities
+                    if q.per_sample and q.should_compute(self.step)
+                )
+                raise ValueError(
+                    f"backprism.monitor: {names} need a mean-reduced loss (L = (1/N) Σ ℓₙ), but "
+                    f"{type(record.module).__name__}(reduction={reduction!r}) was used; use "
+                    "reduction='mean'"
+                )
+
+    def _hook(self, module: torch.nn.Module) -> None:
+        self._check_reduction()
+        if self.batch_field is None:
+            return
+        for p in module.parameters():
+            self._transform(p)
+
+    def _transform(self, p: Tensor) -> None:
+        if id(p) not in self.param_ids or id(p) in self.done:
+            return
+        field = self.batch_field
+        assert field is not None
+        grad_batch = getattr(p, field, None)
+        if grad_batch is None:
+            return
+        self.done.add(id(p))
+        store = self.data.transformed
+        for qkey, fns in self.transforms.items():
+            for name, fn in fns.items():
+                store.setdefault(qkey, {}).setdefault(name, {})[id(p)] = fn(p, grad_batch)
+        if field in self.owned_fields:
+            delattr(p, field)
+
+    # -- leaving -----------------------------------------------------------------------------
+    def _free(self) -> None:
+        for p in self.monitor.params:
+            for field in self.owned_fields:
+                if hasattr(p, field):
+                    delattr(p, field)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            if self.ctx is not None:
+                self.ctx.__exit__(exc_type, exc, tb)
+        except BaseException:
+            self._free()
+            raise
+        if exc_type is not None:
+            self._free()
+            if (
+                isinstance(exc, RuntimeError)
+                and "BatchNorm" in str(exc)
+                and "train mode" in str(exc)
+            ):
+                names = [
+                    q.key
+                    for q in self.monitor.quantities
+                    if q.per_sample and q.should_compute(self.step)
+                ]
+                raise RuntimeError(
+                    f"backprism.monitor: the quantities {names} need per-sample gradients, which "
+                    "BatchNorm in train mode makes undefined (it mixes the samples of a batch). "
+                    "Track only Loss, GradNorm, Distance, UpdateSize, HessMaxEV, Time, "
+                    "Parameters, HessTrace for this model, or call model.eval() for the backward "
+                    f"pass. Engine message: {exc}"
+                ) from exc
+            return False
+        try:
+            self._track()
+        finally:
+            self._free()
+            self.monitor._stream_new()
+        return False
+
+    def _finite(self) -> bool:
+        loss = self.info.get("loss")
+        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            return False
+        for p in self.monitor.params:
+            if p.grad is not None and not bool(torch.isfinite(p.grad.detach()).all()):
+                return False
+        return True
+
+    def _track(self) -> None:
+        step, data = self.step, self.data
+        for p in self.monitor.params:  # parameters whose module hook did not run
+            if self.batch_field is not None:
+                self._transform(p)
+        data.finite = self._finite()
+        broken: list[str] = []
+        before = [q for q in self.monitor.quantities if not q.after_cleanup]
+        after = [q for q in self.monitor.quantities if q.after_cleanup]
+        for group in (before, after):
+            if group is after:
+                self._free()
+            for q in group:
+                if q.needs_finite and not data.finite:
+                    if q.should_compute(step):
+                        broken.append(q.key)
+                    q.track_nonfinite(step, data)
+                    continue
+                try:
+                    q.track(step, data)
+                except _NUMERICAL_ERRORS as err:
+                    broken.append(f"{q.key} ({type(err).__name__}: {err})")
+                    q.track_nonfinite(step, data)
+        if broken:
+            why = "the loss or gradients are NaN/inf" if not data.finite else "a numerical error"
+            warnings.warn(
+                f"backprism.monitor step {step}: {why}; recorded NaN for {', '.join(broken)}",
+                RuntimeWarning,
+                stacklevel=3,
+            )

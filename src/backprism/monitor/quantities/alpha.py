@@ -1,0 +1,293 @@
+r"""The normalized step length α from a noise-aware quadratic fit (Cockpit's ``Alpha``).
+
+Between a *start* step ``s`` (scheduled) and the *end* step ``s + 1`` the parameters move by
+``d = θ_end − θ_start``, ``t = ‖d‖``. Along the line, with ``x`` the distance travelled, we observe
+
+* the mini-batch losses ``f₀ = L(θ_start)``, ``f_t = L(θ_end)`` with variances
+  ``Var(ℓₙ)`` (unbiased sample variance of ``info['individual_losses']``),
+* the projected gradients ``df = mean_n πₙ`` with ``πₙ = gₙᵀd/‖d‖``, ``gₙ = ∇ℓₙ`` (so
+  ``df = gᵀd/‖d‖``), and variances ``Var(πₙ)`` (unbiased), at both points.
+
+A quadratic ``q(x) = c₀ + c₁x + c₂x²`` is fitted by weighted least squares (maximum likelihood
+with the observation variances, zero variances replaced by ``1e-10`` with a warning) to
+``[f₀, f_t, df₀, df_t]`` with design rows ``[1,0,0], [1,t,t²], [0,1,0], [0,1,2t]``. Then
+
+    α = 2t / ᾱ − 1,   ᾱ = −c₁/c₂  (the point of the same height as the start),
+
+so ``α = −1`` means no progress, ``0`` stepping to the minimum of ``q``, ``1`` to the opposite
+side; a concave fit (``c₂ < 0``) gives ``−1`` (``−1`` also when ``t = 0`` and the fit fails),
+an impossible fit ``None`` (not stored). The value is stored under the start step
+(``SAVE_SHIFT = 1``); the fit data go to ``fit_output`` (log key ``"<key>/fit"``).
+
+Two ways to get ``πₙ`` (Cockpit's):
+
+* **SGD fast path** (``info['optimizer']`` is SGD without momentum/weight decay): the update is
+  known during the start backward, ``d = −lr·g``; the start projections are
+  ``gₙᵀd = −lr·N²·Σₘ batch_dot[n, m]`` (no per-sample gradients needed unless the step is also
+  an end step) and the end projections ``N·grad_batch[n]ᵀd`` are taken module by module.
+* **optimizer-agnostic fallback**: the start step keeps ``grad_batch`` (memory ``N × D``) and
+  ``θ_start``; at the end, ``d = θ_end − θ_start`` is known, the end projections are taken
+  during the backward pass and the start ones from the kept gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from backprism.extensions import BatchDotGrad, BatchGrad
+from backprism.extensions.base import Extension
+from backprism.monitor.quantities.base import Schedule, StepData, Transform, TwoStepQuantity
+from backprism.monitor.quantities.optim import is_sgd_default_kwargs, lr_of
+
+__all__ = ["Alpha", "fit_quadratic", "get_alpha"]
+
+
+def _proj(grad_batch: Tensor, d: Tensor) -> Tensor:
+    """``[N]``: ``N · grad_batch[n]ᵀ d`` (individual gradients ``gₙ = N·grad_batch[n]``)."""
+    n = grad_batch.shape[0]
+    return n * (grad_batch.detach().reshape(n, -1) @ d.reshape(-1).to(grad_batch.dtype))
+
+
+class Alpha(TwoStepQuantity):
+    """Normalized step length α (float) from the noise-aware quadratic fit; see module doc.
+
+    Needs ``info['loss']``, ``info['individual_losses']``, ``info['batch_size']`` and (for the
+    SGD fast path) ``info['optimizer']`` on start and end steps.
+    """
+
+    SAVE_SHIFT = 1
+    POINTS = ("start", "end")
+    per_sample = True
+
+    def __init__(self, track_schedule: Schedule, verbose: bool = False) -> None:
+        super().__init__(track_schedule, verbose=verbose)
+        self.fit_output: dict[int, dict[str, Any]] = {}
+
+    def is_start(self, global_step: int) -> bool:
+        return bool(self._track_schedule(global_step))
+
+    def is_end(self, global_step: int) -> bool:
+        return bool(self._track_schedule(global_step - self.SAVE_SHIFT))
+
+    def _block(self, start: int, end: int) -> Any:
+        return lambda step: start <= step <= end
+
+    def _has_start(self, end_step: int) -> bool:
+        return self.in_cache(end_step - self.SAVE_SHIFT, "mode")
+
+    def _fast(self, data: StepData) -> bool:
+        try:
+            optimizer = data.info["optimizer"]
+        except KeyError:
+            warnings.warn("No 'optimizer' handed in via info", stacklevel=4)
+            return False
+        return is_sgd_default_kwargs(optimizer)
+
+    def info_keys(self, global_step: int) -> set[str]:
+        if self.should_compute(global_step):
+            return {"loss", "individual_losses", "batch_size"}
+        return set()
+
+    # -- what the backward pass computes -----------------------------------------------------
+    def _plan(self, global_step: int, data: StepData) -> dict[str, Any]:
+        """Per step: whether it starts (and how) and ends with a known start."""
+        plan = getattr(self, "_plans", {}).get(global_step)
+        if plan is None:
+            start = self.is_start(global_step)
+            end = self.is_end(global_step) and self._has_start(global_step)
+            mode = None
+            if start:
+                mode = "fast" if self._fast(data) else "fallback"
+            plan = {"start": start, "mode": mode, "end": end}
+            self._plans = {global_step: plan}
+        return plan
+
+    def begin_step(self, global_step: int, data: StepData) -> None:
+        self._plans = {}
+        if self.should_compute(global_step):
+            self._plan(global_step, data)
+
+    def extensions(self, global_step: int) -> list[Extension]:
+        plan = getattr(self, "_plans", {}).get(global_step)
+        if plan is None:
+            return []
+        needs_batch = plan["end"] or (plan["start"] and plan["mode"] == "fallback")
+        if needs_batch:
+            return [BatchGrad()]
+        if plan["start"]:
+            return [BatchDotGrad()]
+        return []
+
+    def transforms(self, global_step: int, data: StepData) -> dict[str, Transform]:
+        plan = self._plan(global_step, data)
+        out: dict[str, Transform] = {}
+        if plan["end"]:
+            start = global_step - self.SAVE_SHIFT
+            mode = self.load_from_cache(start, "mode")
+            if mode == "fast":
+                dirs = self.load_from_cache(start, "update")
+
+                def end_fast(p: Tensor, grad_batch: Tensor) -> Tensor:
+                    return _proj(grad_batch, dirs[id(p)])
+
+                out["end"] = end_fast
+            else:
+                old = self.load_from_cache(start, "params")
+
+                def end_fallback(p: Tensor, grad_batch: Tensor) -> Tensor:
+                    return _proj(grad_batch, p.detach() - old[id(p)])
+
+                out["end"] = end_fallback
+        if plan["start"] and (plan["end"] or plan["mode"] == "fallback"):
+            if plan["mode"] == "fast":
+                lrs = lr_of(data.info["optimizer"])
+
+                def start_fast(p: Tensor, grad_batch: Tensor) -> tuple[Tensor, Tensor]:
+                    d = -lrs[id(p)] * grad_batch.detach().sum(0)
+                    return d, _proj(grad_batch, d)
+
+                out["start"] = start_fast
+            else:
+
+                def start_keep(p: Tensor, grad_batch: Tensor) -> Tensor:
+                    return grad_batch.detach()
+
+                out["start"] = start_keep
+        return out
+
+    # -- after the backward pass -------------------------------------------------------------
+    def track(self, global_step: int, data: StepData) -> None:
+        if not self.should_compute(global_step):
+            return
+        plan = self._plan(global_step, data)
+        if plan["start"]:
+            self._compute_start(global_step, data)
+        if plan["end"]:
+            value = self._compute_end(global_step, data)
+            if value is not None:
+                self._save(global_step - self.SAVE_SHIFT, value)
+        elif self.is_end(global_step) and self._verbose:
+            print(f"[Step {global_step} | {self.key}] no start point cached, skipping")
+        self.free_cache(global_step + 1)
+        self._plans = {}
+
+    def track_nonfinite(self, global_step: int, data: StepData) -> None:
+        if self.is_end(global_step) and self._has_start(global_step):
+            self._save(global_step - self.SAVE_SHIFT, self.nan_value())
+        self._cache.pop(global_step, None)
+        self.free_cache(global_step + 1)
+        self._plans = {}
+
+    def _save_0th_order(self, step: int, data: StepData, point: str, until: int) -> None:
+        block = self._block(step, until)
+        self.save_to_cache(step, f"f_{point}", float(data.get("loss", self).detach()), block)
+        losses = data.get("individual_losses", self).detach().double()
+        self.save_to_cache(step, f"var_f_{point}", float(losses.var()), block)
+
+    def _compute_start(self, global_step: int, data: StepData) -> None:
+        plan = self._plan(global_step, data)
+        until = global_step + self.SAVE_SHIFT
+        block = self._block(global_step, until)
+        self._save_0th_order(global_step, data, "start", until)
+        self.save_to_cache(global_step, "mode", plan["mode"], block)
+        if plan["mode"] == "fast":
+            if "start" in data.transformed.get(self.key, {}):
+                res = data.transform_results(self, "start")
+                dirs = {id(p): r[0] for p, r in zip(data.params, res)}
+                dots = sum(r[1].double() for r in res)
+            else:  # from batch_dot: gₙᵀd = −lr N Σₘ gₙᵀ grad_batch[m] = −lr N² Σₘ batch_dot[n,m]
+                lrs = lr_of(data.get("optimizer", self))
+                n = int(data.get("batch_size", self))
+                bdots = data.fetch(BatchDotGrad())
+                dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
+                dots = sum(
+                    -lrs[id(p)] * n**2 * b.double().sum(1) for p, b in zip(data.params, bdots)
+                )
+            self.save_to_cache(global_step, "update", dirs, block)
+            self.save_to_cache(global_step, "dots_start", dots, block)
+        else:
+            params = {id(p): p.detach().clone() for p in data.params}
+            kept = dict(zip((id(p) for p in data.params), data.transform_results(self, "start")))
+            self.save_to_cache(global_step, "params", params, block)
+            self.save_to_cache(global_step, "grad_batch", kept, block)
+
+    def _compute_end(self, global_step: int, data: StepData) -> float | None:
+        start = global_step - self.SAVE_SHIFT
+        self._save_0th_order(global_step, data, "end", global_step)
+        mode = self.load_from_cache(start, "mode")
+        dots_end = sum(r.double() for r in data.transform_results(self, "end"))
+        if mode == "fast":
+            dirs = self.load_from_cache(start, "update")
+            dots_start = self.load_from_cache(start, "dots_start")
+            sq = sum(d.double().square().sum() for d in dirs.values())
+        else:
+            old = self.load_from_cache(start, "params")
+            kept = self.load_from_cache(start, "grad_batch")
+            dirs = {id(p): p.detach() - old[id(p)] for p in data.params}
+            sq = sum(d.double().square().sum() for d in dirs.values())
+            dots_start = sum(_proj(kept[id(p)], dirs[id(p)]).double() for p in data.params)
+        t = float(torch.as_tensor(sq).sqrt())
+        proj = [dots_start / t, dots_end / t] if t > 0 else [dots_start * 0, dots_end * 0]
+        fs = [self.load_from_cache(start, "f_start"), self.load_from_cache(global_step, "f_end")]
+        var_fs = [
+            self.load_from_cache(start, "var_f_start"),
+            self.load_from_cache(global_step, "var_f_end"),
+        ]
+        dfs = [float(p.mean()) for p in proj]
+        var_dfs = [float(p.var()) for p in proj]
+        mu = fit_quadratic(t, fs, dfs, var_fs, var_dfs)
+        alpha = get_alpha(mu, t)
+        self.fit_output[start] = {
+            "t": t,
+            "f": fs,
+            "df": dfs,
+            "var_f": var_fs,
+            "var_df": var_dfs,
+            "mu": None if mu is None else [float(m) for m in mu],
+            "alpha": alpha,
+        }
+        return alpha
+
+
+def fit_quadratic(
+    t: float, fs: list[float], dfs: list[float], fs_var: list[float], dfs_var: list[float]
+) -> np.ndarray | None:
+    """Weighted least-squares fit of ``q(x) = c₀ + c₁x + c₂x²`` to ``q(0) = f₀``,
+    ``q(t) = f_t``, ``q'(0) = df₀``, ``q'(t) = df_t`` with the given variances; ``[c₀, c₁, c₂]``
+    or ``None`` if the system is singular."""
+    phi = np.array([[1, 0, 0], [1, t, t**2], [0, 1, 0], [0, 1, 2 * t]], dtype=np.float64).T
+    eps = 1e-10
+    if 0 in fs_var:
+        warnings.warn("The variance of f is 0, using a small value instead.", stacklevel=2)
+        fs_var = [eps if v == 0 else v for v in fs_var]
+    if 0 in dfs_var:
+        warnings.warn("The variance of df is 0, using a small value instead.", stacklevel=2)
+        dfs_var = [eps if v == 0 else v for v in dfs_var]
+    if t == 0.0:
+        warnings.warn("The two observations were (almost) at the same point.", stacklevel=2)
+    try:
+        lam_inv = np.linalg.inv(np.diag(list(fs_var) + list(dfs_var)))
+        y = np.array(list(fs) + list(dfs), dtype=np.float64)
+        return np.linalg.inv(phi @ lam_inv @ phi.T) @ phi @ lam_inv @ y
+    except np.linalg.LinAlgError:
+        warnings.warn(
+            "Couldn't compute a quadratic fit due to Singular matrix, returning None",
+            stacklevel=2,
+        )
+        return None
+
+
+def get_alpha(mu: np.ndarray | None, t: float) -> float | None:
+    """``α = 2t/ᾱ − 1`` with ``ᾱ = −c₁/c₂``; ``−1`` for a concave fit (or ``t = 0`` without
+    fit), ``None`` if there is no fit."""
+    if mu is None:
+        return -1.0 if t == 0.0 else None
+    if mu[2] < 0:
+        return -1.0
+    alpha_bar = -mu[1] / mu[2]
+    return float((2 * t) / alpha_bar - 1)

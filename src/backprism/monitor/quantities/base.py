@@ -1,0 +1,296 @@
+"""Quantity base classes and the per-step data handed to quantities.
+
+A quantity declares, per step, what it needs from the backward pass and then computes its value
+after it. The life cycle of one step under ``with monitor(step, info=...)``:
+
+1. ``should_compute(step)``/``is_start``/``is_end`` decide whether the quantity is active;
+2. ``info_keys(step)`` names the ``info`` entries it needs (missing → ``KeyError``);
+3. ``extensions(step)`` lists engine extension *instances* (merged across quantities, see
+   :class:`~backprism.monitor.Monitor`), ``transforms(step, data)`` functions
+   ``fn(param, grad_batch)`` applied to each parameter's per-sample gradients as soon as its
+   module is done in the backward pass (so ``grad_batch`` can be freed module by module);
+4. after the backward pass ``track(step, data)`` computes and stores the value.
+
+Single-step quantities store their value under the step at which it was computed; two-step
+quantities (:class:`TwoStepQuantity`) cache information at a *start* step and finish at an *end*
+step, storing under ``end − SAVE_SHIFT`` — Cockpit's semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from backprism.extensions.base import Extension
+
+__all__ = [
+    "ByproductQuantity",
+    "Quantity",
+    "SingleStepQuantity",
+    "StepData",
+    "TwoStepQuantity",
+    "extension_key",
+]
+
+Schedule = Callable[[int], bool]
+Transform = Callable[[Tensor, Tensor], Any]
+
+
+def extension_key(ext: Extension) -> Hashable:
+    """Identity of an extension request: its type and hyperparameters (``vars``)."""
+    items = []
+    for k, v in sorted(vars(ext).items()):
+        if k.startswith("_") or k == "savefield":
+            continue
+        items.append((k, tuple(v) if isinstance(v, list) else v))
+    return (type(ext), tuple(items))
+
+
+class StepData:
+    """What a quantity can read during one step.
+
+    Attributes:
+        step: the global step.
+        params: the monitored parameters (list, in the order given to the monitor).
+        info: the ``info`` dict of the step.
+        fields: ``extension_key(ext) -> attribute name`` the engine stores the result under
+            (duplicates of one extension type with different hyperparameters get distinct
+            names, see :class:`~backprism.monitor.Monitor`).
+        transformed: ``quantity key -> transform name -> id(param) -> value``.
+    """
+
+    def __init__(self, step: int, params: list[Tensor], info: dict[str, Any]) -> None:
+        self.step = step
+        self.params = params
+        self.info = info
+        self.fields: dict[Hashable, str] = {}
+        self.transformed: dict[str, dict[str, dict[int, Any]]] = {}
+        self.finite = True
+
+    def get(self, key: str, quantity: Quantity) -> Any:
+        """``info[key]``, or a ``KeyError`` naming the key and the quantity."""
+        try:
+            return self.info[key]
+        except KeyError:
+            raise KeyError(missing_info_message(key, quantity, self.step)) from None
+
+    @property
+    def loss(self) -> Tensor:
+        return self.info["loss"]
+
+    def fetch(self, ext: Extension, params: list[Tensor] | None = None) -> list[Tensor]:
+        """The engine results of ``ext`` for ``params`` (default: all monitored parameters)."""
+        field = self.fields[extension_key(ext)]
+        out = []
+        for p in self.params if params is None else params:
+            try:
+                out.append(getattr(p, field))
+            except AttributeError:
+                raise RuntimeError(
+                    f"backprism.monitor: a parameter of shape {tuple(p.shape)} received no "
+                    f"'{field}' ({type(ext).__name__}) in the backward pass. Monitored "
+                    "parameters must belong to a model passed to backprism.extend(), be used "
+                    "in the forward pass, and the loss module must be extended too"
+                ) from None
+        return out
+
+    def transform_results(self, quantity: Quantity, name: str) -> list[Any]:
+        """Per-parameter results of ``quantity``'s transform ``name``, in parameter order."""
+        got = self.transformed.get(quantity.key, {}).get(name, {})
+        missing = [p for p in self.params if id(p) not in got]
+        if missing:
+            raise RuntimeError(
+                f"backprism.monitor: {quantity.key} got no per-sample gradients for "
+                f"{len(missing)} parameter(s) (first of shape {tuple(missing[0].shape)}); are "
+                "all monitored parameters in the extended model and used in the forward pass?"
+            )
+        return [got[id(p)] for p in self.params]
+
+
+def missing_info_message(key: str, quantity: Quantity | str, step: int) -> str:
+    name = quantity if isinstance(quantity, str) else quantity.key
+    return (
+        f"{name} needs info['{key}'] at step {step}: pass it as "
+        f"monitor({step}, info={{'{key}': ...}})"
+    )
+
+
+class Quantity:
+    """Base class of a tracked quantity.
+
+    Args:
+        track_schedule: ``step -> bool``, the steps at which the quantity is computed.
+        verbose: print what is computed.
+    """
+
+    #: needs per-sample information (refused with BatchNorm in train mode)
+    per_sample: bool = False
+    #: computed after the engine's buffers were freed (HessMaxEV: Hessian-vector products)
+    after_cleanup: bool = False
+    #: a step with NaN/inf loss or gradients records NaN instead of computing
+    needs_finite: bool = True
+
+    def __init__(self, track_schedule: Schedule, verbose: bool = False) -> None:
+        if not callable(track_schedule):
+            raise TypeError(
+                f"{type(self).__name__}: track_schedule must be a callable step -> bool, got "
+                f"{track_schedule!r} (use backprism.monitor.schedules.linear(1))"
+            )
+        self._track_schedule = track_schedule
+        self._verbose = verbose
+        self.output: dict[int, Any] = {}
+        self.key: str = type(self).__name__
+
+    # -- hyperparameters (for the output key of duplicates) ----------------------------------
+    def hyperparameters(self) -> dict[str, Any]:
+        """Constructor arguments other than the schedule (used to name duplicates)."""
+        return {}
+
+    # -- what the step needs -----------------------------------------------------------------
+    def begin_step(self, global_step: int, data: StepData) -> None:
+        """Called first on every step the monitor sees (before ``extensions``)."""
+
+    def should_compute(self, global_step: int) -> bool:
+        raise NotImplementedError
+
+    def create_graph(self, global_step: int) -> bool:
+        """Whether the backward pass must keep its graph (``create_graph=True``)."""
+        return False
+
+    def extensions(self, global_step: int) -> list[Extension]:
+        """Engine extensions needed at ``global_step``."""
+        return []
+
+    def transforms(self, global_step: int, data: StepData) -> dict[str, Transform]:
+        """Functions ``fn(param, grad_batch)`` to apply per parameter during the backward."""
+        return {}
+
+    def info_keys(self, global_step: int) -> set[str]:
+        """Names of ``info`` entries needed at ``global_step``."""
+        return set()
+
+    # -- computing ---------------------------------------------------------------------------
+    def track(self, global_step: int, data: StepData) -> None:
+        """Compute (if scheduled) and store the result."""
+        if not self.should_compute(global_step):
+            return
+        step, value = self.compute(global_step, data)
+        if value is not None:
+            self._save(step, value)
+
+    def compute(self, global_step: int, data: StepData) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    def nan_value(self) -> Any:
+        """What is recorded when the step's loss or gradients are not finite."""
+        return math.nan
+
+    def track_nonfinite(self, global_step: int, data: StepData) -> None:
+        """Record NaN for a step whose loss/gradients are NaN/inf (the caller warns)."""
+        if self.should_compute(global_step):
+            self._save(global_step, self.nan_value())
+
+    def _save(self, step: int, value: Any) -> None:
+        if self._verbose:
+            print(f"[Step {step} | {self.key}] Store value {value}")
+        self.output[step] = value
+
+    def get_output(self) -> dict[int, Any]:
+        """``{step: value}``."""
+        return self.output
+
+    def __repr__(self) -> str:
+        hp = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({hp})"
+
+
+class SingleStepQuantity(Quantity):
+    """A quantity computed from the information of one step (Cockpit's ``SingleStepQuantity``)."""
+
+    def should_compute(self, global_step: int) -> bool:
+        return bool(self._track_schedule(global_step))
+
+    def compute(self, global_step: int, data: StepData) -> tuple[int, Any]:
+        return global_step, self._compute(global_step, data)
+
+    def _compute(self, global_step: int, data: StepData) -> Any:
+        raise NotImplementedError
+
+
+class ByproductQuantity(SingleStepQuantity):
+    """A single-step quantity that needs no extension (loss, time, ...)."""
+
+
+class TwoStepQuantity(Quantity):
+    """A quantity combining a *start* and an *end* step (Cockpit's ``TwoStepQuantity``).
+
+    The value computed at the end step ``e`` is stored under ``e − SAVE_SHIFT``. Cached entries
+    carry a ``block_fn(step) -> bool`` and are freed once no longer blocked.
+    """
+
+    SAVE_SHIFT = 0
+
+    def __init__(self, track_schedule: Schedule, verbose: bool = False) -> None:
+        super().__init__(track_schedule, verbose=verbose)
+        self._cache: dict[int, dict[str, tuple[Any, Callable[[int], bool]]]] = {}
+
+    def is_start(self, global_step: int) -> bool:
+        raise NotImplementedError
+
+    def is_end(self, global_step: int) -> bool:
+        raise NotImplementedError
+
+    def should_compute(self, global_step: int) -> bool:
+        return self.is_start(global_step) or self.is_end(global_step)
+
+    def compute(self, global_step: int, data: StepData) -> tuple[int, Any]:
+        result = None
+        if self.is_start(global_step):
+            self._compute_start(global_step, data)
+        if self.is_end(global_step):
+            result = self._compute_end(global_step, data)
+        self.free_cache(global_step + 1)
+        return global_step - self.SAVE_SHIFT, result
+
+    def track_nonfinite(self, global_step: int, data: StepData) -> None:
+        # no start information from a broken step; an end step records NaN
+        if self.is_end(global_step):
+            self._save(global_step - self.SAVE_SHIFT, self.nan_value())
+        self.free_cache(global_step + 1)
+        self._cache.pop(global_step, None)
+
+    def _compute_start(self, global_step: int, data: StepData) -> None:
+        raise NotImplementedError
+
+    def _compute_end(self, global_step: int, data: StepData) -> Any:
+        raise NotImplementedError
+
+    # -- cache -------------------------------------------------------------------------------
+    def save_to_cache(
+        self, global_step: int, key: str, value: Any, block_fn: Callable[[int], bool]
+    ) -> None:
+        self._cache.setdefault(global_step, {})[key] = (value, block_fn)
+
+    def load_from_cache(self, global_step: int, key: str) -> Any:
+        return self._cache[global_step][key][0]
+
+    def in_cache(self, global_step: int, key: str) -> bool:
+        return key in self._cache.get(global_step, {})
+
+    def free_cache(self, virtual_step: int) -> None:
+        """Drop entries not blocked at ``virtual_step`` and empty steps."""
+        for step in list(self._cache):
+            entries = self._cache[step]
+            for key in [k for k, (_, block) in entries.items() if not block(virtual_step)]:
+                del entries[key]
+            if not entries:
+                del self._cache[step]
+
+
+def flat_cat(tensors: list[Tensor]) -> Tensor:
+    """Concatenate flattened tensors."""
+    return torch.cat([t.reshape(-1) for t in tensors])

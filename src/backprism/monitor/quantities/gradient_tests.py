@@ -1,0 +1,102 @@
+r"""Gradient tests for adaptive batch sizes: norm, inner-product and orthogonality tests.
+
+Notation: ``N`` samples, ``gₙ = ∇ℓₙ`` (unscaled individual gradients), ``g = (1/N)Σₙ gₙ`` the
+mini-batch gradient (mean reduction). The engine stores ``grad_batch[n] = gₙ/N``, so its fast
+statistics are ``batch_l2[n] = ‖gₙ‖²/N²`` and ``batch_dot[n, m] = gₙᵀgₘ/N²``, and the
+projections onto the mini-batch gradient are row sums of ``batch_dot``:
+
+    gₙᵀg = (1/N) Σₘ gₙᵀgₘ = N Σₘ batch_dot[n, m]
+
+(summed over parameters). No per-sample gradient is materialised for these quantities.
+
+* **NormTest** (Byrd et al., 2012, Eq. 3.9): the largest θ for which the norm test passes,
+
+      θ = √( Σₙ‖gₙ − g‖² / (N − 1) / N / ‖g‖² ),
+      Σₙ‖gₙ − g‖² = N² Σₙ batch_l2[n] − N‖g‖².
+
+* **InnerTest** (Bollapragada et al., 2017, Eq. 2.6): with projections ``πₙ = gₙᵀg``,
+
+      θ = √( Var(πₙ) / N / ‖g‖⁴ ),  Var(πₙ) = (Σₙ πₙ² − N‖g‖⁴)/(N − 1).
+
+* **OrthoTest** (Bollapragada et al., 2017, Eq. 3.3): the largest ν for which the
+  orthogonality test passes,
+
+      ν = √( Σₙ‖gₙ − (πₙ/‖g‖²) g‖² / (N − 1) / N / ‖g‖² ),
+      Σₙ‖gₙ − (πₙ/‖g‖²) g‖² = N² Σₙ batch_l2[n] − Σₙ πₙ²/‖g‖²,  batch_l2 = diag(batch_dot).
+
+All three return a float (Cockpit's output format). They need a mean-reduced loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from backprism.extensions import BatchDotGrad, BatchL2Grad
+from backprism.extensions.base import Extension
+from backprism.monitor.quantities.base import SingleStepQuantity, StepData
+
+__all__ = ["InnerTest", "NormTest", "OrthoTest"]
+
+
+def grad_l2_squared(data: StepData) -> Tensor:
+    """``‖g‖² = Σ_p ‖∇_{θ_p} L‖²``."""
+    return sum(
+        (p.grad.detach().double().square().sum() for p in data.params),
+        torch.zeros((), dtype=torch.float64),
+    )
+
+
+class NormTest(SingleStepQuantity):
+    """Norm test (Byrd et al., 2012): the largest θ for which it passes, from ``batch_l2``."""
+
+    per_sample = True
+
+    def extensions(self, global_step: int) -> list[Extension]:
+        return [BatchL2Grad()] if self.should_compute(global_step) else []
+
+    def _compute(self, global_step: int, data: StepData) -> float:
+        batch_l2 = sum(t.double() for t in data.fetch(BatchL2Grad()))
+        n = batch_l2.numel()
+        g2 = grad_l2_squared(data)
+        var_l1 = (n**2 * batch_l2.sum() - n * g2) / (n - 1)
+        return float((var_l1 / n / g2).sqrt())
+
+
+def _projections(data: StepData) -> tuple[Tensor, Tensor]:
+    """``batch_dot`` summed over parameters and the projections ``πₙ = gₙᵀg = N Σₘ batch_dot``."""
+    batch_dot = sum(t.double() for t in data.fetch(BatchDotGrad()))
+    n = batch_dot.shape[0]
+    return batch_dot, n * batch_dot.sum(1)
+
+
+class InnerTest(SingleStepQuantity):
+    """Inner-product test (Bollapragada et al., 2017): the largest θ for which it passes."""
+
+    per_sample = True
+
+    def extensions(self, global_step: int) -> list[Extension]:
+        return [BatchDotGrad()] if self.should_compute(global_step) else []
+
+    def _compute(self, global_step: int, data: StepData) -> float:
+        batch_dot, proj = _projections(data)
+        n = batch_dot.shape[0]
+        g2 = grad_l2_squared(data)
+        var = (proj.square().sum() - n * g2**2) / (n - 1)
+        return float((var / n / g2**2).sqrt())
+
+
+class OrthoTest(SingleStepQuantity):
+    """Orthogonality test (Bollapragada et al., 2017): the largest ν for which it passes."""
+
+    per_sample = True
+
+    def extensions(self, global_step: int) -> list[Extension]:
+        return [BatchDotGrad()] if self.should_compute(global_step) else []
+
+    def _compute(self, global_step: int, data: StepData) -> float:
+        batch_dot, proj = _projections(data)
+        n = batch_dot.shape[0]
+        g2 = grad_l2_squared(data)
+        var = (n**2 * batch_dot.diagonal().sum() - (proj.square() / g2).sum()) / (n - 1)
+        return float((var / n / g2).sqrt())
