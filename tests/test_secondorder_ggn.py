@@ -312,3 +312,26 @@ def test_nll_without_log_softmax_is_refused():
     loss = lossfunc(model(torch.randn(N, D_IN, dtype=DT)), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="log_softmax"), collect(DiagGGNExact()):
         loss.backward()
+
+
+def test_chunked_columns():
+    """Columns generated lazily in chunks: exact results unchanged; MC columns do not depend
+    on the chunking (one generator per column, seeded from the global RNG)."""
+    case = Case("ce_spatial", "mean", "resmlp", seed=6)
+    G = case.reference()
+    model, lossfunc = extend(case.model), extend(case.lossfunc)
+
+    def run(*exts, chunk_size=None):
+        loss = lossfunc(case.post(model(case.X)), case.y)
+        with collect(*exts, chunk_size=chunk_size):
+            loss.backward()
+
+    run(DiagGGNExact(), chunk_size=4)
+    diag = case.gather("diag_ggn_exact", 0)
+    torch.testing.assert_close(diag, torch.diagonal(G.sum((0, 1))), atol=1e-9, rtol=1e-9)
+    torch.manual_seed(1)
+    run(SqrtGGNMC(11), chunk_size=3)
+    chunked = case.gather("sqrt_ggn_mc", 2)
+    torch.manual_seed(1)
+    run(SqrtGGNMC(11))
+    torch.testing.assert_close(case.gather("sqrt_ggn_mc", 2), chunked, atol=1e-12, rtol=1e-12)
