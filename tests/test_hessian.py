@@ -353,6 +353,13 @@ def test_hutchinson_exact_for_diagonal_hessian():
     H = loss_hessian(ref, nn.MSELoss(), X, y)
     run(model, nn.MSELoss(), X, y, HutchinsonDiagHessian())
     torch.testing.assert_close(model[0].weight.diag_h_hutchinson.reshape(-1), torch.diagonal(H))
+    # (2 L).backward() estimates the Hessian of 2 L
+    lf = extend(nn.MSELoss())
+    with collect(HutchinsonDiagHessian(samples=2)):
+        (2 * lf(model(X), y)).backward()
+    torch.testing.assert_close(
+        model[0].weight.diag_h_hutchinson.reshape(-1), 2 * torch.diagonal(H)
+    )
 
 
 def test_hutchinson_bad_samples():

@@ -119,46 +119,29 @@ class HutchinsonDiagHessian(SecondOrderExtension):
         self.samples = samples
 
     def column_key(self) -> Hashable:
-        # The engine has no "loss hook" for extensions yet: the cheapest column pass (one MC
-        # column) is used as the trigger; the columns themselves are ignored.
-        return ("mc", 1)
+        # no columns: the work is done in handle_loss
+        return ("hutchinson", self.samples)
+
+    def handle_loss(
+        self, ctx: Any, bs: Any, record: Any, calls: list, n_samples: int, scale: float
+    ) -> None:
+        """Engine hook at the loss (start of the backward pass): estimate and store."""
+        for p, est in self.estimate(record, scale).items():
+            ctx._store(bs, p, self, est)
+        for c, _ in calls:
+            bs.touched[id(c.module)] = c.module
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
-        return self._deliver(call)
+        raise RuntimeError("HutchinsonDiagHessian is computed at the loss (handle_loss)")
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
-        raise AssertionError("additive extension")  # pragma: no cover
+        raise RuntimeError("HutchinsonDiagHessian is computed at the loss (handle_loss)")
 
-    def _deliver(self, call: Call) -> dict[str, Tensor]:
-        from backprism import context
+    def estimate(self, record: Any, scale: float = 1.0) -> dict[nn.Parameter, Tensor]:
+        """``(scale/S) Σₛ vₛ ⊙ ∇²L vₛ`` for the parameters of the calls ``record`` took.
 
-        ctx = context.active()
-        assert ctx is not None
-        bs = ctx._state()
-        cache: dict = bs.__dict__.setdefault("_hutchinson", {})
-        for rec in bs.loss_records:
-            if any(c is call for c, _ in rec.taken) and id(rec) not in cache.setdefault(
-                "records", set()
-            ):
-                cache["records"].add(id(rec))
-                for p, est in self.estimate(rec).items():
-                    pid = id(p)
-                    cache[pid] = cache[pid] + est if pid in cache else est
-        delivered: set = cache.setdefault("delivered", set())
-        out = {}
-        for name, p in call.params.items():
-            if id(p) in delivered or id(p) not in cache:
-                out[name] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
-            else:
-                delivered.add(id(p))
-                out[name] = cache[id(p)]
-        return out
-
-    def estimate(self, record: Any) -> dict[nn.Parameter, Tensor]:
-        """``(1/S) Σₛ vₛ ⊙ ∇²L vₛ`` for the parameters of the calls ``record`` took.
-
-        The loss is recomputed from ``record.inputs`` (not captured); its value times the
-        incoming gradient scale is the objective, consistent with ``.grad``."""
+        The loss is recomputed from ``record.inputs`` (without being captured); ``scale`` is
+        the gradient the backward pass feeds into it (``(c·L).backward()`` → ``c``)."""
         params: dict[int, nn.Parameter] = {}
         for c, _ in record.taken:
             for p in c.params.values():
@@ -166,7 +149,6 @@ class HutchinsonDiagHessian(SecondOrderExtension):
         plist = list(params.values())
         if not plist:
             return {}
-        scale = self._scale(record)
         CAPTURE.in_column_backprop += 1
         try:
             with torch.enable_grad(), suspended():
@@ -189,13 +171,3 @@ class HutchinsonDiagHessian(SecondOrderExtension):
         finally:
             CAPTURE.in_column_backprop -= 1
         return {p: e * (scale / self.samples) for p, e in est.items()}
-
-    @staticmethod
-    def _scale(record: Any) -> float:
-        """The gradient the backward pass fed into this loss (``(c·L).backward()`` → ``c``), if
-        the engine recorded it in ``bs.loss_scales[id(record)]``; else ``1``."""
-        from backprism import context
-
-        ctx = context.active()
-        scales = getattr(ctx._state(), "loss_scales", None) if ctx is not None else None
-        return float(scales.get(id(record), 1.0)) if scales else 1.0
