@@ -23,7 +23,7 @@ Two ways to get ``πₙ`` (Cockpit's):
 
 * **SGD fast path** (``info['optimizer']`` is SGD without momentum/weight decay): the update is
   known during the start backward, ``d = −lr·g``; the start projections are
-  ``gₙᵀd = −lr·N²·Σₘ batch_dot[n, m]`` (no per-sample gradients needed unless the step is also
+  ``gₙᵀd = −lr·N·Σₘ batch_dot[n, m]`` (no per-sample gradients needed unless the step is also
   an end step) and the end projections ``N·grad_batch[n]ᵀd`` are taken module by module.
 * **optimizer-agnostic fallback**: the start step keeps ``grad_batch`` (memory ``N × D``) and
   ``θ_start``; at the end, ``d = θ_end − θ_start`` is known, the end projections are taken
@@ -200,14 +200,13 @@ class Alpha(TwoStepQuantity):
                 res = data.transform_results(self, "start")
                 dirs = {id(p): r[0] for p, r in zip(data.params, res)}
                 dots = sum(r[1].double() for r in res)
-            else:  # from batch_dot: gₙᵀd = −lr N Σₘ gₙᵀ grad_batch[m] = −lr N² Σₘ batch_dot[n,m]
+            else:
+                # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
                 lrs = lr_of(data.get("optimizer", self))
                 n = int(data.get("batch_size", self))
                 bdots = data.fetch(BatchDotGrad())
                 dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
-                dots = sum(
-                    -lrs[id(p)] * n**2 * b.double().sum(1) for p, b in zip(data.params, bdots)
-                )
+                dots = sum(-lrs[id(p)] * n * b.double().sum(1) for p, b in zip(data.params, bdots))
             self.save_to_cache(global_step, "update", dirs, block)
             self.save_to_cache(global_step, "dots_start", dots, block)
         else:
