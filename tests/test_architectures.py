@@ -248,7 +248,19 @@ def test_grad_unchanged(name: str) -> None:
             assert p.grad is None
 
 
-@pytest.mark.parametrize("name", ["residual_mlp", "transformer", "lstm", "frozen"])
+_TIED_HOOK = pytest.mark.xfail(
+    reason="engine: extension_hook of the tied head runs before the embedding's call adds its "
+    "grad_batch contribution (context.on_output_grad must wait until every call of the "
+    "module's parameters fired)",
+    raises=AttributeError,
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["residual_mlp", "transformer", pytest.param("gpt", marks=_TIED_HOOK), "lstm", "frozen"],
+)
 def test_extension_hook_once_per_module_and_frees(name: str) -> None:
     """``extension_hook`` runs once per parameter-owning module that got extensions; deleting
     ``grad_batch`` there frees it, and what the hook reduced it to is correct."""
