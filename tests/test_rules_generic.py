@@ -491,3 +491,44 @@ def test_packed_sequence_is_refused():
     model = extend(Packed().to(DT))
     with pytest.raises(NotImplementedError, match="PackedSequence"):
         _backward(model, torch.randn(3, 2, 4, dtype=DT))
+
+
+# -- the generic module as the extended root; second order through the engine ---------------
+def test_generic_module_is_the_root():
+    """The re-run of a module that is itself the extended root must not disturb the capture."""
+    torch.manual_seed(3)
+    model = extend(Custom(3, 2).to(DT))
+    x = torch.randn(4, 3, dtype=DT)
+    y = torch.randn(4, 2, dtype=DT)
+    lossfunc = extend(nn.MSELoss())
+    check_first_order(model, lossfunc, x, y, per_sample_grads(model, lossfunc, x, y))
+    check_first_order(model, lossfunc, x, y, per_sample_grads(model, lossfunc, x, y))
+
+
+@pytest.mark.parametrize("kind", ["custom", "attn"])
+def test_ggn_diagonal_through_generic_rule(kind):
+    """``DiagGGNExact`` (``M = C`` columns pushed through the rule) against the dense GGN."""
+    from backprism.extensions import BatchDiagGGNExact, DiagGGNExact
+
+    from reference import diag_blocks, ggn_blocks, split
+
+    torch.manual_seed(4)
+    n = 3
+    if kind == "custom":
+        model = extend(CustomModel(3, 2).to(DT))
+        X: Tensor | tuple = torch.randn(n, 3, dtype=DT)
+    else:
+        model = extend(AttnModel(4, 2, None, True, False, True, "key_padding", False).to(DT))
+        x = torch.randn(n, 2, 4, dtype=DT)
+        X = (x, x, torch.zeros(n, 2, dtype=torch.bool), torch.zeros(n, 2, 2, 2, dtype=DT))
+    y = _labels(n, 3, 4)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    G, _, _ = ggn_blocks(model, lossfunc, X, y)
+    per_n = split(diag_blocks(G), model, lead=1)
+    xs = X if isinstance(X, tuple) else (X,)
+    with collect(DiagGGNExact(), BatchDiagGGNExact()):
+        lossfunc(model(*xs), y).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact_batch, per_n[name], msg=name)
+            torch.testing.assert_close(p.diag_ggn_exact, per_n[name].sum(0), msg=name)
