@@ -397,9 +397,13 @@ class GenericRule(Rule):
             out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
         else:
             try:
-                out = vmap(one_sample, in_dims=(0, 1), out_dims=1, randomness="error")(
-                    inputs.batched, cols
-                )
+                with warnings.catch_warnings():
+                    # torch's slow-fallback notices for ops without batching rules (e.g. CPU
+                    # attention kernels) concern our recomputation, not the user's code
+                    warnings.filterwarnings("ignore", message="There is a performance drop")
+                    out = vmap(one_sample, in_dims=(0, 1), out_dims=1, randomness="error")(
+                        inputs.batched, cols
+                    )
             except (RuntimeError, NotImplementedError) as err:
                 if "random" in str(err).lower():
                     raise RuntimeError(
