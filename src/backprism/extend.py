@@ -17,6 +17,7 @@ which are all upstream of it. When the graph is freed, everything captured is fr
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -213,7 +214,10 @@ def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
         or not output.requires_grad
     ):
         return
-    inputs = list(args) + list(kwargs.values())
+    try:  # the loss's inputs in the order of its forward's parameters
+        inputs = list(inspect.signature(module.forward).bind(*args, **kwargs).arguments.values())
+    except TypeError:
+        inputs = list(args) + list(kwargs.values())
     taken = CAPTURE.take_pending()
     record = LossRecord(
         module=module,
