@@ -7,7 +7,9 @@ the per-sample terms, the Hessian of ``θ ↦ L(outputs where only sample n depe
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
@@ -246,6 +248,71 @@ def test_chunked_residual_columns():
     expected = split(torch.diagonal(H), ref)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)
+
+
+def test_batchnorm_eval_and_layernorm_on_data_are_fine():
+    """Eval-mode BatchNorm is affine in its input; LayerNorm of the data (no parameter before it)
+    is linear in its own parameters: both are exact."""
+    torch.manual_seed(11)
+    model = nn.Sequential(
+        nn.LayerNorm(3), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Sigmoid(), nn.Linear(4, 2)
+    )
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-1, 1)
+        model[2].running_var.uniform_(0.5, 2)
+    model.eval()
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+class MoreFunctional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(2, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        h = torch.sin(h) + 2**h + torch.sqrt(h.square() + 1) + F.logsigmoid(h) + F.mish(h)
+        return self.l2(F.max_pool1d(h[:, None], 1)[:, 0].clamp(-5, 5).abs() + h.sigmoid())
+
+
+def test_more_elementwise_ops():
+    torch.manual_seed(12)
+    X, y, lf = data(3, 2, 2, "mse")
+    check_diag(MoreFunctional(), lf, X, y)
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.l1(x).tanh_())
+
+
+def test_inplace_nonlinearity_refused():
+    model, lf = extend(InPlace()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(2, 3), torch.randint(0, 3, (2,))
+    with pytest.raises(NonlinearityError, match="in-place"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+
+
+def test_recording_keeps_no_reference_cycles():
+    """The residual hook on ``a = tanh(z)`` holds ``z`` only: after the backward pass both are
+    freed by reference counting alone (a cycle through an autograd node would leak)."""
+    model = extend(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    lf = extend(nn.MSELoss())
+    refs = []
+    model[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    X, y = torch.randn(2, 3), torch.randn(2, 3)
+    for ctx in (contextlib.nullcontext(), collect(DiagHessian())):
+        out = model(X)
+        refs.append(weakref.ref(out))
+        with ctx:
+            lf(out, y).backward()
+        del out
+        assert all(r() is None for r in refs)
 
 
 # -- errors --------------------------------------------------------------------------------------

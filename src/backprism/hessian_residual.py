@@ -50,7 +50,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from backprism.columns import Columns
 from backprism.extend import CAPTURE, FORWARD_LISTENERS
@@ -189,14 +188,24 @@ def _classify(func: Any) -> tuple[int, str]:
         kind = _LINEAR
     else:
         kind = _UNKNOWN
+    if len(_KIND_CACHE) > 4096:  # bounded even if callables are created on the fly
+        _KIND_CACHE.clear()
     with contextlib.suppress(TypeError):  # unhashable callable: not cached
         _KIND_CACHE[func] = (kind, name)
     return kind, name
 
 
 def _grad_tensors(args: Any, kwargs: dict) -> list[Tensor]:
-    leaves = tree_flatten((args, kwargs))[0]
-    return [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+    """Tensors requiring grad among ``args``/``kwargs`` (lists and tuples one level deep, as in
+    ``einsum``/``cat``); cheaper than a full pytree flatten on this hot path."""
+    found = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            if a.requires_grad:
+                found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(t for t in a if isinstance(t, Tensor) and t.requires_grad)
+    return found
 
 
 def residual_extensions() -> list:
