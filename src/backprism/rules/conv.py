@@ -13,6 +13,8 @@ sees the padded input) and unfolded into ``X`` ``[N, G, (C_in/G)·K, L]`` with
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.rules.base import Call, register_rule
@@ -28,6 +30,19 @@ class _ConvRule(UnfoldRule):
             call.input, mod.kernel_size, mod.stride, mod.dilation, conv_padding(mod),
             mod.padding_mode,
         )
+
+    def weight_grad(self, call: Call, g: Tensor) -> Tensor:
+        mod = call.module
+        x, pads = call.input, conv_padding(mod)
+        if mod.padding_mode != "zeros" or any(a != b for a, b in pads):
+            mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+            x = F.pad(x, [p for pair in reversed(pads) for p in pair], mode=mode)
+            pads = [(0, 0)] * len(pads)
+        d = len(mod.kernel_size)
+        return torch.ops.aten.convolution_backward(
+            g, x, mod.weight.detach(), None, mod.stride, [a for a, _ in pads], mod.dilation,
+            False, [0] * d, mod.groups, [False, True, False],
+        )[1]
 
     def to_param(self, call: Call, v: Tensor) -> Tensor:
         w = call.module.weight

@@ -18,6 +18,7 @@ Kronecker factors follow BackPACK: they approximate the curvature w.r.t.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from backprism.rules.base import Call, register_rule
@@ -38,6 +39,21 @@ class _ConvTransposeRule(UnfoldRule):
             call.input, mod.kernel_size, mod.stride, mod.dilation, mod.padding,
             call.out_shapes[0][2:],
         )
+
+    def weight_grad(self, call: Call, g: Tensor) -> Tensor:
+        mod = call.module
+        x = call.input
+        out_size = call.out_shapes[0][2:]
+        opad = [
+            o - ((i - 1) * s - 2 * p + d * (k - 1) + 1)
+            for o, i, s, p, d, k in zip(
+                out_size, x.shape[2:], mod.stride, mod.padding, mod.dilation, mod.kernel_size
+            )
+        ]
+        return torch.ops.aten.convolution_backward(
+            g, x, mod.weight.detach(), None, mod.stride, mod.padding, mod.dilation, True, opad,
+            mod.groups, [False, True, False],
+        )[1]
 
     def to_param(self, call: Call, v: Tensor) -> Tensor:
         w = call.module.weight  # [C_in, O, *k]

@@ -43,7 +43,7 @@ from backprism.rules.base import Call, Rule
 __all__ = ["UnfoldRule", "unfold_conv", "unfold_conv_transpose"]
 
 #: elements of a materialised per-sample chunk ``[M, n, G, O, I]`` (or Gram chunk) at once
-CHUNK_ELEMENTS = 2**24
+CHUNK_ELEMENTS = 2**22
 
 
 def unfold_conv(
@@ -229,6 +229,11 @@ class UnfoldRule(Rule):
             out["bias"] = self._bias_cols(g)
         return out
 
+    def weight_grad(self, call: Call, g: Tensor) -> Tensor:
+        """``Σₙ gₙ Xₙᵀ`` for one column ``g`` (``[N, C_out, *S]``) in the weight's layout, by
+        PyTorch's own convolution weight gradient (no unfolding)."""
+        raise NotImplementedError
+
     def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         if self._has_weight(call):
@@ -236,11 +241,8 @@ class UnfoldRule(Rule):
             if v is not None:
                 out["weight"] = v.sum(1)
             else:
-                g5, x = self._g(call, g), self._x(call)
-                m, n, grp, o, length = g5.shape
-                gt = g5.permute(0, 2, 3, 1, 4).reshape(m, grp, o, n * length)
-                xt = x.permute(1, 0, 3, 2).reshape(grp, n * length, -1)
-                out["weight"] = self.to_param(call, torch.matmul(gt, xt))
+                self.check_call(call)
+                out["weight"] = torch.stack([self.weight_grad(call, gm) for gm in g])
         if self._has_bias(call):
             out["bias"] = g.flatten(3).sum((1, 3))
         return out
@@ -259,14 +261,18 @@ class UnfoldRule(Rule):
         g5, x = self._g(call, g), self._x(call)
         m, n, grp, o, _ = g5.shape
         per = m * grp * o * x.shape[2]
-        parts = []
+        parts: list[Tensor] = []
+        total: Tensor | None = None
         for sl in _sample_chunks(n, per):
             sq = self._vmat(g5[:, sl], x[sl]).square_()
             if weights is not None:
                 sq.mul_(weights[:, sl].reshape(m, -1, 1, 1, 1))
             sq = sq.sum(0)
-            parts.append(sq if keep_batch else sq.sum(0))
-        res = torch.cat(parts) if keep_batch else torch.stack(parts).sum(0)
+            if keep_batch:
+                parts.append(sq)
+            else:
+                total = sq.sum(0) if total is None else total.add_(sq.sum(0))
+        res = torch.cat(parts) if keep_batch else total
         return self.to_param(call, res)
 
     def _bias_squares(

@@ -1,0 +1,77 @@
+"""Time the convolution rules on DeepOBS ``cifar10_3c3d`` (N = 128, CrossEntropyLoss mean).
+
+Prints, per extension, the median time of ``forward + backward`` inside ``collect(ext)``
+divided by a plain ``forward + backward`` (configurations alternated, warm-up first).
+
+    .venv/bin/python benchmarks/bench_conv_rules.py [--threads 2] [--reps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import backprism
+from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+
+
+def cifar10_3c3d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(64, 96, 3), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Flatten(),
+        nn.Linear(1152, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--n", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = backprism.extend(cifar10_3c3d())
+    lossfunc = backprism.extend(nn.CrossEntropyLoss())
+    x = torch.randn(args.n, 3, 32, 32)
+    y = torch.randint(0, 10, (args.n,))
+
+    def plain() -> None:
+        model.zero_grad()
+        lossfunc(model(x), y).backward()
+
+    def with_ext(ext_cls: type) -> callable:
+        def run() -> None:
+            model.zero_grad()
+            with backprism.collect(ext_cls()):
+                lossfunc(model(x), y).backward()
+
+        return run
+
+    configs = {"plain": plain}
+    for cls in (BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad):
+        configs[cls.__name__] = with_ext(cls)
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    for fn in configs.values():  # warm-up
+        fn()
+        fn()
+    for _ in range(args.reps):
+        for name, fn in configs.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["plain"])
+    print(f"plain forward+backward: {base * 1e3:.1f} ms (median of {args.reps})")
+    for name in configs:
+        if name != "plain":
+            print(f"{name:16s} {statistics.median(times[name]) / base:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
