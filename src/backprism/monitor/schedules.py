@@ -38,8 +38,10 @@ def logarithmic(
 ) -> Schedule:
     """Track at ``steps`` logarithmically spaced steps ``⌊base^x⌋``, ``x ∈ linspace(start, end)``.
 
-    The steps are ``torch.logspace(start, end, steps, base=base)`` truncated to integers (as
-    Cockpit does), plus step 0 if ``init``.
+    The steps are ``torch.logspace(start, end, steps, base=base)`` (float64) truncated to
+    integers, plus step 0 if ``init``. For integer exponents this is exactly Cockpit's set;
+    Cockpit's ``dtype=int`` logspace also truncated non-integer ``start``/``end`` to integers
+    before spacing, which we do not.
 
     Args:
         start: exponent of the first tracked step.
@@ -48,7 +50,7 @@ def logarithmic(
         base: logarithmic base.
         init: also track step 0.
     """
-    scheduled = torch.logspace(start, end, steps, base=base, dtype=torch.long)
+    scheduled = torch.logspace(start, end, steps, base=base, dtype=torch.float64).long()
     tracked = {int(s) for s in scheduled.tolist()}
     if init:
         tracked.add(0)
