@@ -1,0 +1,286 @@
+r"""Compact GGN square-root factors and the extension that stores them.
+
+With the loss-Hessian square root ``∇²ℓₙ = Sₙ Sₙᵀ`` pushed back to a parameter ``θ`` the GGN
+square root is ``V[k, n] = Jₙᵀ Sₙ[:, k] / √N`` (``[K, N, *θ.shape]``, ``GGN = V Vᵀ`` for a mean
+loss). The spectral computations only need three contractions of ``V`` — with itself (Gram
+matrix ``G = VᵀV``, ``[KN, KN]``), with coefficient vectors (``V u``) and with dense tensors
+(``Vᵀ w``) — so a factor object that provides them is stored instead of ``V`` where that is
+cheaper:
+
+* :class:`DenseFactor` holds ``V`` itself (any layer, via the rule's ``per_sample``);
+* :class:`KernelFactor` holds the layer input ``x`` (``[N, T, I]``, unfolded for convolutions)
+  and the backpropagated columns ``g`` (``[K, N, T, O]``) of a layer whose weight gradient is
+  ``Vₖₙ = Σₜ gₖₙₜ xₙₜᵀ`` (Linear, Conv1d/2d). The Gram block is
+
+  .. math:: G_{(k,n),(k',n')} = \sum_{t,s} \langle g_{knt}, g_{k'n's}\rangle
+            \langle x_{nt}, x_{n's}\rangle
+
+  (the *kernel form*, ``(X Xᵀ) ⊙ (S Sᵀ)`` summed over positions), or, when that costs more, the
+  Gram matrix of ``V`` materialised a block of output channels at a time. The ``[K, N, O, I]``
+  factor is never stored.
+
+Row index of every ``[KN, ·]`` matrix: ``i = k·N' + n`` (column-major in ``k``), ``N'`` the
+number of samples kept by the sub-sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
+from backprism.rules.base import Call, Rule
+
+__all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
+
+#: elements allowed for one temporary block in Gram/contraction computations (64 Mi)
+BLOCK_ELEMENTS = 2**26
+
+
+class GramFactor:
+    """Interface of a stored GGN square-root factor ``V`` (``[K, N', *p]``, never required
+    to exist as a tensor).
+
+    Attributes:
+        num_cols: ``K``.
+        num_samples: ``N'`` (samples kept).
+        batch_size: ``N``, the full mini-batch size (the ``1/√N`` scaling of ``V``).
+        shape: the parameter's shape ``p``.
+    """
+
+    num_cols: int
+    num_samples: int
+    batch_size: int
+    shape: torch.Size
+
+    def gram(self) -> Tensor:
+        """``VᵀV``: ``[KN', KN']``."""
+        raise NotImplementedError
+
+    def matmul(self, u: Tensor) -> Tensor:
+        """``V u`` for ``u`` of shape ``[KN', D]``: ``[D, *p]``."""
+        raise NotImplementedError
+
+    def tmatmul(self, w: Tensor) -> Tensor:
+        """``Vᵀ w`` for ``w`` of shape ``[M, *p]``: ``[KN', M]``."""
+        raise NotImplementedError
+
+    def dense(self) -> Tensor:
+        """``V`` as a ``[K, N', *p]`` tensor."""
+        raise NotImplementedError
+
+    def cat(self, other: GramFactor) -> GramFactor:
+        """``[V, V']`` stacked along the column axis ``K`` (chunks, several losses)."""
+        return DenseFactor(torch.cat([self.dense(), other.dense()], 0), self.batch_size)
+
+
+class DenseFactor(GramFactor):
+    """``V`` held as a ``[K, N', *p]`` tensor."""
+
+    def __init__(self, v: Tensor, batch_size: int) -> None:
+        self.v = v
+        self.num_cols, self.num_samples = v.shape[0], v.shape[1]
+        self.batch_size = batch_size
+        self.shape = v.shape[2:]
+
+    def _flat(self) -> Tensor:
+        return self.v.reshape(self.num_cols * self.num_samples, -1)
+
+    def gram(self) -> Tensor:
+        f = self._flat()
+        return f @ f.t()
+
+    def matmul(self, u: Tensor) -> Tensor:
+        return (u.t() @ self._flat()).reshape(u.shape[1], *self.shape)
+
+    def tmatmul(self, w: Tensor) -> Tensor:
+        return self._flat() @ w.reshape(w.shape[0], -1).t()
+
+    def dense(self) -> Tensor:
+        return self.v
+
+
+class KernelFactor(GramFactor):
+    r"""Weight factor ``Vₖₙ = Σₜ gₖₙₜ xₙₜᵀ`` kept as ``x`` (``[N', T, I]``) and ``g``
+    (``[K, N', T, O]``); ``shape`` is the weight's shape (``O·I`` elements)."""
+
+    def __init__(
+        self, x: Tensor, g: Tensor, shape: Sequence[int], batch_size: int, source: Any = None
+    ) -> None:
+        self.x, self.g = x, g
+        self.num_cols, self.num_samples = g.shape[0], g.shape[1]
+        self.batch_size = batch_size
+        self.shape = torch.Size(shape)
+        self.source = source  # the call the factor came from (to concatenate chunks)
+
+    # -- costs ---------------------------------------------------------------------------
+    def _use_kernel(self) -> bool:
+        k, n, t, o = self.g.shape
+        i = self.x.shape[-1]
+        if t == 1:
+            return True
+        kernel = (k * n * t) ** 2 * (o + 1) + (n * t) ** 2 * i
+        materialise = k * n * t * o * i + (k * n) ** 2 * o * i
+        return kernel < materialise and (k * n * t) ** 2 <= 4 * BLOCK_ELEMENTS
+
+    def gram(self) -> Tensor:
+        k, n, t, o = self.g.shape
+        x, g = self.x, self.g
+        if t == 1:
+            gg = g[:, :, 0].reshape(k * n, o)
+            xx = x[:, 0] @ x[:, 0].t()
+            return (gg @ gg.t()) * xx.repeat(k, k)
+        if self._use_kernel():
+            gx = torch.einsum("nti,msi->ntms", x, x)  # [N, T, N, T]
+            gf = g.reshape(k * n * t, o)
+            gg = (gf @ gf.t()).reshape(k, n, t, k, n, t)
+            return torch.einsum("kntlms,ntms->knlm", gg, gx).reshape(k * n, k * n)
+        # materialise V a block of output channels at a time
+        i = x.shape[-1]
+        step = max(1, BLOCK_ELEMENTS // max(1, k * n * i))
+        out = g.new_zeros(k * n, k * n)
+        for start in range(0, o, step):
+            v = torch.einsum("knto,nti->knoi", g[..., start : start + step], x)
+            v = v.reshape(k * n, -1)
+            out.addmm_(v, v.t())
+        return out
+
+    def matmul(self, u: Tensor) -> Tensor:
+        k, n = self.g.shape[:2]
+        d = u.shape[1]
+        w = torch.einsum("knd,knto->dnto", u.reshape(k, n, d), self.g)
+        return torch.einsum("dnto,nti->doi", w, self.x).reshape(d, *self.shape)
+
+    def tmatmul(self, w: Tensor) -> Tensor:
+        k, n, t, o = self.g.shape
+        i = self.x.shape[-1]
+        m = w.shape[0]
+        w = w.reshape(m, o, i)
+        step = max(1, BLOCK_ELEMENTS // max(1, n * t * o))
+        parts = []
+        for start in range(0, m, step):
+            wx = torch.einsum("moi,nti->mnto", w[start : start + step], self.x)
+            parts.append(torch.einsum("knto,mnto->knm", self.g, wx))
+        return torch.cat(parts, -1).reshape(k * n, m)
+
+    def dense(self) -> Tensor:
+        v = torch.einsum("knto,nti->knoi", self.g, self.x)
+        return v.reshape(self.num_cols, self.num_samples, *self.shape)
+
+    def cat(self, other: GramFactor) -> GramFactor:
+        if (
+            isinstance(other, KernelFactor)
+            and self.source is not None
+            and other.source is self.source
+        ):
+            return KernelFactor(
+                self.x, torch.cat([self.g, other.g], 0), self.shape, self.batch_size, self.source
+            )
+        return super().cat(other)
+
+
+# -- building factors from a call ----------------------------------------------------------
+
+
+def _conv_unfold(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``x`` unfolded to ``[N, T, I·k]`` and ``g`` as ``[K, N, T, O]`` for Conv1d/Conv2d with
+    ``groups = 1``, zero padding and numeric padding; ``None`` when not applicable."""
+    if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return None
+    if isinstance(module, nn.Conv1d):
+        if x.dim() != 3:
+            return None
+        x = x.unsqueeze(2)
+        kernel, dil = (1, *module.kernel_size), (1, *module.dilation)
+        pad, stride = (0, *module.padding), (1, *module.stride)
+    elif isinstance(module, nn.Conv2d):
+        if x.dim() != 4:
+            return None
+        kernel, dil = module.kernel_size, module.dilation
+        pad, stride = module.padding, module.stride
+    else:
+        return None
+    xu = F.unfold(x, kernel, dilation=dil, padding=pad, stride=stride)  # [N, I·k, T]
+    k, n = g.shape[0], g.shape[1]
+    gt = g.reshape(k, n, g.shape[2], -1)  # [K, N, O, T]
+    if gt.shape[-1] != xu.shape[-1]:
+        return None
+    return xu.transpose(1, 2), gt.transpose(2, 3)
+
+
+def factors_from_call(
+    rule: Rule, call: Call, g: Any, index: Tensor | None
+) -> dict[str, GramFactor]:
+    """Factors for the parameters of ``call`` from its backpropagated columns ``g``
+    (``[K, N, *out.shape]``), restricted to the samples ``index`` (all if ``None``)."""
+    module = call.module
+    n = call.batch_size
+    names = set(call.params)
+    kernel: tuple[Tensor, Tensor] | None = None
+    if isinstance(g, Tensor) and type(module) in (nn.Linear, nn.Conv1d, nn.Conv2d):
+        x = call.input
+        gs = g
+        if index is not None:
+            x, gs = x.index_select(0, index.to(x.device)), g.index_select(1, index.to(g.device))
+        if type(module) is nn.Linear:
+            kernel = (
+                x.reshape(x.shape[0], -1, x.shape[-1]),
+                gs.reshape(gs.shape[0], gs.shape[1], -1, gs.shape[-1]),
+            )
+        else:
+            kernel = _conv_unfold(module, x, gs)
+    if kernel is not None:
+        xk, gk = kernel
+        out: dict[str, GramFactor] = {}
+        if "weight" in names:
+            out["weight"] = KernelFactor(xk, gk, module.weight.shape, n, source=call)
+        if "bias" in names and module.bias is not None:
+            out["bias"] = DenseFactor(gk.sum(2), n)
+        return out
+    if index is not None:
+        from backprism.extensions.firstorder import _subset_call, subset_columns
+
+        call, g = _subset_call(call, index), subset_columns(g, index, n)
+    return {name: DenseFactor(v, n) for name, v in rule.per_sample(call, g).items()}
+
+
+class SpectralFactorExtension(SecondOrderExtension):
+    """Stores a :class:`GramFactor` of the (sub-sampled, exact or MC) GGN square root per
+    parameter under ``spectral_factor_exact`` / ``spectral_factor_mc``.
+
+    ``V`` has the scaling of ``sqrt_ggn_*``: ``V Vᵀ = GGN`` (in expectation for MC) for the full
+    mini-batch; sub-sampling keeps the kept samples' columns and does *not* rescale (the
+    spectral computations apply ``N/N'``).
+
+    Args:
+        subsampling: indices of the samples whose columns are kept (default: all).
+        mc_samples: ``0`` for the exact loss-Hessian square root, ``M ≥ 1`` for ``M`` MC columns.
+    """
+
+    def __init__(self, subsampling: Sequence[int] | None = None, mc_samples: int = 0) -> None:
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+            raise ValueError(f"mc_samples must be a non-negative integer, got {mc_samples!r}")
+        self.subsampling = check_subsampling(subsampling)
+        self.mc_samples = mc_samples
+        self.savefield = "spectral_factor_mc" if mc_samples else "spectral_factor_exact"
+
+    def column_key(self) -> Hashable:
+        return ("mc", self.mc_samples) if self.mc_samples else ("exact",)
+
+    def _index(self, n: int) -> Tensor | None:
+        return subsample_index(self.subsampling, n, "spectral GGN sub-sampling")
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        return factors_from_call(rule, call, g, self._index(call.batch_size))
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> GramFactor:
+        idx = self._index(call.batch_size)
+        v = dense if idx is None else dense.index_select(1, idx.to(dense.device))
+        return DenseFactor(v, call.batch_size)
+
+    def accumulate(self, old: GramFactor, new: GramFactor) -> GramFactor:
+        return old.cat(new)
