@@ -315,6 +315,24 @@ def test_recording_keeps_no_reference_cycles():
         assert all(r() is None for r in refs)
 
 
+class Siamese(nn.Module):
+    """One Linear used by two parallel branches (not nested): DiagHessian stays exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = torch.tanh(self.lin(x[:, :3])), torch.sigmoid(self.lin(x[:, 3:]))
+        return self.head(torch.cat([a, b], 1))
+
+
+def test_parallel_shared_parameter():
+    torch.manual_seed(13)
+    X, y, lf = data(3, 6, 2, "ce")
+    check_diag(Siamese(), lf, X, y)
+
+
 # -- errors --------------------------------------------------------------------------------------
 class Attention(nn.Module):
     def __init__(self) -> None:

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 
@@ -170,6 +171,32 @@ def test_ggnmp_shared_parameter_and_hmp_refusal():
     for ext in (HMP(), PCHMP()):
         with pytest.raises(NonlinearityError, match="several calls"), collect(ext):
             lfe(model(X), y).backward()
+
+
+class Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = torch.tanh(self.lin(x[:, :3])), F.gelu(self.lin(x[:, 3:]))
+        return self.head(torch.cat([a, b], 1))
+
+
+def test_hmp_parallel_shared_parameter():
+    """A parameter used by two parallel branches: per-sample gradients are summed over the
+    calls before the outer products, matching the Hessian block."""
+    torch.manual_seed(4)
+    model = Siamese()
+    X, y = torch.randn(3, 6), torch.randint(0, 2, (3,))
+    lf = nn.CrossEntropyLoss()
+    H = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
+    extend(model)
+    with collect(HMP()):
+        extend(lf)(model(X), y).backward()
+    for name, p in model.named_parameters():
+        mat = torch.randn(2, *p.shape)
+        torch.testing.assert_close(p.hmp(mat).reshape(2, -1), mat.reshape(2, -1) @ H[name])
 
 
 def test_errors():

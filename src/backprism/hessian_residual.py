@@ -58,6 +58,8 @@ __all__ = [
     "ACTIVATION_TYPES",
     "NonlinearityError",
     "activation_forward_hook",
+    "check_linear_in_params",
+    "loss_calls",
     "residual_extensions",
 ]
 
@@ -286,7 +288,7 @@ def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
     return torch.zeros_like(z) if d2 is None else d2.detach()
 
 
-def _loss_calls(bs: Any) -> list:
+def loss_calls(bs: Any) -> list:
     """Distinct captured calls (with parameters) of the loss records of this backward pass."""
     seen: set[int] = set()
     calls = []
@@ -327,7 +329,7 @@ def push_residual(
     if ctx is None:
         return
     bs = ctx._state()
-    calls = _loss_calls(bs)
+    calls = loss_calls(bs)
     if not calls:
         return
     for call, _ in calls:

@@ -21,10 +21,11 @@ HutchinsonDiagHessian   ``diag_h_hutchinson``  ``[*p]``: ``(1/S) Σₛ vₛ ⊙ 
 
 ``DiagHessian``/``BatchDiagHessian`` are exact for graphs built from layers that are linear in
 their input and parameters (Linear, Conv, …), elementwise nonlinearities, piecewise-linear
-operations and linear glue code; anything else between parameters and loss (softmax/attention,
-LayerNorm of a parameter-dependent input, products of two parameter-dependent tensors, a parameter
-used by several nested calls) raises a clear error pointing to ``DiagGGNExact`` or
-``HutchinsonDiagHessian``, which works on any twice-differentiable graph.
+operations and linear glue code, including parameters shared by parallel branches; anything else
+between parameters and loss (softmax/attention, LayerNorm of a parameter-dependent input, products
+of two parameter-dependent tensors, a parameter used by nested calls) raises a clear error
+pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on any
+twice-differentiable graph.
 """
 
 from __future__ import annotations
@@ -43,15 +44,56 @@ from backprism.rules.base import Call, Rule
 __all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
 
 
-def refuse_shared(ext: SecondOrderExtension, call: Call) -> None:
-    """Parameters used by several calls (RNN unrolling, tied weights) get a Hessian term from the
-    product of their uses, which the column construction does not contain."""
-    raise NonlinearityError(
-        f"backprism {type(ext).__name__}: a parameter of {type(call.module).__name__} is used by "
-        "several calls in one forward pass; the Hessian term from the product of its uses is not "
-        "built from columns. Use DiagGGNExact() for the GGN diagonal or HutchinsonDiagHessian() "
-        "for an unbiased estimate of the exact Hessian diagonal."
-    )
+def _nested_uses(call: Call) -> bool:
+    """Whether a parameter of ``call`` is used by several calls of which one feeds another
+    (RNN unrolling, ``lin(lin(x))``, tied input/output embeddings). Parallel uses (siamese
+    branches) are not nested. Decided by walking the autograd graph upstream from each user's
+    outputs to the outputs of the other users."""
+    from backprism import context
+    from backprism.hessian_residual import loss_calls
+
+    ctx = context.active()
+    if ctx is None:
+        return True
+    pids = {id(p) for p in call.params.values()}
+    users = [
+        outs
+        for c, outs in loss_calls(ctx._state())
+        if any(id(p) in pids for p in c.params.values())
+    ]
+    owner = {id(o.grad_fn): i for i, outs in enumerate(users) for o in outs if o.grad_fn}
+    for i, outs in enumerate(users):
+        stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+        seen: set[int] = set()
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if owner.get(id(fn), i) != i:
+                return True
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
+
+
+def check_shared(ext: SecondOrderExtension, call: Call) -> None:
+    """Refuse parameters used by nested calls: their Hessian has a term from the product of the
+    uses, which the column construction does not contain."""
+    if _nested_uses(call):
+        raise NonlinearityError(
+            f"backprism {type(ext).__name__}: a parameter of {type(call.module).__name__} is used "
+            "by several calls of which one feeds another (unrolled recurrence, tied weights); "
+            "the Hessian term from the product of its uses is not built from columns. Use "
+            "DiagGGNExact() for the GGN diagonal or HutchinsonDiagHessian() for an unbiased "
+            "estimate of the exact Hessian diagonal."
+        )
+
+
+def _weighted_squares(dense: Tensor, weights: Tensor | None) -> Tensor:
+    sq = dense.square()
+    if weights is not None:
+        sq = sq * weights.reshape(weights.shape + (1,) * (dense.dim() - 2))
+    return sq
 
 
 class _Residual(SecondOrderExtension):
@@ -75,8 +117,8 @@ class DiagHessian(_Residual):
         return rule.sum_squared(call, g, weights)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
-        refuse_shared(self, call)
-        raise AssertionError  # pragma: no cover
+        check_shared(self, call)
+        return _weighted_squares(dense, weights).sum((0, 1))
 
 
 class BatchDiagHessian(_Residual):
@@ -90,8 +132,8 @@ class BatchDiagHessian(_Residual):
         return rule.batch_sum_squared(call, g, weights)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
-        refuse_shared(self, call)
-        raise AssertionError  # pragma: no cover
+        check_shared(self, call)
+        return _weighted_squares(dense, weights).sum(0)
 
 
 class HutchinsonDiagHessian(SecondOrderExtension):

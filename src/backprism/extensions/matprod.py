@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from backprism.extensions.base import SecondOrderExtension
-from backprism.extensions.hessian import refuse_shared
+from backprism.extensions.hessian import check_shared
 from backprism.hessian_residual import check_linear_in_params
 from backprism.rules.base import Call, Rule
 
@@ -147,7 +147,7 @@ class _MatProd(SecondOrderExtension):
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
         if self.needs_residual:
-            refuse_shared(self, call)
+            check_shared(self, call)
         return self._blocks({"p": dense}, weights)["p"]
 
 
