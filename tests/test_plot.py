@@ -62,7 +62,7 @@ def synthetic_records(
         g = rng.normal(0, gnorm / 30, 2000)
         w = rng.normal(0, 0.3, 2000)
         h1, e1 = np.histogram(g, bins=30)
-        h2, xe, ye = np.histogram2d(w, g, bins=(20, 25))
+        h2, xe, ye = np.histogram2d(g, w, bins=(20, 25))
         values = {
             "Loss": loss,
             "Alpha": alpha,
@@ -79,7 +79,7 @@ def synthetic_records(
             "HessTrace": [float(v) for v in rng.uniform(0.5, 1.5, n_params) * lam],
             "HessMaxEV": lam * 3,
             "MeanGSNR": 2.0 / (1 + 5 * frac) + rng.normal(0, 0.02),
-            "CABS": 32 * (1 + 3 * frac),
+            "CABS": {"cabs": 32 * (1 + 3 * frac)},
             "EarlyStopping": -1.0 + 1.2 * frac,
             "Time": t0,
         }
@@ -122,12 +122,15 @@ def test_read_log_roundtrip(log_path: Path) -> None:
     assert log.scalar("HessTrace")[0].size == 20
     assert log.metrics() == ["train_loss", "valid_loss", "train_accuracy", "valid_accuracy",
                              "learning_rate"]
+    assert log.scalar("CABS")[1][0] == pytest.approx(32)
     (_step, hist, edges), *_ = log.histograms("GradHist2d")
     assert hist.shape == (20, 25) and [e.size for e in edges] == [21, 26]
 
 
 def test_combine_rules() -> None:
-    assert combine("GradNorm_1", [3.0, 4.0]) == pytest.approx(5.0)
+    assert combine("GradNorm#2", [3.0, 4.0]) == pytest.approx(5.0)
+    assert combine("Distance(x=1)", [3.0, 4.0]) == pytest.approx(5.0)
+    assert combine("CABS", {"cabs": 8.0}) == 8.0
     assert combine("HessTrace", [1.0, 2.0]) == pytest.approx(3.0)
     assert math.isnan(combine("Loss", None))
 
@@ -182,7 +185,7 @@ def test_dashboard_png(log_path: Path, tmp_path: Path) -> None:
     titles = {ax.get_title(loc="left") for ax in fig.axes}
     assert titles >= EXPECTED_TITLES
     assert any(t.startswith("Gradient histogram (step 39)") for t in titles)
-    assert any(t.startswith("Parameter vs. gradient (step 38)") for t in titles)
+    assert any(t.startswith("Gradient vs. parameter (step 38)") for t in titles)
     assert all(p.tracked for p in dash.panels)
     out = dash.save(tmp_path / "dash.png")
     img = matplotlib.image.imread(out)

@@ -114,12 +114,14 @@ def inspect_log(source: Any, fraction: float = 0.2) -> str:
     lines.append("")
     lines.append("  quantity              tracked  last value")
     for key in log.quantities:
-        series = log.steps.get(key, [])
+        series = log.series(key)
         if not series:
             lines.append(f"  {key:<21} {0:>7}  (not tracked yet)")
             continue
         value = series[-1][1]
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "hist" not in value:
+            shown = _fmt(float(log.scalar(key)[1][-1])) if "/" not in key else "fit record"
+        elif isinstance(value, dict):
             shown = f"histogram, {int(np.asarray(value.get('hist', []), dtype=float).sum())} counts"
         elif base_name(key) == "Parameters":
             shown = f"{len(value) if isinstance(value, list) else 1} parameter tensors"

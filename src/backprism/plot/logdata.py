@@ -4,8 +4,10 @@ The log written by :mod:`backprism.monitor` is one JSON object per line:
 
 * first line ``{"kind": "meta", "version": 1, "quantities": [key, ...]}``;
 * per tracked step ``{"kind": "step", "step": int, "values": {key: value}}`` where ``value`` is
-  a float (``null`` for NaN), a list of floats (one per parameter), or a histogram
-  ``{"hist": [...] | [[...]], "edges": [...] | [xedges, yedges]}``;
+  a float (``null`` for NaN), a list of floats (one per parameter), a histogram
+  ``{"hist": [...] | [[...]], "edges": [...] | [xedges, yedges]}`` or a small dict such as
+  CABS's ``{"cabs": float}``; several lines may carry the same step (two-step quantities such as
+  ``Alpha`` arrive one step late): they are merged, later keys win;
 * ``{"kind": "log", "step": int, "epoch": int | null, "train_loss": ..., ...}`` from
   ``monitor.log`` (absent values omitted).
 
@@ -30,7 +32,15 @@ __all__ = ["LOG_METRICS", "SUPPORTED_VERSION", "RunLog", "combine", "load", "rea
 SUPPORTED_VERSION = 1
 
 #: Keys of ``{"kind": "log"}`` records, in display order.
-LOG_METRICS = ("train_loss", "valid_loss", "train_accuracy", "valid_accuracy", "learning_rate")
+LOG_METRICS = (
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
 
 # Per-parameter lists of these quantities are norms: the whole-model value is the root of the sum
 # of squares. All other per-parameter lists (traces, TIC, ...) add up.
@@ -38,9 +48,14 @@ _NORM_QUANTITIES = ("GradNorm", "UpdateSize", "Distance")
 
 
 def base_name(key: str) -> str:
-    """Quantity class name of a log key (``"GradNorm_1"`` → ``"GradNorm"``)."""
-    head, sep, tail = key.rpartition("_")
-    return head if sep and tail.isdigit() else key
+    """Quantity class name of a log key: ``"HessTrace(curvature=diag_h)"``, ``"Loss#2"`` and
+    ``"GradNorm_1"`` give ``"HessTrace"``, ``"Loss"``, ``"GradNorm"``; auxiliary keys such as
+    ``"Alpha/fit"`` are returned unchanged."""
+    if "/" in key:
+        return key
+    name = key.split("(", 1)[0].split("#", 1)[0]
+    head, sep, tail = name.rpartition("_")
+    return head if sep and tail.isdigit() else name
 
 
 def combine(key: str, value: Any) -> float:
@@ -63,6 +78,14 @@ def combine(key: str, value: Any) -> float:
         if base_name(key) in _NORM_QUANTITIES:
             return float(np.sqrt(np.sum(arr**2)))
         return float(np.sum(arr))
+    if isinstance(value, Mapping) and "hist" not in value:
+        # small records such as CABS's {"cabs": 64.0}: the entry named like the quantity, else
+        # the only number
+        named = value.get(base_name(key).lower())
+        if isinstance(named, (int, float)) or (named is None and base_name(key).lower() in value):
+            return combine(key, named)
+        nums = [v for v in value.values() if isinstance(v, (int, float))]
+        return float(nums[0]) if len(nums) == 1 else math.nan
     return math.nan
 
 
@@ -82,14 +105,14 @@ class RunLog:
 
     Attributes:
         quantities: quantity keys announced by the meta record (in order).
-        steps: ``{key: [(step, value), ...]}`` raw logged values in step order.
+        steps: ``{key: {step: value}}`` raw logged values (:meth:`series` sorts them).
         records: the ``monitor.log`` records (dicts with ``step``, ``epoch`` and metrics).
         source: file the log came from, if any.
         truncated: whether a cut last line was dropped.
     """
 
     quantities: list[str] = field(default_factory=list)
-    steps: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    steps: dict[str, dict[int, Any]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     source: str | None = None
     truncated: bool = False
@@ -105,7 +128,7 @@ class RunLog:
         elif kind == "step":
             step = int(record["step"])
             for key, value in (record.get("values") or {}).items():
-                self.steps.setdefault(str(key), []).append((step, value))
+                self.steps.setdefault(str(key), {})[step] = value
                 if key not in self.quantities:
                     self.quantities.append(str(key))
         elif kind == "log":
@@ -122,6 +145,10 @@ class RunLog:
         return log
 
     # ------------------------------------------------------------------ access
+    def series(self, key: str) -> list[tuple[int, Any]]:
+        """``[(step, value), ...]`` of ``key`` sorted by step."""
+        return sorted(self.steps.get(key, {}).items())
+
     @property
     def tracked(self) -> list[str]:
         """Keys with at least one logged value."""
@@ -130,17 +157,17 @@ class RunLog:
     @property
     def num_steps(self) -> int:
         """Number of distinct steps with a quantity value."""
-        return len({s for series in self.steps.values() for s, _ in series})
+        return len({s for series in self.steps.values() for s in series})
 
     @property
     def last_step(self) -> int | None:
         """Largest step in the log (quantities or ``monitor.log`` records)."""
-        cands = [s for series in self.steps.values() for s, _ in series]
+        cands = [s for series in self.steps.values() for s in series]
         cands += [int(r["step"]) for r in self.records if r.get("step") is not None]
         return max(cands) if cands else None
 
     def keys_of(self, name: str) -> list[str]:
-        """Logged keys whose quantity class is ``name`` (``"GradNorm"``, ``"GradNorm_1"``, …)."""
+        """Logged keys whose quantity class is ``name`` (``"GradNorm"``, ``"GradNorm#2"``, …)."""
         return [k for k in self.tracked if base_name(k) == name]
 
     def key(self, name: str) -> str | None:
@@ -150,14 +177,14 @@ class RunLog:
 
     def scalar(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` of ``key`` reduced to whole-model floats (see :func:`combine`)."""
-        series = self.steps.get(key, [])
+        series = self.series(key)
         x = np.asarray([s for s, _ in series], dtype=float)
         y = np.asarray([combine(key, v) for _, v in series], dtype=float)
         return x, y
 
     def per_param(self, key: str) -> tuple[np.ndarray, np.ndarray] | None:
         """``(steps, values[T, P])`` for a per-parameter list quantity, else ``None``."""
-        series = [(s, v) for s, v in self.steps.get(key, []) if isinstance(v, (list, tuple))]
+        series = [(s, v) for s, v in self.series(key) if isinstance(v, (list, tuple))]
         if not series:
             return None
         width = max(len(v) for _, v in series)
@@ -171,7 +198,7 @@ class RunLog:
     def histograms(self, key: str) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
         """``[(step, hist, edges)]`` for a histogram quantity (edges: one array per axis)."""
         out = []
-        for step, value in self.steps.get(key, []):
+        for step, value in self.series(key):
             if not isinstance(value, Mapping) or "hist" not in value:
                 continue
             hist = np.asarray(value["hist"], dtype=float)
@@ -229,6 +256,11 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
             rec = json.loads(line)
         except json.JSONDecodeError:
             if i == 0:
+                whole = _whole_json(text)
+                if whole is not None:
+                    out = _from_output(whole)
+                    out.source = str(p)
+                    return out
                 if line.lstrip().startswith('{"kind": "meta"') or '"kind":"meta"' in line:
                     raise ValueError(f"log file is truncated inside its header: {p}") from None
                 raise ValueError(
@@ -258,21 +290,68 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
     return log
 
 
+def _whole_json(text: str) -> dict[str, Any] | None:
+    """The file as one JSON object written by ``Monitor.write`` (``{key: {step: value}}``)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not data:
+        return None
+    if not all(isinstance(v, dict) and all(str(s).lstrip("-").isdigit() for s in v)
+               for v in data.values()):
+        return None
+    return data
+
+
 def _from_output(output: Any) -> RunLog:
     """Normalise what ``Monitor.get_output()`` returns into a :class:`RunLog`.
 
-    Accepts a list of schema records, or a mapping ``{step: {key: value}}`` (optionally
-    with ``"log"``/``"records"`` and ``"meta"`` entries).
+    Accepts
+
+    * a list of schema records;
+    * ``Monitor.get_output()`` / ``Monitor.write``: ``{key: {step: value}}`` where the
+      ``Monitor.log`` fields (``epoch``, ``train_loss``, ...) are keys too;
+    * ``backprism.monitor.read_log(path, as_frame=False)``:
+      ``{"meta": {...}, "steps": [{"step", "values"}], "logs": [...]}``;
+    * ``{step: {key: value}}`` (optionally with ``"meta"`` and ``"log"`` entries).
     """
     if isinstance(output, RunLog):
         return output
     if isinstance(output, (list, tuple)):
         return RunLog.from_records(output)
+    if isinstance(output, Mapping) and isinstance(output.get("steps"), list):
+        log = RunLog()
+        if isinstance(output.get("meta"), Mapping):
+            log.add({**output["meta"], "kind": "meta"})
+        for entry in output["steps"]:
+            log.add({"kind": "step", "step": entry["step"], "values": entry.get("values", {})})
+        for rec in output.get("logs", []) or []:
+            log.add({**rec, "kind": "log"})
+        return log
+    if isinstance(output, Mapping) and output and all(
+        isinstance(k, str) and not k.lstrip("-").isdigit() for k in output
+    ) and all(isinstance(v, Mapping) for v in output.values()):
+        log = RunLog()
+        records: dict[int, dict[str, Any]] = {}
+        for key, by_step in output.items():
+            if key in LOG_METRICS or key == "epoch":
+                for step, value in by_step.items():
+                    records.setdefault(int(step), {"step": int(step)})[key] = value
+                continue
+            if key not in log.quantities:
+                log.quantities.append(key)
+            for step, value in by_step.items():
+                log.steps.setdefault(key, {})[int(step)] = value
+        for step in sorted(records):
+            log.add({"kind": "log", **records[step]})
+        return log
     if isinstance(output, Mapping):
         if "steps" in output and isinstance(output["steps"], Mapping):
             log = RunLog(quantities=list(output.get("quantities", [])))
             for key, series in output["steps"].items():
-                for step, value in series:
+                items = series.items() if isinstance(series, Mapping) else series
+                for step, value in items:
                     log.add({"kind": "step", "step": step, "values": {key: value}})
             for rec in output.get("records", output.get("log", [])) or []:
                 log.add({"kind": "log", **rec})
@@ -301,5 +380,12 @@ def load(source: Any) -> RunLog:
     if isinstance(source, (str, os.PathLike)):
         return read_log(source)
     if hasattr(source, "get_output") and callable(source.get_output):
-        return _from_output(source.get_output())
+        output = source.get_output()
+        try:  # tensors / arrays / NaN → plain JSON values, as in the streamed log
+            from backprism.monitor.log import to_jsonable
+
+            output = to_jsonable(output)
+        except ImportError:  # pragma: no cover - monitor not installed
+            pass
+        return _from_output(output)
     return _from_output(source)

@@ -16,7 +16,8 @@ Panels, by group (Cockpit's layout):
   around the true gradient, the inner-product test as the band ``1 ± InnerTest`` and the
   orthogonality test as the band ``± OrthoTest`` (each test passes while its value ≤ 1, the unit
   disk drawn dashed), and the three tests' histories; ``GradHist1d`` (latest histogram of
-  gradient elements, first one as outline) and ``GradHist2d`` (parameter vs. gradient, log count).
+  gradient elements, first one as outline) and ``GradHist2d`` (x: gradient element, y: parameter
+  value, log count).
 * **Curvature** — ``HessMaxEV`` (with the stability limit ``2/η`` when the learning rate is
   logged), ``HessTrace``, ``TICDiag``/``TICTrace``, ``MeanGSNR`` and ``EarlyStopping``.
 * **Performance** — mini-batch ``Loss`` and the ``monitor.log`` metrics (losses left axis,
@@ -403,11 +404,11 @@ def _hist2d_panel(log: RunLog) -> Panel:
     hists = log.histograms(key) if key else []
     hists = [h for h in hists if h[1].ndim == 2 and len(h[2]) == 2]
     if not hists:
-        return _untracked("hist2d", "Parameter vs. gradient", "Gradients", "GradHist2d")
+        return _untracked("hist2d", "Gradient vs. parameter", "Gradients", "GradHist2d")
     step, hist, (xe, ye) = hists[-1]
     panel = Panel(
-        "hist2d", f"Parameter vs. gradient (step {step})", "Gradients", kind="heat",
-        xlabel="parameter value", ylabel="gradient element",
+        "hist2d", f"Gradient vs. parameter (step {step})", "Gradients", kind="heat",
+        xlabel="gradient element", ylabel="parameter value",
     )
     panel.heat = {"z": hist.tolist(), "xedges": _lst(xe), "yedges": _lst(ye), "log": True}
     panel.info = f"{int(hist.sum())} elements"
@@ -488,7 +489,7 @@ def _performance_panel(log: RunLog, smoothing: float) -> Panel:
 def _other_panels(log: RunLog, smoothing: float) -> list[Panel]:
     out = []
     for k in log.tracked:
-        if base_name(k) in KNOWN_QUANTITIES:
+        if base_name(k) in KNOWN_QUANTITIES or "/" in k:
             continue
         x, y = log.scalar(k)
         if not np.isfinite(y).any():
