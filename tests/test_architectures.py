@@ -248,18 +248,9 @@ def test_grad_unchanged(name: str) -> None:
             assert p.grad is None
 
 
-_TIED_HOOK = pytest.mark.xfail(
-    reason="engine: extension_hook of the tied head runs before the embedding's call adds its "
-    "grad_batch contribution (context.on_output_grad must wait until every call of the "
-    "module's parameters fired)",
-    raises=AttributeError,
-    strict=True,
-)
-
-
 @pytest.mark.parametrize(
     "name",
-    ["residual_mlp", "transformer", pytest.param("gpt", marks=_TIED_HOOK), "lstm", "frozen"],
+    ["residual_mlp", "transformer", "gpt", "lstm", "frozen"],
 )
 def test_extension_hook_once_per_module_and_frees(name: str) -> None:
     """``extension_hook`` runs once per parameter-owning module that got extensions; deleting

@@ -228,7 +228,10 @@ class collect:
         bs.module_fired[(gid, id(module))] += 1
         group = call.group  # type: ignore[attr-defined]
         done = bs.module_fired[(gid, id(module))] >= group.module_count[id(module)]
-        pending = any(k[1] == id(p) for k in bs.dense for p in params.values())
+        # a parameter shared with another call (tied weights) is done only when all fired
+        pending = any(k[1] == id(p) for k in bs.dense for p in params.values()) or any(
+            bs.fired[(gid, id(p))] < group.param_count[id(p)] for p in params.values()
+        )
         hook_due = self.extension_hook is not None and id(module) in bs.touched
         if done and not pending and hook_due and id(module) not in bs.hooked:
             bs.hooked.add(id(module))

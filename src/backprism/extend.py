@@ -94,6 +94,8 @@ def _owns_params(module: nn.Module) -> bool:
 
 
 def _root_pre_hook(module: nn.Module, args: Any) -> None:
+    if CAPTURE.suspended:
+        return
     key = id(module)
     if CAPTURE.root_stack:
         CAPTURE.root_stack.append(-1)  # nested root: belongs to the outer one
@@ -113,6 +115,8 @@ def _root_pre_hook(module: nn.Module, args: Any) -> None:
 
 
 def _root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if CAPTURE.suspended:
+        return
     if CAPTURE.root_stack:
         key = CAPTURE.root_stack.pop()
         if key != -1 and not CAPTURE.root_stack:

@@ -259,21 +259,6 @@ def _memory_budget() -> int:
     return ctx.memory_budget if ctx is not None else 2**30
 
 
-class _NoRootCapture:
-    """While re-running a module that is also an extended *root* model, make its root hooks
-    see a nested call (so they neither reset the capture state nor run forward listeners)."""
-
-    def __enter__(self) -> None:
-        from backprism.extend import CAPTURE
-
-        CAPTURE.root_stack.append(-1)
-
-    def __exit__(self, *exc: Any) -> None:
-        from backprism.extend import CAPTURE
-
-        CAPTURE.root_stack.pop()
-
-
 class GenericRule(Rule):
     """Per-sample VJPs of the module's own forward with ``torch.func`` (see module docstring).
 
@@ -357,7 +342,7 @@ class GenericRule(Rule):
             )
 
         def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
-            with suspended(), _NoRootCapture():
+            with suspended():
                 out = functional_call(module, {**fixed, **params}, args, kwargs)
             return _tensor_outputs(out)
 
