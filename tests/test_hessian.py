@@ -298,6 +298,23 @@ def test_inplace_nonlinearity_refused():
         lf(model(X), y).backward()
 
 
+def test_recording_switch():
+    from backprism.hessian_residual import record_nonlinearities
+
+    model, lf = extend(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))), extend(
+        nn.CrossEntropyLoss()
+    )
+    X, y = torch.randn(2, 3), torch.randint(0, 2, (2,))
+    assert record_nonlinearities(False) is True
+    try:
+        with pytest.raises(RuntimeError, match="record_nonlinearities"), collect(DiagHessian()):
+            lf(model(X), y).backward()
+        with collect(DiagGGNExact()):  # unaffected
+            lf(model(X), y).backward()
+    finally:
+        assert record_nonlinearities(True) is False
+
+
 def test_recording_keeps_no_reference_cycles():
     """The residual hook on ``a = tanh(z)`` holds ``z`` only: after the backward pass both are
     freed by reference counting alone (a cycle through an autograd node would leak)."""

@@ -59,7 +59,9 @@ __all__ = [
     "NonlinearityError",
     "activation_forward_hook",
     "check_linear_in_params",
+    "check_recording",
     "loss_calls",
+    "record_nonlinearities",
     "residual_extensions",
 ]
 
@@ -302,9 +304,11 @@ def loss_calls(bs: Any) -> list:
 
 
 def check_linear_in_params(call: Any, exts: list) -> None:
-    """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family)."""
+    """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
+    if recording is switched off."""
     from backprism.rules.base import get_rule
 
+    check_recording(exts)
     if not get_rule(call.module).linear_in_params:
         names = ", ".join(sorted({type(e).__name__ for e in exts}))
         raise NonlinearityError(
@@ -362,6 +366,30 @@ def push_residual(
 
 # -- recording during forward ------------------------------------------------------------------
 _MODE_DEPTH = [0]
+_RECORDING = [True]
+
+
+def record_nonlinearities(enabled: bool = True) -> bool:
+    """Switch the forward-time recording on or off globally; returns the previous setting.
+
+    Off, extended models run their forward without the ``TorchFunctionMode`` (no per-operation
+    Python dispatch), and the DiagHessian family (``DiagHessian``, ``BatchDiagHessian``,
+    ``HMP``, ``PCHMP``) refuses to run rather than silently miss residual terms.
+    """
+    previous = _RECORDING[0]
+    _RECORDING[0] = bool(enabled)
+    return previous
+
+
+def check_recording(exts: list) -> None:
+    """Raise if nonlinearities are not being recorded (see :func:`record_nonlinearities`)."""
+    if not _RECORDING[0]:
+        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        raise RuntimeError(
+            f"backprism {names}: recording of nonlinearities is switched off "
+            "(backprism.hessian_residual.record_nonlinearities(False)), so the Hessian residual "
+            "terms would be missing. Call record_nonlinearities(True) before the forward pass."
+        )
 
 
 def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
@@ -447,10 +475,13 @@ class _RecordMode(TorchFunctionMode):
         return out
 
 
-_MODES: list[_RecordMode] = []
+_MODES: list[_RecordMode | None] = []
 
 
 def _enter(root: nn.Module) -> None:
+    if not _RECORDING[0]:
+        _MODES.append(None)
+        return
     mode = _RecordMode()
     mode.__enter__()
     _MODES.append(mode)
@@ -459,14 +490,16 @@ def _enter(root: nn.Module) -> None:
 
 def _exit(root: nn.Module) -> None:
     if _MODES:
-        _MODE_DEPTH[0] -= 1
-        _MODES.pop().__exit__(None, None, None)
+        mode = _MODES.pop()
+        if mode is not None:
+            _MODE_DEPTH[0] -= 1
+            mode.__exit__(None, None, None)
 
 
 def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
     """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
     not active (a sub-module called on its own); otherwise the mode saw its functional call."""
-    if _MODE_DEPTH[0] or CAPTURE.suspended or not torch.is_grad_enabled():
+    if _MODE_DEPTH[0] or not _RECORDING[0] or CAPTURE.suspended or not torch.is_grad_enabled():
         return
     if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
         return
