@@ -1,0 +1,130 @@
+"""Monitor overhead: time per training step with the monitor, as a ratio to the plain step.
+
+For each problem (``cifar10_3c3d``, ``mnist_mlp``; N = 128, CPU, ``torch.set_num_threads(2)``)
+a training step is forward + backward + SGD step. We time the plain step (extended model, no
+monitor), the three configurations tracked at every step and every quantity alone (with
+Cockpit's defaults), interleaving the variants round by round after a warm-up, and print the
+median time of each variant divided by the median plain step of the same run.
+
+    python benchmarks/bench_monitor.py            # all variants, 7 rounds
+    python benchmarks/bench_monitor.py --quick    # configurations only, 3 rounds, mnist_mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import problems
+
+import backprism
+from backprism.monitor import Monitor, configuration, quantities, schedules
+
+SINGLE = [
+    "Loss",
+    "GradNorm",
+    "Distance",
+    "UpdateSize",
+    "Alpha",
+    "NormTest",
+    "InnerTest",
+    "OrthoTest",
+    "GradHist1d",
+    "GradHist2d",
+    "MeanGSNR",
+    "CABS",
+    "EarlyStopping",
+    "TICDiag",
+    "TICTrace",
+    "HessTrace",
+    "HessMaxEV",
+]
+
+
+def variants(quick: bool) -> dict[str, object]:
+    out: dict[str, object] = {"plain": None}
+    for label in ("economy", "business", "full"):
+        out[label] = lambda label=label: configuration(label, schedules.linear(1))
+    if not quick:
+        for name in SINGLE:
+            out[name] = lambda name=name: [getattr(quantities, name)(schedules.linear(1))]
+    return out
+
+
+def bench(name: str, rounds: int, quick: bool) -> dict[str, float]:
+    torch.manual_seed(0)
+    model, lossf, X, y = problems.PROBLEMS[name](128)
+    backprism.extend(model)
+    backprism.extend(lossf)
+    indiv = nn.CrossEntropyLoss(reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitors = {
+        k: None if make is None else Monitor(model.parameters(), make())  # type: ignore[operator]
+        for k, make in variants(quick).items()
+    }
+    steps = dict.fromkeys(monitors, 0)
+
+    def one(key: str) -> float:
+        monitor = monitors[key]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        out = model(X)
+        loss = lossf(out, y)
+        if monitor is None:
+            loss.backward()
+        else:
+            step = steps[key]
+            info = {
+                "loss": loss,
+                "individual_losses": indiv(out.detach(), y),
+                "batch_size": X.shape[0],
+                "optimizer": opt,
+            }
+            with monitor(step, info=info):
+                loss.backward(create_graph=monitor.create_graph(step))
+            steps[key] += 1
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {k: [] for k in monitors}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in monitors:  # warm-up (also the first step of two-step quantities)
+            one(k)
+        for _ in range(rounds):
+            for k in monitors:
+                times[k].append(one(k))
+    plain = statistics.median(times["plain"])
+    return {k: statistics.median(v) / plain for k, v in times.items()} | {"plain_s": plain}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="configurations only, few rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--problems", nargs="*", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rounds = args.rounds or (3 if args.quick else 7)
+    names = args.problems or (["mnist_mlp"] if args.quick else ["cifar10_3c3d", "mnist_mlp"])
+    for name in names:
+        res = bench(name, rounds, args.quick)
+        print(f"{name}: plain step {res.pop('plain_s') * 1e3:.1f} ms (median of {rounds})")
+        for k, v in res.items():
+            target = {"economy": 1.3, "business": 1.6, "full": 4.0}.get(k)
+            note = f"  (target ≤ {target}×)" if target else ""
+            print(f"  {k:14s} {v:6.2f}×{note}")
+
+
+if __name__ == "__main__":
+    main()
