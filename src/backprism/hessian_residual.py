@@ -38,7 +38,12 @@ How the nonlinearities are found
   not active (e.g. a sub-module called by hand).
 
 Overhead when no DiagHessian is requested: one Python dispatch per operation during forward, one
-closure per smooth nonlinearity, and a cheap early return in its backward hook.
+closure per smooth nonlinearity (holding ``z``, usually kept alive anyway as the output of a
+captured layer), and a cheap early return in its backward hook.
+``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
+
+Only the forward of an extended model is watched: nonlinearities applied to its output outside
+it (``loss(torch.tanh(model(X)), y)``) are not seen — put them inside the model.
 """
 
 from __future__ import annotations
