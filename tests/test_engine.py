@@ -231,3 +231,20 @@ def test_memory_flat_over_many_steps():
         c.module in list(model.modules()) for c, *_ in CAPTURE.pending.values()
     )
     assert counts[1] <= counts[0]
+
+
+def test_broadcast_position_embedding_is_refused():
+    class Pos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(4, 3)
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):  # x [N, T, 3]
+            return self.lin(x + self.pos(torch.arange(x.shape[1]))).mean(1)
+
+    model = extend(Pos())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 4, 3), torch.randint(0, 2, (5,))
+    with pytest.raises(RuntimeError, match="batch axis first"), collect(BatchGrad()):
+        lossfunc(model(X), y).backward()

@@ -193,6 +193,8 @@ class collect:
         bs = self._state()
         module = call.module
         _check_batchnorm(call, self.extensions)
+        group = call.group  # type: ignore[attr-defined]
+        _check_batch_axis(call, group.batch_sizes.most_common(1)[0][0], self.extensions)
         params = params_of(call)
         if self.first and params and any(g is not None for g in grads):
             call.check_unmodified()
@@ -268,10 +270,11 @@ class collect:
         calls = [(c, outs) for c, outs in record.taken if params_of(c)]
         if not calls:
             return
-        for c, _ in calls:
-            c.check_unmodified()
         sizes = Counter(c.batch_size for c, _ in calls)
         n_samples = sizes.most_common(1)[0][0]
+        for c, _ in calls:
+            c.check_unmodified()
+            _check_batch_axis(c, n_samples, self.second)
         # extensions that do their own work at the loss (KFRA's recursion, HVP estimators)
         for ext in self.second:
             if hasattr(ext, "handle_loss"):
@@ -366,6 +369,16 @@ def _with_column_axis(grads: tuple[Tensor | None, ...], call: Call) -> Any:
         (g.detach() if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0)
         for j, g in enumerate(grads)
     )
+
+
+def _check_batch_axis(call: Call, n: int, extensions: list[Extension]) -> None:
+    if call.batch_size != n and any(e.per_sample for e in extensions):
+        raise RuntimeError(
+            f"backprism: {type(call.module).__name__} was called with an input whose first axis "
+            f"has size {call.batch_size}, but the batch has {n} samples. Per-sample quantities "
+            "need every parameter-owning module to see the batch axis first; e.g. expand "
+            "position indices to [N, T] (`pos.expand(N, -1)`) instead of broadcasting."
+        )
 
 
 def _check_batchnorm(call: Call, extensions: list[Extension]) -> None:

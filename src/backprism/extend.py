@@ -48,6 +48,7 @@ class Group:
         self.id = next(Group._ids)
         self.param_count: Counter[int] = Counter()
         self.module_count: Counter[int] = Counter()
+        self.batch_sizes: Counter[int] = Counter()
 
 
 class _Capture:
@@ -181,6 +182,7 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
     for p in params.values():
         group.param_count[id(p)] += 1
     group.module_count[id(module)] += 1
+    group.batch_sizes[call.batch_size] += 1
 
     root = CAPTURE.root_stack[0] if CAPTURE.root_stack else -1
     call_key = id(call)
