@@ -234,6 +234,23 @@ def test_hypothesis_shapes(n: int, d: int, h: int, c: int, loss: str, seed: int)
     check_diag(model, lf, X, y)
 
 
+class Transposed(nn.Module):
+    """The nonlinearity acts on a tensor whose first axis is not the batch axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.l1(x).t()).t())
+
+
+def test_nonlinearity_without_leading_batch_axis():
+    torch.manual_seed(14)
+    X, y, lf = data(3, 3, 2, "ce")
+    check_diag(Transposed(), lf, X, y)
+
+
 def test_chunked_residual_columns():
     """A tiny memory budget forces one column per chunk; results are unchanged."""
     torch.manual_seed(7)

@@ -49,6 +49,7 @@ it (``loss(torch.tanh(model(X)), y)``) are not seen — put them inside the mode
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -329,8 +330,10 @@ def push_residual(
     r"""Push the signed residual columns of ``a = fn(z)`` back from ``z``.
 
     ``r = ∂L/∂a ⊙ σ''(z)``; for every element ``j`` of one sample's ``z``, column
-    ``cⱼ[n] = √|rₙⱼ| eⱼ`` with weight ``wⱼₙ = sign(rₙⱼ)``. Columns whose weights are all zero
-    are skipped.
+    ``cⱼ[n] = √|rₙⱼ| eⱼ`` with weight ``wⱼₙ = sign(rₙⱼ)`` (``K`` = elements per sample). If
+    ``z``'s first axis is not the calls' batch axis (different size), every element of ``z`` gets
+    its own column instead (``K = z.numel()``), which is exact whatever the layout. Columns whose
+    weights are all zero are skipped; chunks follow the context's memory budget.
     """
     from backprism import context
 
@@ -344,18 +347,18 @@ def push_residual(
     for call, _ in calls:
         check_linear_in_params(call, exts)
     r = grad_a.detach() * second_derivative(fn, z)
-    if r.dim() == 0:
-        raise NonlinearityError(
-            f"backprism: the nonlinearity {name} acts on a scalar without a batch axis; "
-            f"{_WAY_OUT}"
-        )
-    n = r.shape[0]
+    n_calls = Counter(c.batch_size for c, _ in calls).most_common(1)[0][0]
+    # one column per element of a sample, covering all samples at once, needs z's first axis to
+    # be the batch axis of the calls; otherwise one column per element of z (always exact)
+    batched = r.dim() > 0 and r.shape[0] == n_calls
+    n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
     active = (flat != 0).any(0).nonzero().flatten()  # [K] element indices
     if active.numel() == 0:
         return
-    sqrt_abs = flat.abs().sqrt()[:, active]  # [N, K]
-    weights = flat.sign()[:, active].t().contiguous()  # [K, N]
+    sqrt_abs = flat.abs().sqrt()[:, active]  # [n, K]
+    signs = flat.sign()[:, active].t()  # [K, n]
+    weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()  # [K, N]
     d = flat.shape[1]
     shape = z.shape
 
