@@ -416,12 +416,22 @@ class OwnParam(nn.Module):
         return x * self.w.exp()
 
 
+class FunctionalParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)) + self.a.bias.sum())
+
+
 CASES = {
     "attention": (Attention, (4, 2, 3), "matmul|softmax"),
     "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
     "product": (Product, (4, 3), "product of two parameter-dependent"),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),
+    "functional-parameter": (FunctionalParam, (4, 3), "outside the forward"),
 }
 
 

@@ -218,6 +218,18 @@ def _grad_tensors(args: Any, kwargs: dict) -> list[Tensor]:
     return found
 
 
+def _uses_parameter(args: tuple, kwargs: dict) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(
+            isinstance(t, nn.Parameter) and t.requires_grad for t in a
+        ):
+            return True
+    return False
+
+
 def residual_extensions() -> list:
     """The active DiagHessian-family extensions (``needs_residual``), or ``[]``."""
     if CAPTURE.in_column_backprop:
@@ -417,9 +429,15 @@ def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     if not isinstance(out, Tensor) or not out.requires_grad or not out.is_floating_point():
         return
     kind, name = _classify(func)
+    inside_module = bool(CAPTURE.call_stack)
+    if not inside_module and _uses_parameter(args, kwargs):
+        # a parameter used outside the forward of a module that owns it is not captured:
+        # its contributions would be missing
+        what = f"a parameter used by {name or func!r} outside the forward of the module owning it"
+        _add_hook(out, _error_hook(what))
+        return
     if kind == _LINEAR:
         return
-    inside_module = bool(CAPTURE.call_stack)
     if kind == _SMOOTH_KIND:
         z = args[0] if args else None
         others = _grad_tensors(args[1:], kwargs)
