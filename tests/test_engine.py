@@ -248,3 +248,32 @@ def test_broadcast_position_embedding_is_refused():
     X, y = torch.randn(5, 4, 3), torch.randint(0, 2, (5,))
     with pytest.raises(RuntimeError, match="batch axis first"), collect(BatchGrad()):
         lossfunc(model(X), y).backward()
+
+
+def test_variance_without_parameter_gradients_and_hook_order():
+    """Variance takes the mean gradient from the parameter's gradient of the pass; when the
+    parameters get none (``autograd.grad`` w.r.t. the input) it computes it itself, and the
+    extension hook always sees the finished value."""
+    torch.manual_seed(5)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(6, 3, dtype=torch.double), torch.randint(0, 2, (6,))
+    ref = per_sample_grads(model, lossfunc, X, y)
+    seen = {}
+
+    def hook(module):
+        for p in module.parameters():
+            seen[p] = p.variance.clone()
+
+    Xg = X.clone().requires_grad_(True)
+    with collect(Variance(), extension_hook=hook):
+        torch.autograd.grad(lossfunc(model(Xg), y), [Xg])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.variance, ref[name].var(0, unbiased=False))
+        torch.testing.assert_close(seen[p], p.variance)
+        assert p.grad is None
+    seen.clear()
+    with collect(Variance(), extension_hook=hook):
+        lossfunc(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(seen[p], ref[name].var(0, unbiased=False))

@@ -69,7 +69,11 @@ class _BackwardState:
         self.touched: dict[int, nn.Module] = {}
         self.hooked: set[int] = set()
         self.loss_records: list[LossRecord] = []
-        self.any_hook = False
+        # param id -> [(extension, partial result, module, fallback)] awaiting the parameter's
+        # gradient of this backward pass (Variance takes the mean gradient from it, saving a
+        # second pass over inputs and output gradients)
+        self.partials: dict[int, list[tuple[Extension, Any, nn.Module, Callable[[], Tensor]]]] = {}
+        self.module_call: dict[int, Call] = {}
 
 
 class collect:
@@ -165,6 +169,10 @@ class collect:
         for key in list(bs.dense):
             param, call, dense = bs.dense.pop(key)
             self._finalize_dense(bs, param, call, dense)
+        for pid in list(bs.partials):  # the parameter got no gradient (autograd.grad w.r.t. x)
+            for ext, partial, module, fallback in bs.partials.pop(pid):
+                p = next(q for q in module.parameters() if id(q) == pid)
+                self._store(bs, p, ext, ext.finish(partial, fallback()))
         if self.extension_hook is not None:
             for mid, module in bs.touched.items():
                 if mid not in bs.hooked:
@@ -212,7 +220,12 @@ class collect:
                     continue
                 out = ext.from_rule(rule, call, g, None)
                 for name in names:
-                    self._store(bs, params[name], ext, out[name])
+                    if getattr(ext, "needs_param_grad", False):
+                        fallback = _summed_fallback(rule, call, g, name)
+                        item = (ext, out[name], module, fallback)
+                        bs.partials.setdefault(id(params[name]), []).append(item)
+                    else:
+                        self._store(bs, params[name], ext, out[name])
             if multi and any(not e.additive for e in self.first):
                 dense = rule.per_sample(call, g)
                 for name, p in multi.items():
@@ -225,19 +238,43 @@ class collect:
                         p_, c_, d_ = bs.dense.pop(key)
                         self._finalize_dense(bs, p_, c_, d_)
             bs.touched[id(module)] = module
-        # extension hook once the module's last call in this group is done
-        gid = call.group.id  # type: ignore[attr-defined]
-        bs.module_fired[(gid, id(module))] += 1
-        group = call.group  # type: ignore[attr-defined]
-        done = bs.module_fired[(gid, id(module))] >= group.module_count[id(module)]
+        bs.module_fired[(group.id, id(module))] += 1
+        bs.module_call[id(module)] = call
+        self._maybe_run_hook(bs, call)
+
+    def _maybe_run_hook(self, bs: _BackwardState, call: Call) -> None:
+        """Run ``extension_hook`` once the module's last call in its group is done."""
+        module = call.module
+        if self.extension_hook is None or id(module) not in bs.touched or id(module) in bs.hooked:
+            return
+        group, params = call.group, params_of(call)  # type: ignore[attr-defined]
+        if bs.module_fired[(group.id, id(module))] < group.module_count[id(module)]:
+            return
         # a parameter shared with another call (tied weights) is done only when all fired
-        pending = any(k[1] == id(p) for k in bs.dense for p in params.values()) or any(
-            bs.fired[(gid, id(p))] < group.param_count[id(p)] for p in params.values()
-        )
-        hook_due = self.extension_hook is not None and id(module) in bs.touched
-        if done and not pending and hook_due and id(module) not in bs.hooked:
-            bs.hooked.add(id(module))
-            self.extension_hook(module)
+        if any(
+            bs.fired[(group.id, id(p))] < group.param_count[id(p)]
+            or id(p) in bs.partials
+            or any(k[1] == id(p) for k in bs.dense)
+            for p in params.values()
+        ):
+            return
+        bs.hooked.add(id(module))
+        self.extension_hook(module)
+
+    def on_param_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+        """The parameter's gradient of this backward pass arrived (leaf tensor hook)."""
+        bs = self._bs
+        if bs is None:
+            return
+        items = bs.partials.pop(id(param), None)
+        if not items:
+            return
+        for ext, partial, _, _ in items:
+            self._store(bs, param, ext, ext.finish(partial, grad.detach()))
+        for module in {id(m): m for _, _, m, _ in items}.values():
+            call = bs.module_call.get(id(module))
+            if call is not None:
+                self._maybe_run_hook(bs, call)
 
     # -- second order ------------------------------------------------------------------------
     def on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
@@ -349,6 +386,10 @@ class collect:
                         self._store(bs, p, ext, ext.from_dense(d, call, w))
 
 
+def _summed_fallback(rule: Any, call: Call, g: Any, name: str) -> Callable[[], Tensor]:
+    return lambda: rule.summed(call, g)[name][0]
+
+
 def grads_k(grads: list[Tensor | None]) -> int:
     for g in grads:
         if g is not None:
@@ -400,6 +441,13 @@ def on_output_grad(call: Call, grads: tuple[Tensor | None, ...]) -> None:
     if _ACTIVE is None or CAPTURE.in_column_backprop:
         return
     _ACTIVE.on_output_grad(call, grads)
+
+
+def on_param_grad(param: nn.Parameter, grad: Tensor) -> None:
+    """Entry point for parameter (leaf) gradient hooks (see :mod:`backprism.extend`)."""
+    if _ACTIVE is None or CAPTURE.in_column_backprop:
+        return
+    _ACTIVE.on_param_grad(param, grad)
 
 
 def on_loss_grad(record: LossRecord, grad: Tensor) -> None:

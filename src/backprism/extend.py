@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -289,6 +290,8 @@ def extend(module: nn.Module) -> nn.Module:
         elif _owns_params(sub) or _is_batchnorm(sub):
             sub.register_forward_pre_hook(_module_pre_hook)
             sub.register_forward_hook(_module_forward_hook, with_kwargs=True)
+            for p in sub.parameters():
+                _hook_param(p)
         elif acts and isinstance(sub, acts):
             from backprism.hessian_residual import activation_forward_hook
 
@@ -297,6 +300,23 @@ def extend(module: nn.Module) -> nn.Module:
             continue
         object.__setattr__(sub, "_backprism_hooked", True)
     return module
+
+
+def _hook_param(p: nn.Parameter) -> None:
+    """A leaf hook handing the parameter's gradient of each backward pass to the context
+    (weakly referenced: the hook lives on the parameter itself)."""
+    if getattr(p, "_backprism_hooked", False) or not p.requires_grad:
+        return
+    ref = weakref.ref(p)
+    from backprism import context as _collect
+
+    def hook(grad: Tensor) -> None:
+        param = ref()
+        if param is not None:
+            _collect.on_param_grad(param, grad)
+
+    p.register_hook(hook)
+    p._backprism_hooked = True  # type: ignore[attr-defined]
 
 
 def is_extended(module: nn.Module) -> bool:

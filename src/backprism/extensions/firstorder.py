@@ -112,11 +112,18 @@ class Variance(FirstOrderExtension):
     ``(1/N)Σₙ grad_batch[n]² − ((1/N)Σₙ grad_batch[n])²``."""
 
     savefield = "variance"
+    #: the mean gradient comes from the parameter's gradient of the same backward pass, so
+    #: only ``Σₙ grad_batch[n]²`` needs an extra pass over inputs and output gradients
+    needs_param_grad = True
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         n = call.batch_size
-        sq, s = rule.sum_squared(call, g), rule.summed(call, g)
-        return {k: (sq[k] / n - (s[k][0] / n).square()).clamp_min_(0) for k in sq}
+        return {k: (v, n) for k, v in rule.sum_squared(call, g).items()}
+
+    def finish(self, partial: tuple[Tensor, int], grad: Tensor) -> Tensor:
+        """``partial = (Σₙ gbₙ², N)`` and ``grad = Σₙ gbₙ`` → the biased variance."""
+        sq, n = partial
+        return (sq / n - (grad / n).square()).clamp_min_(0)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
         d = dense[0]
