@@ -164,6 +164,46 @@ def transformer(n: int = 128, seq: int = 32, vocab: int = 1000, d: int = 64):
     )
 
 
+class _Decoder(nn.Module):
+    """GPT-style decoder: token + position embeddings, causal pre-norm blocks, tied head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        nn.init.normal_(self.emb.weight, std=0.02)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
+
+    def forward(self, tokens):
+        n, t = tokens.shape
+        pos = torch.arange(t, device=tokens.device).expand(n, t)
+        h = self.emb(tokens) + self.pos(pos)
+        for block in self.blocks:
+            h = block(h, src_mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h)).transpose(1, 2)  # [N, C, T] for CrossEntropyLoss
+
+
+def gpt_decoder(n: int = 128, seq: int = 32, vocab: int = 2048, d: int = 64):
+    """Small GPT-style decoder (2 layers, 4 heads, d = 64, T = 32) with a 2048-token vocabulary
+    and tied input/output embeddings; next-token targets."""
+    model = _Decoder(vocab, d, 4, 2, seq)
+    return (
+        model,
+        nn.CrossEntropyLoss(),
+        torch.randint(0, vocab, (n, seq)),
+        torch.randint(0, vocab, (n, seq)),
+    )
+
+
 PROBLEMS: dict[str, Callable] = {
     "mnist_mlp": mnist_mlp,
     "cifar10_3c3d": cifar10_3c3d,
@@ -171,4 +211,5 @@ PROBLEMS: dict[str, Callable] = {
     "resnet18": resnet18,
     "transformer": transformer,
     "cifar100_allcnnc": cifar100_allcnnc,
+    "gpt_decoder": gpt_decoder,
 }
