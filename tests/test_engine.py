@@ -149,6 +149,11 @@ def test_errors():
     bad = extend(nn.CrossEntropyLoss(reduction="none"))
     with pytest.raises(ValueError, match="reduction"), collect(BatchL2Grad()):
         bad(model(X), y).sum().backward()
+    # second order with a functional loss
+    from backprism.extensions import DiagGGNExact
+
+    with pytest.raises(RuntimeError, match="loss module"), collect(DiagGGNExact()):
+        nn.functional.cross_entropy(model(X), y).backward()
     # nested contexts
     with pytest.raises(RuntimeError, match="nested"), collect(BatchGrad()), collect(BatchGrad()):
         pass

@@ -126,6 +126,7 @@ class collect:
         self.memory_budget = memory_budget
         self._bs: _BackwardState | None = None
         self._saw_hook = False
+        self._saw_loss = False
 
     # -- context protocol -------------------------------------------------------------------
     def __enter__(self) -> collect:
@@ -135,6 +136,7 @@ class collect:
         _ACTIVE = self
         self._bs = None
         self._saw_hook = False
+        self._saw_loss = False
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -150,6 +152,13 @@ class collect:
             raise RuntimeError(
                 "backprism.collect saw no extended module during the backward pass: call "
                 "backprism.extend(model) (and extend(lossfunc)) before the forward pass"
+            )
+        if exc_type is None and self.second and self._saw_hook and not self._saw_loss:
+            names = ", ".join(type(e).__name__ for e in self.second)
+            raise RuntimeError(
+                f"backprism: {names} need the loss module to be extended too: use "
+                "lossfunc = backprism.extend(nn.CrossEntropyLoss()) (or MSELoss, ...) instead "
+                "of a functional loss"
             )
 
     # -- per-backward state ------------------------------------------------------------------
@@ -279,6 +288,7 @@ class collect:
     # -- second order ------------------------------------------------------------------------
     def on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
         bs = self._state()
+        self._saw_loss = True
         bs.loss_records.append(record)
         module = record.module
         reduction = getattr(module, "reduction", "mean")
