@@ -8,7 +8,9 @@ from backprism.extensions.firstorder import (
     SumGradSquared,
     Variance,
 )
+from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
 from backprism.extensions.kronecker import KFAC, KFLR, KFRA
+from backprism.extensions.matprod import GGNMP, HMP, PCHMP
 from backprism.extensions.secondorder import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -19,18 +21,24 @@ from backprism.extensions.secondorder import (
 )
 
 __all__ = [
+    "GGNMP",
+    "HMP",
     "KFAC",
     "KFLR",
     "KFRA",
+    "PCHMP",
     "BatchDiagGGNExact",
     "BatchDiagGGNMC",
+    "BatchDiagHessian",
     "BatchDotGrad",
     "BatchGrad",
     "BatchL2Grad",
     "DiagGGNExact",
     "DiagGGNMC",
+    "DiagHessian",
     "Extension",
     "FirstOrderExtension",
+    "HutchinsonDiagHessian",
     "SecondOrderExtension",
     "SqrtGGNExact",
     "SqrtGGNMC",
