@@ -53,9 +53,12 @@ class _Kronecker(SecondOrderExtension):
         return out
 
     def accumulate(self, old: KroneckerFactors, new: KroneckerFactors) -> KroneckerFactors:
+        # ``new`` comes from one call: its own ``grad_side`` says which of its factors are
+        # per-chunk sums (the calls of a tied parameter may give the factors different roles,
+        # e.g. Embedding ``[A_tokens, B]`` and Linear ``[B, A]``)
         same_call = new.calls <= old.calls
-        merged = [o + n if (g or not same_call) else o for o, n, g in zip(old, new, old.grad_side)]
-        return KroneckerFactors(merged, old.calls | new.calls, old.grad_side)
+        merged = [o + n if (g or not same_call) else o for o, n, g in zip(old, new, new.grad_side)]
+        return KroneckerFactors(merged, old.calls | new.calls, new.grad_side)
 
 
 class KFAC(_Kronecker):
