@@ -1,0 +1,296 @@
+"""Second-order extensions on modern architectures, end to end through ``extend``/``collect``.
+
+Architectures: a residual CNN block (Conv2d, BatchNorm2d in eval mode, 1×1-conv skip), an
+``nn.TransformerEncoderLayer(batch_first=True, dropout=0)`` classifier and a GPT-style decoder
+with tied input/output embeddings (token + position embeddings with positions expanded to
+``[N, T]``, causal MHA, GELU MLP, LayerNorms) trained with CrossEntropy on ``[N, C, T]`` logits
+— the per-sample loss Hessian is block-diagonal over positions and the engine pushes
+``K = C·T`` exact columns — and the same decoder with flattened ``[N·T, C]`` logits
+(rows are positions of samples, sample-major).
+
+References are dense float64 GGN blocks from ``tests/reference.py::ggn_blocks``
+(``functional_call`` ties the shared embedding, so the tied parameter's reference sums both
+uses per sample before squaring). Exact quantities to 1e-9; MC in expectation: the result is the
+mean of the i.i.d. draws ``M·V[m]²`` of ``SqrtGGNMC(M)`` (same columns) and within 6 standard
+errors + 1e-10 of the reference. KFLR/KFAC: factor shapes for every parameter of the supported
+layers (Linear, Conv, Embedding) and a clear error for the others.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.extensions import (
+    KFAC,
+    KFLR,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    DiagGGNExact,
+    DiagGGNMC,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+
+from reference import diag_blocks, ggn_blocks
+
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+
+DT = torch.float64
+N = 2
+M = 1000
+N_SE = 6.0
+TOL = {"atol": 1e-9, "rtol": 1e-9}
+VOCAB, T = 5, 3
+
+
+# --------------------------------------------------------------------------- architectures
+class ResBlock(nn.Module):
+    """Conv-BN-ReLU-Conv-BN + 1×1 conv skip, tanh, global average pool, linear head."""
+
+    def __init__(self, cin: int = 2, c: int = 3, classes: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, c, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.skip = nn.Conv2d(cin, c, 1)
+        self.head = nn.Linear(c, classes)
+        with torch.no_grad():
+            for bn in (self.bn1, self.bn2):
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.bn1(self.conv1(x)).relu()
+        z = self.bn2(self.conv2(z))
+        z = (z + self.skip(x)).tanh()
+        return self.head(z.mean((2, 3)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, d: int = 4, heads: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            d, heads, dim_feedforward=6, dropout=0.0, batch_first=True
+        )
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(x).mean(1))
+
+
+class GPT(nn.Module):
+    """Tied token embedding / output projection; logits ``[N, V, T]`` or ``[N·T, V]``."""
+
+    def __init__(self, flat: bool = False, d: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.flat = flat
+        self.tok = nn.Embedding(VOCAB, d)
+        self.pos = nn.Embedding(T, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        n, t = idx.shape
+        pos = torch.arange(t, device=idx.device).expand(n, t)
+        z = self.tok(idx) + self.pos(pos)
+        h = self.ln1(z)
+        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), 1)
+        z = z + self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)[0]
+        z = z + self.mlp(self.ln2(z))
+        logits = self.head(self.ln_f(z))  # [N, T, V]
+        return logits.flatten(0, 1) if self.flat else logits.transpose(1, 2)
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Tensor, Tensor, Any]:
+    """``model, lossfunc, X, y, ref_loss`` (``ref_loss`` acts on the per-sample-stacked
+    outputs that ``ggn_blocks`` produces)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    lossfunc = nn.CrossEntropyLoss()
+    ref_loss = lossfunc
+    if name == "resnet":
+        model = ResBlock().to(DT).eval()
+        X, y = torch.randn(N, 2, 3, 3, dtype=DT), torch.randint(0, 3, (N,), generator=g)
+    elif name == "transformer":
+        model = Encoder().to(DT)
+        X, y = torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 3, (N,), generator=g)
+    else:
+        model = GPT(flat=name == "gpt_flat").to(DT)
+        X = torch.randint(0, VOCAB, (N, T), generator=g)
+        X[1, 2] = X[1, 0] = X[0, 1]  # repeated tokens within and across samples
+        y = torch.randint(0, VOCAB, (N, T), generator=g)
+        if name == "gpt_flat":
+            y = y.flatten()
+
+            def ref_loss(o: Tensor, y: Tensor) -> Tensor:  # o: [N, T, V] stacked per sample
+                return lossfunc(o.reshape(-1, VOCAB), y)
+
+    return model, lossfunc, X, y, ref_loss
+
+
+NAMES = ["resnet", "transformer", "gpt", "gpt_flat"]
+
+
+# --------------------------------------------------------------------------- helpers
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+
+
+def gather(model: nn.Module, attr: str, lead: int) -> Tensor:
+    parts = []
+    for _, p in trainable(model):
+        v = getattr(p, attr)
+        parts.append(v.reshape(*v.shape[:lead], -1))
+    return torch.cat(parts, -1)
+
+
+def backward(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor, *exts, **kw) -> None:
+    loss = lossfunc(model(X), y)
+    with collect(*exts, **kw):
+        loss.backward()
+
+
+def _within(value: Tensor, draws: Tensor, ref: Tensor) -> None:
+    se = draws.std(0) / math.sqrt(draws.shape[0])
+    torch.testing.assert_close(value, draws.mean(0), atol=1e-10, rtol=1e-8)
+    err = (value - ref).abs()
+    bad = err > N_SE * se + 1e-10
+    assert not bad.any(), f"MC off by {err[bad]} (se {se[bad]})"
+
+
+# --------------------------------------------------------------------------- exact
+@pytest.mark.parametrize("chunking", [{}, {"chunk_size": 4}])
+@pytest.mark.parametrize("name", NAMES)
+def test_exact(name, chunking):
+    model, lossfunc, X, y, ref_loss = build(name)
+    G = ggn_blocks(model, ref_loss, X, y)[0]
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), **chunking)
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+    torch.testing.assert_close(gather(model, "diag_ggn_exact_batch", 1), diag_blocks(G), **TOL)
+    V = gather(model, "sqrt_ggn_exact", 2)
+    if name.startswith("gpt"):
+        assert V.shape[0] == VOCAB * T  # K = C·T exact columns
+    for n in range(N):
+        torch.testing.assert_close(V[:, n].T @ V[:, n], G[n, n], **TOL)
+
+
+def test_tied_embedding_is_not_a_sum_of_squares():
+    """The tied weight's diagonal squares the per-sample *sum* of both uses: it differs from the
+    sum of the diagonals the two uses would get separately (so summing squares is wrong)."""
+    model, lossfunc, X, y, _ = build("gpt")
+    G = ggn_blocks(model, lossfunc, X, y)[0]
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, DiagGGNExact())
+    ref = torch.diagonal(G.sum((0, 1)))[: VOCAB * 4].reshape(VOCAB, 4)
+    torch.testing.assert_close(model.tok.weight.diag_ggn_exact, ref, **TOL)
+    # untie: separate copies, same values; the squares of separate uses do not add up to ref
+    untied = GPT().to(DT)
+    untied.load_state_dict(model.state_dict())
+    untied.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    Gu = ggn_blocks(untied, lossfunc, X, y)[0]
+    du = torch.diagonal(Gu.sum((0, 1)))
+    names = [k for k, _ in trainable(untied)]
+    sizes = [p.numel() for _, p in trainable(untied)]
+    parts = dict(zip(names, torch.split(du, sizes)))
+    separate = parts["tok.weight"] + parts["head.weight"]
+    assert not torch.allclose(separate.reshape(VOCAB, 4), ref, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- MC
+@pytest.mark.parametrize("name", NAMES)
+def test_mc_in_expectation(name):
+    model, lossfunc, X, y, ref_loss = build(name, seed=1)
+    G = ggn_blocks(model, ref_loss, X, y)[0]
+    extend(model), extend(lossfunc)
+    torch.manual_seed(0)
+    backward(model, lossfunc, X, y, DiagGGNMC(M), BatchDiagGGNMC(M), SqrtGGNMC(M))
+    V = gather(model, "sqrt_ggn_mc", 2)
+    assert V.shape[:2] == (M, N)
+    per = V.square() * M
+    _within(gather(model, "diag_ggn_mc", 0), per.sum(1), torch.diagonal(G.sum((0, 1))))
+    _within(gather(model, "diag_ggn_mc_batch", 1), per, diag_blocks(G))
+
+
+# --------------------------------------------------------------------------- KFLR / KFAC
+def _expected_shapes(model: nn.Module) -> dict[str, list[tuple[int, ...]]]:
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            key = f"{mod_name}.{pname}" if mod_name else pname
+            o = p.shape[0]
+            if isinstance(mod, nn.Embedding):
+                shapes = [(o, o), (p.shape[1], p.shape[1])]
+            elif pname == "bias":
+                shapes = [(o, o)]
+            else:
+                i = p[0].numel()
+                shapes = [(o, o), (i, i)]
+            out.setdefault(key, shapes)
+    return out
+
+
+def _freeze_unsupported(model: nn.Module) -> None:
+    for mod in model.modules():
+        if not isinstance(mod, (nn.Linear, nn.Conv2d, nn.Embedding)) or isinstance(
+            mod, nn.modules.linear.NonDynamicallyQuantizableLinear
+        ):
+            for p in mod.parameters(recurse=False):
+                p.requires_grad_(False)
+
+
+@pytest.mark.parametrize("ext", [KFLR, KFAC])
+@pytest.mark.parametrize("name", NAMES)
+def test_kronecker_shapes(name, ext):
+    model, lossfunc, X, y, _ = build(name, seed=2)
+    _freeze_unsupported(model)
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, ext())
+    field = ext.savefield
+    expected = _expected_shapes(model)
+    assert expected
+    for key, p in trainable(model):
+        factors = getattr(p, field)
+        assert [tuple(f.shape) for f in factors] == expected[key], key
+        for f in factors:
+            assert torch.isfinite(f).all()
+            torch.testing.assert_close(f, f.T)
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_kronecker_unsupported_layer_is_named(name):
+    model, lossfunc, X, y, _ = build(name, seed=2)
+    extend(model), extend(lossfunc)
+    with pytest.raises(NotImplementedError, match=r"BatchNorm2d|LayerNorm|MultiheadAttention"):
+        backward(model, lossfunc, X, y, KFLR())
+
+
+def test_kflr_tied_chunk_invariant():
+    """KFLR of the tied embedding (two calls, different factor roles) must not depend on how
+    the exact columns are chunked."""
+    model, lossfunc, X, y, _ = build("gpt", seed=3)
+    _freeze_unsupported(model)
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, KFLR())
+    full = [f.clone() for f in model.tok.weight.kflr]
+    backward(model, lossfunc, X, y, KFLR(), chunk_size=2)
+    for a, b in zip(model.tok.weight.kflr, full):
+        torch.testing.assert_close(a, b, **TOL)
