@@ -47,7 +47,7 @@ M = 1000
 N_SE = 6.0
 TOL = {"atol": 1e-9, "rtol": 1e-9}
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
-SETTINGS = settings(max_examples=6, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 CHUNKING = st.sampled_from([{}, {"chunk_size": 1}, {"memory_budget": 700}])
 
 
