@@ -155,7 +155,8 @@ def _check_case(case: dict) -> None:
             return getattr(rule, which[:-2])(call, g, w)
         return getattr(rule, which)(call, g)
 
-    stats = ["summed", "sum_squared", "sum_squared_w", "batch_sum_squared",
+    # "summed" twice: PyTorch's weight gradient, then the sum left by sum_squared (M = 1)
+    stats = ["summed", "sum_squared", "summed", "sum_squared_w", "batch_sum_squared",
              "batch_sum_squared_w", "batch_l2", "batch_dot"]
     # first without, then with the per-sample gradients cached for this columns tensor
     for phase in ("direct", "cached"):

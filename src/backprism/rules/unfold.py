@@ -119,6 +119,9 @@ class _UnfoldCache:
         self._v: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
             weakref.WeakKeyDictionary()
         )
+        self._sum: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def unfolded(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
         x = self._x.get(call)
@@ -135,6 +138,14 @@ class _UnfoldCache:
     def set_v(self, call: Call, g: Tensor, v: Tensor) -> None:
         self._v.clear()
         self._v[call] = (weakref.ref(g), v)
+
+    def get_sum(self, call: Call, g: Tensor) -> Tensor | None:
+        hit = self._sum.get(call)
+        return hit[1] if hit is not None and hit[0]() is g else None
+
+    def set_sum(self, call: Call, g: Tensor, s: Tensor) -> None:
+        self._sum.clear()
+        self._sum[call] = (weakref.ref(g), s)
 
 
 def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
@@ -238,8 +249,11 @@ class UnfoldRule(Rule):
         out: dict[str, Tensor] = {}
         if self._has_weight(call):
             v = self._cache.get_v(call, g)
+            s = self._cache.get_sum(call, g)
             if v is not None:
                 out["weight"] = v.sum(1)
+            elif s is not None:
+                out["weight"] = s
             else:
                 self.check_call(call)
                 out["weight"] = torch.stack([self.weight_grad(call, gm) for gm in g])
@@ -263,17 +277,35 @@ class UnfoldRule(Rule):
         per = m * grp * o * x.shape[2]
         parts: list[Tensor] = []
         total: Tensor | None = None
+        # first order (M = 1): the gradient Σₙ Vₙ comes almost for free from the same chunks
+        grad: Tensor | None = None
+        want_grad = m == 1 and not keep_batch
         for sl in _sample_chunks(n, per):
-            sq = self._vmat(g5[:, sl], x[sl]).square_()
-            if weights is not None:
-                sq.mul_(weights[:, sl].reshape(m, -1, 1, 1, 1))
-            sq = sq.sum(0)
+            v = self._vmat(g5[:, sl], x[sl])
+            k = v.shape[1]
+            flat = v.reshape(m * k, -1)
+            if want_grad:
+                term = (flat.new_ones(1, k) @ flat)[0]
+                grad = term if grad is None else grad.add_(term)
+            flat.square_()
             if keep_batch:
-                parts.append(sq)
+                if weights is not None:
+                    flat.mul_(weights[:, sl].reshape(-1, 1))
+                parts.append(flat.reshape(m, k, -1).sum(0))
             else:
-                total = sq.sum(0) if total is None else total.add_(sq.sum(0))
+                # Σ over (m, n) as one matrix-vector product (BLAS) instead of a reduction
+                wv = (
+                    weights[:, sl].reshape(1, -1).to(flat.dtype)
+                    if weights is not None
+                    else flat.new_ones(1, m * k)
+                )
+                term = (wv @ flat)[0]
+                total = term if total is None else total.add_(term)
+        if grad is not None:
+            self._cache.set_sum(call, g, self.to_param(call, grad.reshape(1, grp, o, -1)))
         res = torch.cat(parts) if keep_batch else total
-        return self.to_param(call, res)
+        assert res is not None
+        return self.to_param(call, res.reshape(*res.shape[:-1], grp, o, -1))
 
     def _bias_squares(
         self, g: Tensor, weights: Tensor | None, keep_batch: bool
@@ -331,7 +363,11 @@ class UnfoldRule(Rule):
                 parts.append((gram_x * gram_g).sum((1, 2, 3)))
         else:
             for sl in _sample_chunks(n, m * grp * o * i):
-                parts.append(self._vmat(g5[:, sl], x[sl]).square_().sum((0, 2, 3, 4)))
+                v = self._vmat(g5[:, sl], x[sl])
+                k = v.shape[1]
+                v = v.reshape(m * k, 1, -1)
+                norms = torch.bmm(v, v.transpose(1, 2)).reshape(m, k)  # batched dot (BLAS)
+                parts.append(norms.sum(0))
         return torch.cat(parts)
 
     def batch_dot(self, call: Call, g: Tensor) -> dict[str, Tensor]:
