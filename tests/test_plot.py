@@ -270,3 +270,51 @@ def test_inspect_log_lists_last_values(log_path: Path) -> None:
     assert "GradHist1d" in text and "histogram" in text
     assert "valid_accuracy" in text
     assert "steps/s" in text
+
+
+def test_draw_real_monitor_and_its_log(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from torch import nn
+
+    import backprism
+    from backprism.monitor import Monitor, quantities, schedules
+
+    torch.manual_seed(0)
+    model = backprism.extend(nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)))
+    lossfunc = backprism.extend(nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    every = schedules.linear(1)
+    qs = [quantities.Loss(every), quantities.GradNorm(every), quantities.Alpha(every),
+          quantities.GradHist1d(every), quantities.CABS(every)]
+    monitor = Monitor(model.parameters(), qs, log_path=tmp_path / "m.jsonl")
+    for step in range(5):
+        X, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+        opt.zero_grad()
+        out = model(X)
+        loss = lossfunc(out, y)
+        info = {"loss": loss, "batch_size": 16, "optimizer": opt,
+                "individual_losses": nn.functional.cross_entropy(out, y, reduction="none")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with monitor(step, info=info):
+                loss.backward()
+        opt.step()
+        monitor.log(step, epoch=0, train_loss=float(loss.detach()), learning_rate=0.1)
+    monitor.close()
+    from backprism.plot import load
+
+    live, saved = load(monitor), read_log(tmp_path / "m.jsonl")
+    for key in ("Loss", "GradNorm", "Alpha", "CABS"):
+        assert live.scalar(key)[0].tolist() == saved.scalar(key)[0].tolist()
+        assert np.allclose(live.scalar(key)[1], saved.scalar(key)[1], equal_nan=True)
+    assert saved.scalar("Alpha")[0].tolist() == [0, 1, 2, 3]  # arrives one step late
+    assert "Alpha/fit" in saved.tracked  # auxiliary record: no panel of its own
+    assert [p.key for p in build_panels(saved) if p.group == "Other"] == []
+    assert live.metric("train_loss")[0].tolist() == [0, 1, 2, 3, 4]
+    dash = Dashboard(figsize=(10, 8), dpi=40)
+    dash.draw(monitor)
+    panels = {p.key: p for p in dash.panels}
+    assert all(panels[k].tracked for k in ("alpha", "hist1d", "hyperparameters"))
+    dash.close()

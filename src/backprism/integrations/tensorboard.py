@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from backprism.plot.logdata import RunLog, base_name, combine, load
+from backprism.plot.logdata import RunLog, base_name, combine, is_auxiliary, load
 
 __all__ = ["TensorBoardWriter"]
 
@@ -68,7 +68,7 @@ class TensorBoardWriter:
     def add_values(self, step: int, values: Mapping[str, Any]) -> None:
         """Write one step's quantity values ``{key: value}`` (schema of the monitor log)."""
         for key, value in values.items():
-            if "/" in key or base_name(key) == "Parameters":
+            if is_auxiliary(key) or base_name(key) == "Parameters":
                 continue  # auxiliary records (Alpha/fit) and raw parameter values
             tag = f"{self.prefix}/{key}"
             if isinstance(value, Mapping) and "hist" in value:

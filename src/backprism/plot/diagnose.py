@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backprism.plot.logdata import RunLog, base_name, load
+from backprism.plot.logdata import RunLog, base_name, is_auxiliary, load
 from backprism.plot.panels import tail_last, tail_median
 
 __all__ = ["diagnose", "inspect_log"]
@@ -120,7 +120,7 @@ def inspect_log(source: Any, fraction: float = 0.2) -> str:
             continue
         value = series[-1][1]
         if isinstance(value, dict) and "hist" not in value:
-            shown = _fmt(float(log.scalar(key)[1][-1])) if "/" not in key else "fit record"
+            shown = "fit record" if is_auxiliary(key) else _fmt(float(log.scalar(key)[1][-1]))
         elif isinstance(value, dict):
             shown = f"histogram, {int(np.asarray(value.get('hist', []), dtype=float).sum())} counts"
         elif base_name(key) == "Parameters":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LOG_METRICS", "SUPPORTED_VERSION", "RunLog", "combine", "load", "read_log"]
+__all__ = [
+    "LOG_METRICS",
+    "SUPPORTED_VERSION",
+    "RunLog",
+    "base_name",
+    "combine",
+    "is_auxiliary",
+    "load",
+    "read_log",
+]
 
 SUPPORTED_VERSION = 1
 
@@ -47,15 +57,25 @@ LOG_METRICS = (
 _NORM_QUANTITIES = ("GradNorm", "UpdateSize", "Distance")
 
 
+# "<quantity key>/<record>", the quantity key being "Name", "Name(hp=...)" or "Name#i"
+_AUX = re.compile(r"^[A-Za-z][A-Za-z0-9_]*(\([^/]*\))?(#\d+)?/\w+$")
+
+
 def base_name(key: str) -> str:
     """Quantity class name of a log key: ``"HessTrace(curvature=diag_h)"``, ``"Loss#2"`` and
     ``"GradNorm_1"`` give ``"HessTrace"``, ``"Loss"``, ``"GradNorm"``; auxiliary keys such as
     ``"Alpha/fit"`` are returned unchanged."""
-    if "/" in key:
+    if is_auxiliary(key):
         return key
     name = key.split("(", 1)[0].split("#", 1)[0]
     head, sep, tail = name.rpartition("_")
     return head if sep and tail.isdigit() else name
+
+
+def is_auxiliary(key: str) -> bool:
+    """Whether ``key`` is a quantity's auxiliary record such as ``"Alpha/fit"`` (not a
+    quantity of its own)."""
+    return _AUX.match(key) is not None
 
 
 def combine(key: str, value: Any) -> float:

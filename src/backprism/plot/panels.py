@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from backprism.plot.logdata import RunLog, base_name
+from backprism.plot.logdata import RunLog, base_name, is_auxiliary
 
 __all__ = [
     "GROUPS",
@@ -489,7 +489,7 @@ def _performance_panel(log: RunLog, smoothing: float) -> Panel:
 def _other_panels(log: RunLog, smoothing: float) -> list[Panel]:
     out = []
     for k in log.tracked:
-        if base_name(k) in KNOWN_QUANTITIES or "/" in k:
+        if base_name(k) in KNOWN_QUANTITIES or is_auxiliary(k):
             continue
         x, y = log.scalar(k)
         if not np.isfinite(y).any():

@@ -127,7 +127,7 @@ SCRIPT = r"""
     this.opts = opts || {};
     this.W = this.opts.width || 480;
     this.H = this.opts.height || 250;
-    this.m = {l: 52, r: this.hasRight() ? 50 : 12, t: 8, b: this.opts.small ? 22 : 34};
+    this.m = {l: 52, r: this.hasRight() ? 58 : 12, t: 8, b: this.opts.small ? 22 : 34};
     this.hidden = new Set();
     this.svg = el("svg", {viewBox: "0 0 " + this.W + " " + this.H, class: "chart",
                           "data-key": panel.key}, container);
@@ -224,8 +224,8 @@ SCRIPT = r"""
         el("text", {x: m.l + pw + 4, y: y + 3, "text-anchor": "start"}, axis)
           .textContent = fmt(p.ylog2 ? Math.pow(10, t) : t);
       }
-      if (p.ylabel2) el("text", {x: W - 4, y: m.t + ph / 2, "text-anchor": "middle",
-        transform: "rotate(90 " + (W - 4) + " " + (m.t + ph / 2) + ")"}, axis)
+      if (p.ylabel2) el("text", {x: W - 8, y: m.t + ph / 2, "text-anchor": "middle",
+        transform: "rotate(90 " + (W - 8) + " " + (m.t + ph / 2) + ")"}, axis)
         .textContent = p.ylabel2;
     }
     el("rect", {x: m.l, y: m.t, width: pw, height: ph, fill: "none", stroke: "#bbb"}, axis);
