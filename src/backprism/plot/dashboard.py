@@ -32,12 +32,11 @@ _GROUP_COLUMNS = ("Step size", "Gradients", "Curvature")
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
-    if os.environ.get("DISPLAY") is None and os.environ.get("MPLBACKEND") is None:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``matplotlib.pyplot``; matplotlib itself falls back to Agg where no display exists."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("the dashboard needs matplotlib: pip install matplotlib") from None
     return plt
 
 
