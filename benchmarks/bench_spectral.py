@@ -14,7 +14,7 @@ instead of ``K = C``; needed for All-CNN-C's ``C = 100`` at large ``N``: the Gra
 
 Timing: ``torch.set_num_threads(2)``, one warm-up, ``--repeats`` alternating rounds, medians,
 reported as ratios to ``plain``. Memory: each configuration runs once in a fresh subprocess;
-we report its peak RSS (``ru_maxrss``) above the peak of a plain forward+backward in the same
+we report its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same
 process, in MiB.
 """
 
@@ -69,16 +69,27 @@ def make_runner(problem: str, config: str, n: int, mc: int):
     return run
 
 
+def peak_rss_kib() -> int:
+    """This process's peak resident set size (``VmHWM``) in KiB. Unlike ``ru_maxrss``, which
+    Linux carries over from the parent across fork/exec (so a child of a large benchmark process
+    reports the parent's peak), ``VmHWM`` belongs to the process's own address space."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
+
+
 def peak_memory(problem: str, config: str, n: int, mc: int) -> float:
     """Peak RSS of ``config`` above a plain fwd+bwd's, in MiB (fresh subprocess)."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        f"import sys, resource, torch; sys.path.insert(0, {here!r}); import bench_spectral as b;"
+        f"import sys, torch; sys.path.insert(0, {here!r}); import bench_spectral as b;"
         "torch.set_num_threads(2);"
         f"b.make_runner({problem!r}, 'plain', {n}, {mc})();"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "base = b.peak_rss_kib();"
         f"b.make_runner({problem!r}, {config!r}, {n}, {mc})();"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+        "print((b.peak_rss_kib() - base) / 1024)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:

@@ -37,8 +37,8 @@ from backprism.rules.base import Call, Rule
 
 __all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
 
-#: elements allowed for one temporary block in Gram/contraction computations (64 Mi)
-BLOCK_ELEMENTS = 2**26
+#: elements allowed for one temporary block in Gram/contraction computations (16 Mi)
+BLOCK_ELEMENTS = 2**24
 
 
 class GramFactor:
