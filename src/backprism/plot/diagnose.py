@@ -123,6 +123,10 @@ def inspect_log(source: Any, fraction: float = 0.2) -> str:
             shown = "fit record" if is_auxiliary(key) else _fmt(float(log.scalar(key)[1][-1]))
         elif isinstance(value, dict):
             shown = f"histogram, {int(np.asarray(value.get('hist', []), dtype=float).sum())} counts"
+        elif base_name(key) == "Time":
+            _, t = log.scalar(key)
+            t = t[np.isfinite(t)]
+            shown = f"{t[-1] - t[0]:.4g} s elapsed" if t.size else "nan"
         elif base_name(key) == "Parameters":
             shown = f"{len(value) if isinstance(value, list) else 1} parameter tensors"
         else:
