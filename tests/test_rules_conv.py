@@ -17,11 +17,20 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
 import backprism
-from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from backprism.extensions import (
+    BatchDiagGGNExact,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
 from backprism.rules import get_rule
 from backprism.rules.base import Call
 
-from reference import per_sample_grads
+from reference import ggn_blocks, per_sample_grads
 
 CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 CONVT = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -329,3 +338,35 @@ def test_unfold_shapes_3d_float32() -> None:
     assert ps["weight"].dtype == torch.float32
     assert ps["weight"].shape == (2, 3, *conv.weight.shape)
     assert math.prod(ps["bias"].shape) == 2 * 3 * 4
+
+
+def test_end_to_end_second_order() -> None:
+    """GGN diagonals and square roots (M = C columns, per-column squares) through the engine."""
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 2, padding=1, padding_mode="replicate"), nn.ReLU(),
+        nn.ConvTranspose2d(2, 2, 2, stride=2, groups=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(2 * 8 * 8, 3),
+    ).double()
+    n = 2
+    x = torch.randn(n, 1, 3, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    lossfunc = nn.CrossEntropyLoss()
+    G, names, sizes = ggn_blocks(model, lossfunc, x, y)
+    backprism.extend(model)
+    backprism.extend(lossfunc)
+    with backprism.collect(DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact()):
+        lossfunc(model(x), y).backward()
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    params = dict(model.named_parameters())
+    for name, a, b in zip(names, offsets[:-1], offsets[1:]):
+        p = params[name]
+        block = G[:, :, a:b, a:b]  # [N, N, P, P]
+        per_sample_diag = torch.stack([torch.diagonal(block[i, i]) for i in range(n)])
+        torch.testing.assert_close(p.diag_ggn_exact_batch.flatten(1), per_sample_diag,
+                                   msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact.flatten(), per_sample_diag.sum(0),
+                                   msg=name)
+        v = p.sqrt_ggn_exact.flatten(2)  # [K, N, P]
+        for i in range(n):  # Σₖ V[k, n] V[k, n]ᵀ is sample n's GGN block
+            torch.testing.assert_close(v[:, i].t() @ v[:, i], block[i, i], msg=name)
