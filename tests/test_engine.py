@@ -282,3 +282,22 @@ def test_variance_without_parameter_gradients_and_hook_order():
         lossfunc(model(X), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(seen[p], ref[name].var(0, unbiased=False))
+
+
+def test_evaluation_forward_between_forward_and_loss_keeps_second_order():
+    from backprism.extensions import DiagGGNExact
+
+    from reference import ggn, split
+
+    torch.manual_seed(6)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3, dtype=torch.double), torch.randint(0, 2, (5,))
+    out = model(X)
+    with torch.no_grad():
+        model(torch.randn(7, 3, dtype=torch.double))  # e.g. a validation batch
+    with collect(DiagGGNExact()):
+        lossfunc(out, y).backward()
+    diag = split(torch.diagonal(ggn(model, lossfunc, X, y)), model)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[name])

@@ -103,17 +103,20 @@ def _root_pre_hook(module: nn.Module, args: Any) -> None:
         CAPTURE.root_stack.append(-1)  # nested root: belongs to the outer one
         return
     CAPTURE.call_stack.clear()
+    CAPTURE.root_stack.append(key)
+    for enter, _ in FORWARD_LISTENERS:
+        enter(module)
+    if not torch.is_grad_enabled():  # evaluation forwards leave the capture state alone
+        return
     # a new top-level forward of this root: outputs it left pending in its previous forward
     # (never taken by a loss, never backpropagated) are dropped.
     stale = [k for k, (_, _, rk, _) in CAPTURE.pending.items() if rk == key]
     for k in stale:
         del CAPTURE.pending[k]
+    if not CAPTURE.pending:  # nothing else awaits a loss: forget the stale calls' counts too
+        CAPTURE.group = Group()
     CAPTURE.root_generation[key] += 1
-    CAPTURE.root_stack.append(key)
-    if torch.is_grad_enabled() and not CAPTURE.suspended:
-        CAPTURE.root_inputs[key] = (module, tuple(tree_map(_detach, a) for a in args))
-    for enter, _ in FORWARD_LISTENERS:
-        enter(module)
+    CAPTURE.root_inputs[key] = (module, tuple(tree_map(_detach, a) for a in args))
 
 
 def _root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
