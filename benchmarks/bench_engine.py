@@ -13,7 +13,7 @@ When ``backpack-for-pytorch`` is installed, its extensions run side by side on t
 supports (chains of known layers).
 
 Memory: each configuration runs once more in a fresh subprocess; we report its peak resident
-set size above the same process's plain forward+backward peak (``ru_maxrss``), in MiB.
+set size above the same process's plain forward+backward peak (``VmHWM``), in MiB.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -138,21 +137,32 @@ def time_problem(problem: str, methods: list[str], n: int, repeats: int, backpac
 
 
 def peak_memory(problem: str, method: str, tool: str, n: int) -> float | None:
-    """Extra peak RSS (MiB) of one run over the plain run, in a fresh subprocess."""
+    """Extra peak memory (MiB) of one run over the plain run, in a fresh subprocess.
+
+    Uses the process's resident high-water mark ``VmHWM`` (``ru_maxrss`` would be inherited
+    from the parent across fork/exec on Linux)."""
     code = (
-        "import sys, resource, torch; torch.set_num_threads(2);"
+        "import sys, torch; torch.set_num_threads(2);"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-        "from bench_engine import make_runner;"
-        f"p = make_runner({problem!r}, 'plain', 'plain', {n}); p();"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "from bench_engine import make_runner, hwm;"
+        f"p = make_runner({problem!r}, 'plain', 'plain', {n}); p(); base = hwm();"
         f"r = make_runner({problem!r}, {method!r}, {tool!r}, {n});"
         "r is None and sys.exit(3); r();"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+        "print((hwm() - base) / 1024)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
         return None
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def hwm() -> int:
+    """Peak resident set size of this process in KiB (Linux ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(results, f, indent=1)
 
 
-_ = resource  # used in the memory subprocess
 
 if __name__ == "__main__":
     main()

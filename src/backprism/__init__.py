@@ -11,4 +11,16 @@ from backprism.extend import extend
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "collect", "extend", "extensions"]
+__all__ = ["__version__", "collect", "extend", "extensions", "monitor", "plot", "spectral"]
+
+_LAZY = ("monitor", "plot", "spectral", "report", "integrations", "compat")
+
+
+def __getattr__(name: str):
+    """``backprism.monitor``, ``.spectral``, ``.plot``: imported on first use (they bring
+    optional dependencies such as matplotlib)."""
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"backprism.{name}")
+    raise AttributeError(f"module 'backprism' has no attribute {name!r}")
