@@ -340,7 +340,7 @@ class UnfoldRule(Rule):
         if self._has_weight(call):
             v = self._cache.get_v(call, g)
             if v is not None:
-                out["weight"] = v.flatten(2).square().sum((0, 2))
+                out["weight"] = torch.linalg.vector_norm(v.flatten(2), dim=-1).square_().sum(0)
             else:
                 out["weight"] = self._batch_l2_weight(call, g)
         if self._has_bias(call):
@@ -365,8 +365,8 @@ class UnfoldRule(Rule):
             for sl in _sample_chunks(n, m * grp * o * i):
                 v = self._vmat(g5[:, sl], x[sl])
                 k = v.shape[1]
-                v = v.reshape(m * k, 1, -1)
-                norms = torch.bmm(v, v.transpose(1, 2)).reshape(m, k)  # batched dot (BLAS)
+                # fused norm: no squared temporary
+                norms = torch.linalg.vector_norm(v.reshape(m, k, -1), dim=-1).square_()
                 parts.append(norms.sum(0))
         return torch.cat(parts)
 
