@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import backprism
+from backprism.extend import suspended
 from backprism.monitor import Monitor, quantities, schedules
 
 import reference
@@ -60,9 +61,10 @@ def per_sample_grads(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> torc
     params = [p for p in model.parameters()]
     lossf = nn.CrossEntropyLoss()
     rows = []
-    for n in range(X.shape[0]):
-        g = torch.autograd.grad(lossf(model(X[n : n + 1]), y[n : n + 1]), params)
-        rows.append(torch.cat([t.reshape(-1) for t in g]).detach())
+    with suspended():  # reference forwards are not the monitored step's calls
+        for n in range(X.shape[0]):
+            g = torch.autograd.grad(lossf(model(X[n : n + 1]), y[n : n + 1]), params)
+            rows.append(torch.cat([t.reshape(-1) for t in g]).detach())
     return torch.stack(rows)
 
 

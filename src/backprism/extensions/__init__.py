@@ -11,6 +11,7 @@ from backprism.extensions.firstorder import (
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
 from backprism.extensions.kronecker import KFAC, KFLR, KFRA
 from backprism.extensions.matprod import GGNMP, HMP, PCHMP
+from backprism.extensions.projections import BatchDotWith, GradHist
 from backprism.extensions.secondorder import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -31,6 +32,7 @@ __all__ = [
     "BatchDiagGGNMC",
     "BatchDiagHessian",
     "BatchDotGrad",
+    "BatchDotWith",
     "BatchGrad",
     "BatchL2Grad",
     "DiagGGNExact",
@@ -38,6 +40,7 @@ __all__ = [
     "DiagHessian",
     "Extension",
     "FirstOrderExtension",
+    "GradHist",
     "HutchinsonDiagHessian",
     "SecondOrderExtension",
     "SqrtGGNExact",

@@ -24,8 +24,13 @@ hyperparameters (e.g. ``DiagGGNMC(mc_samples=1)`` from a quantity and ``DiagGGNM
 passed by the user) are all computed in the same backward pass, the later ones under the
 attribute ``"<savefield>_<i>"`` (``i = 1, 2, …``); extensions passed by the user keep their
 standard attribute and are left on the parameters, the monitor's own are deleted after the step.
-Per-sample gradients (``BatchGrad``) are reduced module by module during the backward pass
-(histograms, α projections) and freed right away.
+Gradient-element histograms of several quantities (``GradHist`` requests that differ only in
+what they bin: GradHist1d's 1d counts, GradHist2d's 2d counts, bin adaptation's maxima) are
+merged into one streaming ``GradHist`` pass, so per-sample gradients are built once per layer
+and chunk of samples. No built-in quantity materialises ``grad_batch`` for a layer except α's
+optimizer-agnostic fallback (non-SGD optimizers), which must keep the start step's gradients.
+Quantities defining ``transforms`` still receive each parameter's ``grad_batch`` module by module
+(then freed).
 
 **Output keys.** A quantity's key is its class name. If several quantities of one class are
 tracked, each key gets the hyperparameters in which they differ, e.g.
@@ -60,7 +65,7 @@ import torch
 from torch import Tensor
 
 from backprism.context import active, collect
-from backprism.extensions import BatchGrad
+from backprism.extensions import BatchGrad, GradHist
 from backprism.extensions.base import Extension
 from backprism.monitor.log import LogWriter, to_jsonable
 from backprism.monitor.quantities.base import (
@@ -274,6 +279,47 @@ class Monitor:
             self._writer.step(step, by_step[step])
 
 
+def _hists_compatible(a: GradHist, b: GradHist) -> bool:
+    if (a.scale, a.chunk_elements) != (b.scale, b.chunk_elements):
+        return False
+    if a.bins is not None and b.bins is not None and (a.bins, a.range) != (b.bins, b.range):
+        return False
+    return not (
+        a.bins2d is not None
+        and b.bins2d is not None
+        and (a.bins2d, a.range2d) != (b.bins2d, b.range2d)
+    )
+
+
+def _combine_hists(requests: list[Extension]) -> tuple[list[Extension], dict[Any, Extension]]:
+    """Merge ``GradHist`` requests that can share one pass; returns the new request list and
+    ``{original request key: merged extension}`` for the merged ones."""
+    out: list[Extension] = []
+    merged: list[tuple[GradHist, list[Extension]]] = []
+    for e in requests:
+        if not isinstance(e, GradHist):
+            out.append(e)
+            continue
+        for m, members in merged:
+            if _hists_compatible(m, e):
+                if m.bins is None and e.bins is not None:
+                    m.bins, m.range = e.bins, e.range
+                if m.bins2d is None and e.bins2d is not None:
+                    m.bins2d, m.range2d = e.bins2d, e.range2d
+                m.abs_max = m.abs_max or e.abs_max
+                members.append(e)
+                break
+        else:
+            merged.append((copy.copy(e), [e]))
+    aliases: dict[Any, Extension] = {}
+    for m, members in merged:
+        out.append(m)
+        if len(members) > 1 or extension_key(members[0]) != extension_key(m):
+            for e in members:
+                aliases[extension_key(e)] = m
+    return out, aliases
+
+
 class _StepContext:
     """One step: requests extensions, runs transforms during the backward, then tracks."""
 
@@ -332,6 +378,9 @@ class _StepContext:
             used.add(e.savefield)
         if self.transforms:
             requests = [*requests, BatchGrad()]
+        requests, aliases = _combine_hists([e for e in requests if extension_key(e) not in fields])
+        # streaming histograms last: their chunked per-sample work does not evict rule caches
+        requests.sort(key=lambda e: isinstance(e, GradHist))
         for e in requests:
             key = extension_key(e)
             if key in fields:
@@ -348,6 +397,8 @@ class _StepContext:
             fields[key] = field
             used.add(field)
             self.owned_fields.add(field)
+        for key, target in aliases.items():
+            fields.setdefault(key, fields[extension_key(target)])
         return exts
 
     def _check_mean_from_info(self, per_sample: list[Quantity]) -> None:

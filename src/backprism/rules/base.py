@@ -117,6 +117,16 @@ class Rule:
             out[k] = torch.einsum("mni,mki->nk", f, f)
         return out
 
+    def batch_dot_with(self, call: Call, g: Any, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+        r"""``Σₘ ⟨Vₘₙ, v⟩`` for given per-parameter ``vectors`` (``{name: [*p]}``): ``[N]`` per
+        name in ``vectors`` (BatchDotWith, projections onto a direction)."""
+        ps = self.per_sample(call, g)
+        return {
+            k: ps[k].flatten(2).sum(0) @ v.reshape(-1).to(ps[k].dtype)
+            for k, v in vectors.items()
+            if k in ps
+        }
+
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
         """Input-side Kronecker factor ``A`` per weight-like parameter (KFAC/KFLR/KFRA)."""
         raise NotImplementedError(

@@ -44,6 +44,22 @@ class _ConvRule(UnfoldRule):
             False, [0] * d, mod.groups, [False, True, False],
         )[1]
 
+    def batch_dot_with(
+        self, call: Call, g: Tensor, vectors: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        r"""``⟨Vₙ, V⟩ = Σ_{o,l} δₙₒₗ conv(xₙ, V)ₒₗ`` (the module's own convolution with weight
+        ``V``, padding mode included; columns summed first): no unfolding, no ``[N, O, I]``."""
+        self.check_call(call)
+        gs = g.sum(0)  # [N, C_out, *S]
+        out = {}
+        if "weight" in vectors and self._has_weight(call):
+            w = vectors["weight"].to(call.input.dtype)
+            y = call.module._conv_forward(call.input, w, None)
+            out["weight"] = (gs * y).flatten(1).sum(1)
+        if "bias" in vectors and self._has_bias(call):
+            out["bias"] = gs.flatten(2).sum(-1) @ vectors["bias"].to(gs.dtype)
+        return out
+
     def to_param(self, call: Call, v: Tensor) -> Tensor:
         w = call.module.weight
         lead = v.shape[:-3]

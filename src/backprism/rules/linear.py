@@ -114,6 +114,21 @@ class LinearRule(Rule):
             out["bias"] = torch.einsum("mno,mko->nk", b, b)
         return out
 
+    def batch_dot_with(
+        self, call: Call, g: Tensor, vectors: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        r"""``⟨Vₙ, V⟩ = Σₜ δₙₜᵀ V xₙₜ`` (columns summed first, linear in ``g``); no ``[N, O, I]``
+        tensor is built."""
+        x, g = _flat(call, g)
+        gs = g.sum(0)  # [N, T, O]
+        out = {}
+        if "weight" in vectors:
+            w = vectors["weight"].to(x.dtype)
+            out["weight"] = (gs * (x @ w.t())).sum((1, 2))
+        if "bias" in vectors and call.module.bias is not None:
+            out["bias"] = gs.sum(1) @ vectors["bias"].to(gs.dtype)
+        return out
+
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
         x = call.input
         n = x.shape[0]

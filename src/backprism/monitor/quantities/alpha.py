@@ -19,15 +19,16 @@ side; a concave fit (``c₂ < 0``) gives ``−1`` (``−1`` also when ``t = 0`` 
 an impossible fit ``None`` (not stored). The value is stored under the start step
 (``SAVE_SHIFT = 1``); the fit data go to ``fit_output`` (log key ``"<key>/fit"``).
 
-Two ways to get ``πₙ`` (Cockpit's):
+Two ways to get ``πₙ`` (Cockpit's), neither materialising per-sample gradients in the SGD case:
 
 * **SGD fast path** (``info['optimizer']`` is SGD without momentum/weight decay): the update is
   known during the start backward, ``d = −lr·g``; the start projections are
-  ``gₙᵀd = −lr·N·Σₘ batch_dot[n, m]`` (no per-sample gradients needed unless the step is also
-  an end step) and the end projections ``N·grad_batch[n]ᵀd`` are taken module by module.
+  ``gₙᵀd = −lr·N·Σₘ batch_dot[n, m]`` (``BatchDotGrad``, shared with InnerTest/OrthoTest) and
+  the end projections ``N·grad_batch[n]ᵀd`` come from ``BatchDotWith(d)`` (Linear:
+  ``δₙᵀ D xₙ``).
 * **optimizer-agnostic fallback**: the start step keeps ``grad_batch`` (memory ``N × D``) and
-  ``θ_start``; at the end, ``d = θ_end − θ_start`` is known, the end projections are taken
-  during the backward pass and the start ones from the kept gradients.
+  ``θ_start``; at the end, ``d = θ_end − θ_start`` is known before the backward pass, the end
+  projections come from ``BatchDotWith(d)`` and the start ones from the kept gradients.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from backprism.extensions import BatchDotGrad, BatchGrad
+from backprism.extensions import BatchDotGrad, BatchDotWith, BatchGrad
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Schedule, StepData, Transform, TwoStepQuantity
+from backprism.monitor.quantities.base import Schedule, StepData, TwoStepQuantity
 from backprism.monitor.quantities.optim import is_sgd_default_kwargs, lr_of
 
 __all__ = ["Alpha", "fit_quadratic", "get_alpha"]
@@ -109,6 +110,7 @@ class Alpha(TwoStepQuantity):
 
     def begin_step(self, global_step: int, data: StepData) -> None:
         self._plans = {}
+        self._params = data.params
         if self.should_compute(global_step):
             self._plan(global_step, data)
 
@@ -116,49 +118,27 @@ class Alpha(TwoStepQuantity):
         plan = getattr(self, "_plans", {}).get(global_step)
         if plan is None:
             return []
-        needs_batch = plan["end"] or (plan["start"] and plan["mode"] == "fallback")
-        if needs_batch:
-            return [BatchGrad()]
+        out: list[Extension] = []
         if plan["start"]:
-            return [BatchDotGrad()]
-        return []
-
-    def transforms(self, global_step: int, data: StepData) -> dict[str, Transform]:
-        plan = self._plan(global_step, data)
-        out: dict[str, Transform] = {}
+            out.append(BatchDotGrad() if plan["mode"] == "fast" else BatchGrad())
         if plan["end"]:
+            ext = self._end_ext(global_step, plan)
+            out.append(ext)
+        return out
+
+    def _end_ext(self, global_step: int, plan: dict[str, Any]) -> BatchDotWith:
+        """``BatchDotWith(d)`` for the end step (built once per step)."""
+        ext = plan.get("end_ext")
+        if ext is None:
             start = global_step - self.SAVE_SHIFT
-            mode = self.load_from_cache(start, "mode")
-            if mode == "fast":
+            if self.load_from_cache(start, "mode") == "fast":
                 dirs = self.load_from_cache(start, "update")
-
-                def end_fast(p: Tensor, grad_batch: Tensor) -> Tensor:
-                    return _proj(grad_batch, dirs[id(p)])
-
-                out["end"] = end_fast
             else:
                 old = self.load_from_cache(start, "params")
-
-                def end_fallback(p: Tensor, grad_batch: Tensor) -> Tensor:
-                    return _proj(grad_batch, p.detach() - old[id(p)])
-
-                out["end"] = end_fallback
-        if plan["start"] and (plan["end"] or plan["mode"] == "fallback"):
-            if plan["mode"] == "fast":
-                lrs = lr_of(data.info["optimizer"])
-
-                def start_fast(p: Tensor, grad_batch: Tensor) -> tuple[Tensor, Tensor]:
-                    d = -lrs[id(p)] * grad_batch.detach().sum(0)
-                    return d, _proj(grad_batch, d)
-
-                out["start"] = start_fast
-            else:
-
-                def start_keep(p: Tensor, grad_batch: Tensor) -> Tensor:
-                    return grad_batch.detach()
-
-                out["start"] = start_keep
-        return out
+                dirs = {id(p): p.detach() - old[id(p)] for p in self._params}
+            plan["dirs"] = dirs
+            ext = plan["end_ext"] = BatchDotWith((p, dirs[id(p)]) for p in self._params)
+        return ext
 
     # -- after the backward pass -------------------------------------------------------------
     def track(self, global_step: int, data: StepData) -> None:
@@ -196,22 +176,17 @@ class Alpha(TwoStepQuantity):
         self._save_0th_order(global_step, data, "start", until)
         self.save_to_cache(global_step, "mode", plan["mode"], block)
         if plan["mode"] == "fast":
-            if "start" in data.transformed.get(self.key, {}):
-                res = data.transform_results(self, "start")
-                dirs = {id(p): r[0] for p, r in zip(data.params, res)}
-                dots = sum(r[1].double() for r in res)
-            else:
-                # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
-                lrs = lr_of(data.get("optimizer", self))
-                n = int(data.get("batch_size", self))
-                bdots = data.fetch(BatchDotGrad())
-                dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
-                dots = sum(-lrs[id(p)] * n * b.double().sum(1) for p, b in zip(data.params, bdots))
+            # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
+            lrs = lr_of(data.get("optimizer", self))
+            n = int(data.get("batch_size", self))
+            bdots = data.fetch(BatchDotGrad())
+            dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
+            dots = sum(-lrs[id(p)] * n * b.double().sum(1) for p, b in zip(data.params, bdots))
             self.save_to_cache(global_step, "update", dirs, block)
             self.save_to_cache(global_step, "dots_start", dots, block)
         else:
             params = {id(p): p.detach().clone() for p in data.params}
-            kept = dict(zip((id(p) for p in data.params), data.transform_results(self, "start")))
+            kept = {id(p): g.detach() for p, g in zip(data.params, data.fetch(BatchGrad()))}
             self.save_to_cache(global_step, "params", params, block)
             self.save_to_cache(global_step, "grad_batch", kept, block)
 
@@ -219,16 +194,16 @@ class Alpha(TwoStepQuantity):
         start = global_step - self.SAVE_SHIFT
         self._save_0th_order(global_step, data, "end", global_step)
         mode = self.load_from_cache(start, "mode")
-        dots_end = sum(r.double() for r in data.transform_results(self, "end"))
+        plan = self._plan(global_step, data)
+        ext = self._end_ext(global_step, plan)
+        dirs = plan["dirs"]
+        n = int(data.get("batch_size", self))
+        dots_end = sum(n * r.double() for r in data.fetch(ext))
+        sq = sum(dirs[id(p)].double().square().sum() for p in data.params)
         if mode == "fast":
-            dirs = self.load_from_cache(start, "update")
             dots_start = self.load_from_cache(start, "dots_start")
-            sq = sum(d.double().square().sum() for d in dirs.values())
         else:
-            old = self.load_from_cache(start, "params")
             kept = self.load_from_cache(start, "grad_batch")
-            dirs = {id(p): p.detach() - old[id(p)] for p in data.params}
-            sq = sum(d.double().square().sum() for d in dirs.values())
             dots_start = sum(_proj(kept[id(p)], dirs[id(p)]).double() for p in data.params)
         t = float(torch.as_tensor(sq).sqrt())
         proj = [dots_start / t, dots_end / t] if t > 0 else [dots_start * 0, dots_end * 0]

@@ -1,8 +1,10 @@
 r"""Histograms of individual gradient elements (Cockpit's ``GradHist1d`` / ``GradHist2d``).
 
-Individual gradients are ``gₙ = ∇ℓₙ = N·grad_batch[n]`` (mean reduction). Histograms are
-computed per parameter as soon as its module is done in the backward pass (then
-``grad_batch`` is freed) and summed over parameters.
+Individual gradients are ``gₙ = ∇ℓₙ = N·grad_batch[n]`` (mean reduction). The engine extension
+:class:`~backprism.extensions.GradHist` bins them during the backward pass, layer by layer and a
+few samples at a time (``grad_batch`` is never materialised for a whole layer); the
+per-parameter counts are summed over parameters. Exact binning costs ``O(N·D)`` per tracked step.
+GradHist1d and GradHist2d tracked together share one pass (the monitor merges the requests).
 
 * **GradHist1d** (``bins=100``, ``range=(-2, 2)``): every element ``gₙᵢ`` is clipped to
   ``[start, end]`` and counted in ``bins`` equal bins (the last bin includes ``end``), i.e.
@@ -22,33 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from backprism.extensions import BatchGrad
+from backprism.extensions import GradHist
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData, Transform
+from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData
 from backprism.monitor.quantities.bin_adaptation import BinAdaptation, NoAdaptation
 
 __all__ = ["GradHist1d", "GradHist2d"]
-
-
-def _grad_abs_max(p: Tensor, grad_batch: Tensor) -> float:
-    return float(grad_batch.shape[0] * grad_batch.detach().abs().max())
-
-
-def hist1d(values: Tensor, bins: int, start: float, end: float) -> Tensor:
-    """Counts of ``clip(values, start, end)`` in ``bins`` equal bins over ``[start, end]``
-    (last bin closed), as float64 — the same binning as ``numpy.histogram``."""
-    x = values.detach().reshape(-1).clamp(start, end)
-    width = (end - start) / bins
-    idx = ((x - start) / width).floor_().long().clamp_(0, bins - 1)
-    return torch.bincount(idx, minlength=bins).to(torch.float64)
-
-
-def _bin_index(x: Tensor, lo: float, hi: float, bins: int) -> Tensor:
-    width = (hi - lo) / bins
-    x = x.clamp(lo + width / 2, hi - width / 2)
-    return ((x - lo) / width).floor_().long().clamp_(0, bins - 1)
 
 
 class GradHist1d(SingleStepQuantity):
@@ -87,21 +69,20 @@ class GradHist1d(SingleStepQuantity):
             self._adapt.needs_grad_batch and self._adapt.should_compute(step)
         )
 
+    def _ext(self, global_step: int) -> GradHist | None:
+        hist = self.should_compute(global_step)
+        absmax = self._adapt.needs_grad_batch and self._adapt.should_compute(global_step)
+        if not (hist or absmax):
+            return None
+        return GradHist(
+            bins=self._bins if hist else None,
+            range=self._range,
+            abs_max=absmax,
+        )
+
     def extensions(self, global_step: int) -> list[Extension]:
-        return [BatchGrad()] if self._needs_batch(global_step) else []
-
-    def transforms(self, global_step: int, data: StepData) -> dict[str, Transform]:
-        out: dict[str, Transform] = {}
-        if self.should_compute(global_step):
-            bins, (start, end) = self._bins, self._range
-
-            def hist(p: Tensor, grad_batch: Tensor) -> Tensor:
-                return hist1d(grad_batch.shape[0] * grad_batch, bins, start, end)
-
-            out["hist"] = hist
-        if self._adapt.needs_grad_batch and self._adapt.should_compute(global_step):
-            out["abs_max"] = _grad_abs_max
-        return out
+        ext = self._ext(global_step)
+        return [] if ext is None else [ext]
 
     def track(self, global_step: int, data: StepData) -> None:
         super().track(global_step, data)
@@ -114,11 +95,15 @@ class GradHist1d(SingleStepQuantity):
         if self._adapt.should_compute(global_step):
             m = None
             if self._adapt.needs_grad_batch:
-                m = max(data.transform_results(self, "abs_max"))
+                ext = self._ext(global_step)
+                assert ext is not None
+                m = max(float(r["abs_max"]) for r in data.fetch(ext))
             self._range = self._adapt.compute(global_step, data.params, m, self._range)
 
     def _compute(self, global_step: int, data: StepData) -> dict[str, Any]:
-        hist = sum(data.transform_results(self, "hist"))
+        ext = self._ext(global_step)
+        assert ext is not None
+        hist = sum(r["hist"] for r in data.fetch(ext)).to(torch.float64)
         edges = torch.linspace(self._range[0], self._range[1], self._bins + 1, dtype=torch.float64)
         return {"hist": np.asarray(hist.cpu().numpy()), "edges": edges.numpy()}
 
@@ -162,34 +147,31 @@ class GradHist2d(SingleStepQuantity):
     def _adapt_batch(self, step: int) -> bool:
         return any(a.needs_grad_batch and a.should_compute(step) for a in self._adapt)
 
+    def _ext(self, global_step: int) -> GradHist | None:
+        hist = self.should_compute(global_step)
+        absmax = self._adapt_batch(global_step)
+        if not (hist or absmax):
+            return None
+        return GradHist(
+            bins=None,
+            bins2d=self._bins if hist else None,
+            range2d=(self._range[0], self._range[1]),
+            abs_max=absmax,
+        )
+
     def extensions(self, global_step: int) -> list[Extension]:
-        needed = self.should_compute(global_step) or self._adapt_batch(global_step)
-        return [BatchGrad()] if needed else []
-
-    def transforms(self, global_step: int, data: StepData) -> dict[str, Transform]:
-        out: dict[str, Transform] = {}
-        if self.should_compute(global_step):
-            (xb, yb), ((xlo, xhi), (ylo, yhi)) = self._bins, self._range
-
-            def hist(p: Tensor, grad_batch: Tensor) -> Tensor:
-                n = grad_batch.shape[0]
-                xi = _bin_index(n * grad_batch.detach(), xlo, xhi, xb)
-                yi = _bin_index(p.detach(), ylo, yhi, yb)
-                idx = (xi * yb + yi.unsqueeze(0)).reshape(-1)
-                return torch.bincount(idx, minlength=xb * yb).reshape(xb, yb)
-
-            out["hist"] = hist
-        if self._adapt_batch(global_step):
-            out["abs_max"] = _grad_abs_max
-        return out
+        ext = self._ext(global_step)
+        return [] if ext is None else [ext]
 
     def track(self, global_step: int, data: StepData) -> None:
+        ext = self._ext(global_step)
         super().track(global_step, data)
         for dim, adapt in enumerate(self._adapt):
             if adapt.should_compute(global_step):
                 m = None
                 if adapt.needs_grad_batch:
-                    m = max(data.transform_results(self, "abs_max"))
+                    assert ext is not None
+                    m = max(float(r["abs_max"]) for r in data.fetch(ext))
                 self._range[dim] = adapt.compute(global_step, data.params, m, self._range[dim])
 
     def _edges(self) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +181,9 @@ class GradHist2d(SingleStepQuantity):
         )
 
     def _compute(self, global_step: int, data: StepData) -> dict[str, Any]:
-        hists = data.transform_results(self, "hist")
+        ext = self._ext(global_step)
+        assert ext is not None
+        hists = [r["hist2d"] for r in data.fetch(ext)]
         edges = self._edges()
         result: dict[str, Any] = {"hist": sum(hists).cpu().numpy(), "edges": edges}
         if self._keep_individual:

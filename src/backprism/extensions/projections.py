@@ -1,0 +1,285 @@
+r"""First-order extensions that reduce per-sample gradients on the fly.
+
+With ``grad_batch[n] = ∇(ℓₙ/N)`` (mean reduction; ``∇ℓₙ`` for ``"sum"``):
+
+=================  ===================  ==========================================================
+extension          attribute            value
+=================  ===================  ==========================================================
+BatchDotWith(v)    ``batch_dot_with``   ``[N]``: ``⟨grad_batch[n], v_p⟩`` for a given vector
+                                        ``v_p`` per parameter (``0`` where none is given)
+GradHist(...)      ``grad_hist``        ``dict``: histograms of the elements of the individual
+                                        gradients ``gₙ = s·grad_batch[n]`` (``s = N`` by default)
+=================  ===================  ==========================================================
+
+Neither materialises ``grad_batch`` for a whole layer:
+
+* ``BatchDotWith`` uses the rules' :meth:`~backprism.rules.base.Rule.batch_dot_with`
+  (Linear: ``δₙᵀ V xₙ``; convolutions: ``⟨δₙ, conv(xₙ, V)⟩``; other layers: from
+  ``per_sample``). It is linear in the per-sample gradients, so calls of a shared parameter are
+  summed directly.
+* ``GradHist`` builds the per-sample gradients of a layer ``chunk_elements`` at a time (a few
+  samples), bins them and frees them, so peak memory stays a few chunks. The cost is exact
+  binning of all ``N·D`` elements per step.
+
+**GradHist binning** (the same as ``numpy.histogram`` / ``numpy.histogram2d`` after clipping):
+
+* 1d (``bins``, ``range=(a, b)``): every element is clipped to ``[a, b]`` and counted in ``bins``
+  equal bins (last bin closed): index ``⌊(clip(g) − a)/w⌋`` clamped to ``[0, bins − 1]``,
+  ``w = (b − a)/bins``;
+* 2d (``bins2d=(X, Y)``, ``range2d=((xa, xb), (ya, yb))``): pairs ``(gₙᵢ, θᵢ)``, each coordinate
+  clipped to the centres of its outermost bins, counted in ``[X, Y]`` bins;
+* ``abs_max``: ``maxₙᵢ |gₙᵢ|``.
+
+The result per parameter is a dict with the requested entries ``"hist"`` (``[bins]``),
+``"hist2d"`` (``[X, Y]``) (int64 counts) and ``"abs_max"`` (0-dim tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from backprism.extensions.base import FirstOrderExtension
+from backprism.rules.base import Call, Rule
+
+__all__ = ["BatchDotWith", "GradHist"]
+
+
+def _raw(rule: Any) -> Rule:
+    """The rule behind the engine's per-call memo (which keys by argument ids: our temporary
+    vector dicts and sample slices must not hit it)."""
+    return getattr(rule, "_rule", rule)
+
+
+def _first_tensor(g: Any) -> Tensor:
+    return g[0] if isinstance(g, tuple) else g
+
+
+class BatchDotWith(FirstOrderExtension):
+    """Projections ``batch_dot_with[n] = ⟨grad_batch[n], v_p⟩`` of shape ``[N]``.
+
+    Args:
+        vectors: ``{param: v_p}`` (or ``(param, v_p)`` pairs) with ``v_p`` of the parameter's
+            shape; parameters without a vector get zeros.
+    """
+
+    savefield = "batch_dot_with"
+    additive = True
+
+    def __init__(self, vectors: Mapping[Tensor, Tensor] | Iterable[tuple[Tensor, Tensor]]):
+        pairs = vectors.items() if isinstance(vectors, Mapping) else vectors
+        self._vectors: dict[int, Tensor] = {}
+        for p, v in pairs:
+            if tuple(v.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"BatchDotWith: vector of shape {tuple(v.shape)} for a parameter of shape "
+                    f"{tuple(p.shape)}"
+                )
+            self._vectors[id(p)] = v.detach()
+        #: distinguishes requests with different vectors (merging by hyperparameters)
+        self.vectors_id = id(self._vectors)
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        wanted = {
+            name: self._vectors[id(p)] for name, p in call.params.items() if id(p) in self._vectors
+        }
+        out = dict(_raw(rule).batch_dot_with(call, g, wanted)) if wanted else {}
+        ref = _first_tensor(g)
+        for name in call.params:
+            if name not in out:
+                out[name] = ref.new_zeros(call.batch_size)
+        return out
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+        raise NotImplementedError  # additive: never called
+
+
+def _slice_call(call: Call, start: int, stop: int) -> Call:
+    """The call restricted to samples ``start:stop`` (views of tensors with the batch axis)."""
+    n = call.batch_size
+
+    def take(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == n:
+            return x[start:stop]
+        return x
+
+    new = replace(
+        call,
+        args=tuple(take(a) for a in call.args),
+        kwargs={k: take(v) for k, v in call.kwargs.items()},
+        batch_size=stop - start,
+        versions=[],
+    )
+    new.group = getattr(call, "group", None)  # type: ignore[attr-defined]
+    new.out_shapes = [
+        s if len(s) == 0 or s[0] != n else torch.Size((stop - start, *s[1:]))
+        for s in call.out_shapes
+    ]
+    return new
+
+
+def _slice_cols(g: Any, start: int, stop: int, n: int) -> Any:
+    if isinstance(g, tuple):
+        return tuple(_slice_cols(x, start, stop, n) for x in g)
+    if g.dim() > 1 and g.shape[1] == n:
+        return g[:, start:stop]
+    return g
+
+
+def bin_index(x: Tensor, lo: float, hi: float, bins: int, centre_clip: bool) -> Tensor:
+    """Bin indices (float, integral values) of ``x``: clip to ``[lo, hi]`` (or to the centres of
+    the outermost bins), then ``⌊(x − lo)/w⌋`` clamped to ``[0, bins − 1]``."""
+    width = (hi - lo) / bins
+    if centre_clip:
+        x = x.clamp(lo + width / 2, hi - width / 2)
+    else:
+        x = x.clamp(lo, hi)
+    return x.sub_(lo).div_(width).floor_().clamp_(0, bins - 1)
+
+
+def _count(idx: Tensor, size: int) -> Tensor:
+    """Counts of the integral float indices ``idx`` (``[0, size)``) as int64 ``[size]``; NaN
+    entries (non-finite gradients, recorded as NaN by the monitor anyway) go to bin 0."""
+    flat = idx.reshape(-1)
+    try:
+        return torch.bincount(flat.to(torch.int32), minlength=size)
+    except RuntimeError:  # NaN became an invalid index
+        flat = torch.nan_to_num(flat, nan=0.0).clamp_(0, size - 1)
+        return torch.bincount(flat.to(torch.int32), minlength=size)
+
+
+class GradHist(FirstOrderExtension):
+    """Histograms of individual gradient elements, streamed over sample chunks (module doc).
+
+    Args:
+        bins: number of 1d bins, ``None`` for no 1d histogram (default 100).
+        range: ``(a, b)`` of the 1d histogram (default ``(-2, 2)``).
+        bins2d: ``(X, Y)`` for the 2d histogram over (gradient element, parameter value), or
+            ``None`` (default).
+        range2d: ``((xa, xb), (ya, yb))`` (default ``((-1, 1), (-2, 2))``).
+        abs_max: also return ``maxₙᵢ |gₙᵢ|`` (default ``False``).
+        scale: ``s`` in ``gₙ = s·grad_batch[n]``; ``None`` (default) uses the batch size ``N``
+            (individual gradients ``∇ℓₙ`` of a mean-reduced loss).
+        chunk_elements: per-sample gradient elements built at once (default ``2**18``).
+    """
+
+    savefield = "grad_hist"
+
+    def __init__(
+        self,
+        bins: int | None = 100,
+        range: tuple[float, float] = (-2.0, 2.0),
+        bins2d: tuple[int, int] | None = None,
+        range2d: tuple[tuple[float, float], tuple[float, float]] = ((-1.0, 1.0), (-2.0, 2.0)),
+        abs_max: bool = False,
+        scale: float | None = None,
+        chunk_elements: int = 2**18,
+    ) -> None:
+        self.bins = None if bins is None else int(bins)
+        self.range = (float(range[0]), float(range[1]))
+        self.bins2d = None if bins2d is None else (int(bins2d[0]), int(bins2d[1]))
+        self.range2d = tuple((float(r[0]), float(r[1])) for r in range2d)
+        self.abs_max = bool(abs_max)
+        self.scale = scale
+        self.chunk_elements = int(chunk_elements)
+
+    # -- reduction of one chunk ---------------------------------------------------------------
+    def _empty(self, ref: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        if self.bins is not None:
+            out["hist"] = torch.zeros(self.bins, dtype=torch.int64, device=ref.device)
+        if self.bins2d is not None:
+            out["hist2d"] = torch.zeros(
+                self.bins2d[0] * self.bins2d[1], dtype=torch.int64, device=ref.device
+            )
+        if self.abs_max:
+            out["abs_max"] = torch.zeros((), dtype=ref.dtype, device=ref.device)
+        return out
+
+    def _y_index(self, param: Tensor) -> Tensor:
+        assert self.bins2d is not None
+        (ya, yb), ybins = self.range2d[1], self.bins2d[1]
+        return bin_index(param.detach().to(torch.float32), ya, yb, ybins, True)
+
+    def _reduce(self, acc: dict[str, Tensor], v: Tensor, y_idx: Tensor | None) -> None:
+        """Add the chunk ``v`` (``[n, *p]``, already scaled) to the accumulators."""
+        if self.abs_max:
+            acc["abs_max"] = torch.maximum(acc["abs_max"], v.abs().max().to(acc["abs_max"].dtype))
+        if self.bins is not None:
+            lo, hi = self.range
+            idx = bin_index(v, lo, hi, self.bins, False)
+            acc["hist"] += _count(idx, self.bins)
+        if self.bins2d is not None:
+            assert y_idx is not None
+            (xa, xb), xbins = self.range2d[0], self.bins2d[0]
+            ybins = self.bins2d[1]
+            idx = bin_index(v, xa, xb, xbins, True).mul_(ybins).add_(y_idx)
+            acc["hist2d"] += _count(idx, xbins * ybins)
+
+    def _finish(self, acc: dict[str, Tensor]) -> dict[str, Tensor]:
+        if self.bins2d is not None:
+            acc["hist2d"] = acc["hist2d"].reshape(self.bins2d)
+        return acc
+
+    # -- engine interface ---------------------------------------------------------------------
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        n = call.batch_size
+        scale = float(n if self.scale is None else self.scale)
+        rule = _raw(rule)
+        params = call.params
+        ref = _first_tensor(g)
+        accs = {name: self._empty(ref) for name in params}
+        y_idx = (
+            {name: self._y_index(p) for name, p in params.items()}
+            if self.bins2d is not None
+            else {}
+        )
+        per_sample = sum(p.numel() for p in params.values()) or 1
+        step = max(1, self.chunk_elements // per_sample)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            sub = call if (start, stop) == (0, n) else _slice_call(call, start, stop)
+            ps = rule.per_sample(sub, _slice_cols(g, start, stop, n))
+            for name, v in ps.items():
+                if name not in accs:
+                    continue
+                v = v[0].detach().to(torch.float32) * scale  # a fresh [n, *p] buffer
+                self._reduce(accs[name], v, y_idx.get(name))
+            del ps
+        return {name: self._finish(acc) for name, acc in accs.items()}
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
+        """Parameters used by several calls: the summed per-sample gradients ``[1, N, *p]``."""
+        d = dense[0]
+        n = d.shape[0]
+        scale = float(n if self.scale is None else self.scale)
+        acc = self._empty(d)
+        # the dense parameter is the one being finished; its values come with the call
+        y_idx = None
+        if self.bins2d is not None:
+            y_idx = self._y_index(_dense_param(call, d))
+        per_sample = max(1, d[0].numel())
+        step = max(1, self.chunk_elements // per_sample)
+        for start in range(0, n, step):
+            v = d[start : start + step].detach().to(torch.float32) * scale
+            self._reduce(acc, v, y_idx)
+        return self._finish(acc)
+
+    def accumulate(self, old: Any, new: Any) -> Any:
+        out = {}
+        for k in old:
+            out[k] = torch.maximum(old[k], new[k]) if k == "abs_max" else old[k] + new[k]
+        return out
+
+
+def _dense_param(call: Call, d: Tensor) -> Tensor:
+    """The parameter of ``call`` whose per-sample gradients ``d`` are (by shape; a shared
+    parameter among several of the same shape has the same values only if it is the same)."""
+    for p in call.params.values():
+        if tuple(p.shape) == tuple(d.shape[1:]):
+            return p
+    raise RuntimeError("GradHist: could not match per-sample gradients to a parameter")

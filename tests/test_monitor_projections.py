@@ -1,0 +1,222 @@
+"""Streaming first-order extensions for the monitor (``BatchDotWith``, ``GradHist``) vs dense
+per-sample gradients from ``torch.func`` and ``numpy.histogram``/``histogram2d``; the monitor's
+request merging and its freedom from engine work on untracked steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import backprism
+from backprism.extend import suspended
+from backprism.extensions import BatchDotWith, BatchGrad, GradHist
+from backprism.monitor import Monitor, configuration, quantities, schedules
+
+import reference
+
+
+class Tied(nn.Module):
+    """One Linear used twice (a parameter with two calls) and a LayerNorm (its own rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        return self.out(self.norm(self.lin(h)))
+
+
+class Seq(nn.Module):
+    """Linear with a middle (sequence) axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(x)).mean(1))
+
+
+def models():
+    conv = nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, groups=2, padding="same"),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+    return {
+        "mlp": (nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), (4,)),
+        "conv": (conv, (2, 8, 8)),
+        "conv1d": (
+            nn.Sequential(nn.Conv1d(2, 3, 3, dilation=2), nn.Flatten(), nn.Linear(3 * 4, 3)),
+            (2, 8),
+        ),
+        "seq": (Seq(), (3, 4)),
+        "tied": (Tied(), (4,)),
+    }
+
+
+def setup(kind: str, n: int = 7, seed: int = 0):
+    torch.manual_seed(seed)
+    model, shape = models()[kind]
+    model = backprism.extend(model.double())
+    lossf = backprism.extend(nn.CrossEntropyLoss())
+    X = torch.randn(n, *shape, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    with suspended():
+        ref = reference.per_sample_grads(model, lossf, X, y)
+    return model, lossf, X, y, ref
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "conv1d", "seq", "tied"])
+def test_batch_dot_with(kind: str) -> None:
+    model, lossf, X, y, ref = setup(kind)
+    torch.manual_seed(1)
+    vecs = {p: torch.randn_like(p) for p in model.parameters()}
+    skip = next(iter(model.parameters()))  # a parameter without vector gets zeros
+    del vecs[skip]
+    with backprism.collect(BatchDotWith(vecs)):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        want = (
+            torch.zeros(X.shape[0], dtype=torch.float64)
+            if p is skip
+            else ref[name].flatten(1) @ vecs[p].reshape(-1)
+        )
+        torch.testing.assert_close(p.batch_dot_with, want)
+
+
+def test_batch_dot_with_checks_shapes() -> None:
+    p = nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="shape"):
+        BatchDotWith({p: torch.zeros(2, 3)})
+
+
+def _hist1d_ref(G: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
+    return np.histogram(np.clip(G, lo, hi), bins=bins, range=(lo, hi))[0]
+
+
+def _hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
+    (xlo, xhi), (ylo, yhi) = rng
+    xw, yw = (xhi - xlo) / bins[0], (yhi - ylo) / bins[1]
+    x = np.clip(G, xlo + xw / 2, xhi - xw / 2).reshape(-1)
+    yv = np.broadcast_to(np.clip(theta, ylo + yw / 2, yhi - yw / 2), G.shape).reshape(-1)
+    return np.histogram2d(x, yv, bins=bins, range=rng)[0]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kind=st.sampled_from(["mlp", "conv", "conv1d", "seq", "tied"]),
+    chunk=st.sampled_from([1, 7, 40, 2**18]),
+    bins=st.integers(1, 9),
+    width=st.floats(0.05, 1.0),
+    seed=st.integers(0, 3),
+)
+def test_grad_hist(kind: str, chunk: int, bins: int, width: float, seed: int) -> None:
+    model, lossf, X, y, ref = setup(kind, seed=seed)
+    n = X.shape[0]
+    rng2 = ((-width, width), (-0.4, 0.3))
+    ext = GradHist(
+        bins=bins, range=(-width, 0.5 * width), bins2d=(bins, 3), range2d=rng2, abs_max=True,
+        chunk_elements=chunk,
+    )
+    with backprism.collect(ext):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        G = (n * ref[name]).numpy()
+        got = p.grad_hist
+        np.testing.assert_array_equal(
+            got["hist"].numpy(), _hist1d_ref(G, bins, -width, 0.5 * width)
+        )
+        want2 = _hist2d_ref(G, p.detach().numpy(), (bins, 3), rng2)
+        np.testing.assert_array_equal(got["hist2d"].numpy(), want2)
+        np.testing.assert_allclose(float(got["abs_max"]), np.abs(G).max(), rtol=1e-6)
+
+
+def test_grad_hist_custom_scale_and_1d_only() -> None:
+    model, lossf, X, y, ref = setup("mlp")
+    with backprism.collect(GradHist(bins=5, range=(-0.1, 0.1), scale=1.0, chunk_elements=3)):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        assert set(p.grad_hist) == {"hist"}
+        want = _hist1d_ref(ref[name].numpy(), 5, -0.1, 0.1)
+        np.testing.assert_array_equal(p.grad_hist["hist"].numpy(), want)
+
+
+# -- the monitor ------------------------------------------------------------------------------
+def _step(monitor, model, lossf, X, y, step, opt):
+    out = model(X)
+    loss = lossf(out, y)
+    info = {
+        "loss": loss,
+        "batch_size": X.shape[0],
+        "individual_losses": nn.CrossEntropyLoss(reduction="none")(out.detach(), y),
+        "optimizer": opt,
+    }
+    ctx = monitor(step, info=info)
+    with ctx:
+        loss.backward(create_graph=monitor.create_graph(step))
+    opt.step()
+    opt.zero_grad()
+    return ctx
+
+
+def test_monitor_shares_one_histogram_pass_and_builds_no_grad_batch(monkeypatch) -> None:
+    model, lossf, X, y, _ = setup("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    seen_exts = []
+    orig_hist = GradHist.from_rule
+    orig_batch = BatchGrad.from_rule
+
+    def count_hist(self, *args, **kwargs):
+        calls.append(self)
+        return orig_hist(self, *args, **kwargs)
+
+    def no_batch(self, *args, **kwargs):  # SGD: no quantity needs grad_batch
+        seen_exts.append("BatchGrad")
+        return orig_batch(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradHist, "from_rule", count_hist)
+    monkeypatch.setattr(BatchGrad, "from_rule", no_batch)
+    qs = [
+        quantities.GradHist1d(schedules.linear(1)),
+        quantities.GradHist2d(schedules.linear(1)),
+        quantities.Alpha(schedules.linear(1)),
+        quantities.InnerTest(schedules.linear(1)),
+    ]
+    monitor = Monitor(model.parameters(), qs)
+    for step in range(3):
+        calls.clear()
+        _step(monitor, model, lossf, X, y, step, opt)
+        assert len({id(e) for e in calls}) == 1  # one merged extension ...
+        assert len(calls) == 2  # ... run once per Linear
+        assert set(calls[0].__dict__) >= {"bins", "bins2d"}
+        assert calls[0].bins == 100 and calls[0].bins2d == (40, 50)
+    assert not seen_exts
+    out = monitor.get_output()
+    assert sorted(out["GradHist1d"]) == [0, 1, 2] and sorted(out["Alpha"]) == [0, 1]
+    for p in model.parameters():
+        assert not any(hasattr(p, f) for f in ("grad_batch", "grad_hist", "batch_dot_with"))
+
+
+def test_untracked_steps_do_no_engine_work() -> None:
+    model, lossf, X, y, _ = setup("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = Monitor(model.parameters(), configuration("full", schedules.linear(3, offset=1)))
+    for step in range(5):
+        ctx = _step(monitor, model, lossf, X, y, step, opt)
+        # Alpha/UpdateSize end at s + 1 (bookkeeping only for UpdateSize); step 0, 3: nothing
+        if step in (0, 3):
+            assert ctx.ctx is None, step
+            assert not monitor.create_graph(step)
+    assert sorted(monitor.get_output()["HessMaxEV"]) == [1, 4]
