@@ -10,9 +10,12 @@ so that the per-sample, per-column weight gradient for columns ``g_{mn}`` (``[M,
 is ``V_{mn} = g_{mn} X_nᵀ`` (``[G, O, I]`` per sample) and the bias gradient ``Σ_l g_{mnl}``.
 The statistics follow:
 
-* ``Σₙ V_{mn}`` — one contraction over ``n`` and ``l`` (the ordinary gradient for ``M = 1``);
-* ``Σ_{mn} w_{mn} V_{mn}²`` and ``Σ_m w_{mn} V_{mn}²`` — materialised in sample chunks (there is
-  no closed form with spatial positions), squares taken per column;
+* ``Σₙ V_{mn}`` (the ordinary gradient for ``M = 1``) — PyTorch's own convolution weight
+  gradient per column (``aten.convolution_backward``, no unfolding), or, for free, from cached
+  per-sample gradients or the chunks :meth:`UnfoldRule.sum_squared` already built;
+* ``Σ_{mn} w_{mn} V_{mn}²`` and ``Σ_m w_{mn} V_{mn}²`` — ``V`` materialised in sample chunks of
+  at most :data:`CHUNK_ELEMENTS` entries (no closed form with spatial positions), squared per
+  column and reduced over ``(m, n)`` by one matrix-vector product;
 * ``Σ_m ‖V_{mn}‖² = Σ_{l,l'} (Σ_m g_{mnl}ᵀ g_{mnl'})(X_{nl}ᵀ X_{nl'})`` (Gram form, cost
   ``N L² (M O + I)``) or by materialising ``V`` (cost ``N M O I L``), whichever is cheaper;
 * ``Σ_m ⟨V_{mn}, V_{mk}⟩`` from the materialised ``V``.
@@ -156,7 +159,7 @@ def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
 
 class UnfoldRule(Rule):
     """Base of the convolution rules; subclasses provide :meth:`unfold_input`,
-    :meth:`to_param` and :meth:`check_call`."""
+    :meth:`to_param` and :meth:`weight_grad` (and set :attr:`n_spatial`)."""
 
     #: number of spatial axes (1, 2, 3)
     n_spatial: int = 2
