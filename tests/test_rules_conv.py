@@ -181,6 +181,13 @@ def _check_case(case: dict) -> None:
             for k in names:
                 torch.testing.assert_close(res[k], expected(k, which), msg=f"{which} {k}")
 
+    # projections onto given directions: Σₘ ⟨V[m, n], v⟩
+    vectors = {k: torch.randn(p.shape, dtype=torch.float64) for k, p in module.named_parameters()}
+    proj = rule.batch_dot_with(call, g, vectors)
+    assert set(proj) == names
+    for k in names:
+        torch.testing.assert_close(proj[k], ref[k].sum(0).flatten(1) @ vectors[k].flatten())
+
     # Kronecker factors (groups = 1)
     if module.groups == 1:
         xu = ref_unfolded(module, x, kwargs, case["transpose"])  # [N, I, L]
