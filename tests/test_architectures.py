@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.extensions import BatchGrad, BatchL2Grad
+from common import TinyGPT
 from test_rules_generic import check_first_order, loop_per_sample_grads
 
 from reference import per_sample_grads
@@ -85,34 +86,6 @@ class TransformerClassifier(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.layer(x).mean(1))
-
-
-class TinyGPT(nn.Module):
-    """Token + position embeddings, one pre-norm block (causal attention, GELU MLP), final
-    LayerNorm, output projection tied to the token embedding; logits ``[N, V, T]``."""
-
-    def __init__(self, vocab: int = 5, d: int = 4, heads: int = 2, t_max: int = 4) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(t_max, d)
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx: Tensor) -> Tensor:
-        n, t = idx.shape
-        # positions with a batch axis, so the position embedding's call is per-sample too
-        pos = torch.arange(t, device=idx.device).expand(n, t)
-        z = self.tok(idx) + self.pos(pos)
-        h = self.ln1(z)
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), 1)
-        z = z + self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)[0]
-        z = z + self.mlp(self.ln2(z))
-        return self.head(self.ln_f(z)).transpose(1, 2)
 
 
 class LSTMClassifier(nn.Module):

@@ -18,14 +18,13 @@ layers (Linear, Conv, Embedding) and a clear error for the others.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from backprism import collect, extend
+from backprism import extend
 from backprism.extensions import (
     KFAC,
     KFLR,
@@ -36,6 +35,7 @@ from backprism.extensions import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
+from common import TinyGPT, assert_mc_within, backward, gather, trainable
 
 from reference import diag_blocks, ggn_blocks
 
@@ -44,7 +44,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 DT = torch.float64
 N = 2
 M = 1000
-N_SE = 6.0
 TOL = {"atol": 1e-9, "rtol": 1e-9}
 VOCAB, T = 5, 3
 
@@ -87,34 +86,6 @@ class Encoder(nn.Module):
         return self.head(self.layer(x).mean(1))
 
 
-class GPT(nn.Module):
-    """Tied token embedding / output projection; logits ``[N, V, T]`` or ``[N·T, V]``."""
-
-    def __init__(self, flat: bool = False, d: int = 4, heads: int = 2) -> None:
-        super().__init__()
-        self.flat = flat
-        self.tok = nn.Embedding(VOCAB, d)
-        self.pos = nn.Embedding(T, d)
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, idx: Tensor) -> Tensor:
-        n, t = idx.shape
-        pos = torch.arange(t, device=idx.device).expand(n, t)
-        z = self.tok(idx) + self.pos(pos)
-        h = self.ln1(z)
-        mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=idx.device), 1)
-        z = z + self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)[0]
-        z = z + self.mlp(self.ln2(z))
-        logits = self.head(self.ln_f(z))  # [N, T, V]
-        return logits.flatten(0, 1) if self.flat else logits.transpose(1, 2)
-
-
 def build(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Tensor, Tensor, Any]:
     """``model, lossfunc, X, y, ref_loss`` (``ref_loss`` acts on the per-sample-stacked
     outputs that ``ggn_blocks`` produces)."""
@@ -129,7 +100,7 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Tensor, Tenso
         model = Encoder().to(DT)
         X, y = torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 3, (N,), generator=g)
     else:
-        model = GPT(flat=name == "gpt_flat").to(DT)
+        model = TinyGPT(vocab=VOCAB, t_max=T, flat=name == "gpt_flat").to(DT)
         X = torch.randint(0, VOCAB, (N, T), generator=g)
         X[1, 2] = X[1, 0] = X[0, 1]  # repeated tokens within and across samples
         y = torch.randint(0, VOCAB, (N, T), generator=g)
@@ -146,32 +117,6 @@ NAMES = ["resnet", "transformer", "gpt", "gpt_flat"]
 
 
 # --------------------------------------------------------------------------- helpers
-def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-
-
-def gather(model: nn.Module, attr: str, lead: int) -> Tensor:
-    parts = []
-    for _, p in trainable(model):
-        v = getattr(p, attr)
-        parts.append(v.reshape(*v.shape[:lead], -1))
-    return torch.cat(parts, -1)
-
-
-def backward(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor, *exts, **kw) -> None:
-    loss = lossfunc(model(X), y)
-    with collect(*exts, **kw):
-        loss.backward()
-
-
-def _within(value: Tensor, draws: Tensor, ref: Tensor) -> None:
-    se = draws.std(0) / math.sqrt(draws.shape[0])
-    torch.testing.assert_close(value, draws.mean(0), atol=1e-10, rtol=1e-8)
-    err = (value - ref).abs()
-    bad = err > N_SE * se + 1e-10
-    assert not bad.any(), f"MC off by {err[bad]} (se {se[bad]})"
-
-
 # --------------------------------------------------------------------------- exact
 @pytest.mark.parametrize("chunking", [{}, {"chunk_size": 4}])
 @pytest.mark.parametrize("name", NAMES)
@@ -201,7 +146,7 @@ def test_tied_embedding_is_not_a_sum_of_squares():
     ref = torch.diagonal(G.sum((0, 1)))[: VOCAB * 4].reshape(VOCAB, 4)
     torch.testing.assert_close(model.tok.weight.diag_ggn_exact, ref, **TOL)
     # untie: separate copies, same values; the squares of separate uses do not add up to ref
-    untied = GPT().to(DT)
+    untied = TinyGPT(vocab=VOCAB, t_max=T).to(DT)
     untied.load_state_dict(model.state_dict())
     untied.head.weight = nn.Parameter(model.tok.weight.detach().clone())
     Gu = ggn_blocks(untied, lossfunc, X, y)[0]
@@ -224,8 +169,8 @@ def test_mc_in_expectation(name):
     V = gather(model, "sqrt_ggn_mc", 2)
     assert V.shape[:2] == (M, N)
     per = V.square() * M
-    _within(gather(model, "diag_ggn_mc", 0), per.sum(1), torch.diagonal(G.sum((0, 1))))
-    _within(gather(model, "diag_ggn_mc_batch", 1), per, diag_blocks(G))
+    assert_mc_within(gather(model, "diag_ggn_mc", 0), per.sum(1), torch.diagonal(G.sum((0, 1))))
+    assert_mc_within(gather(model, "diag_ggn_mc_batch", 1), per, diag_blocks(G))
 
 
 # --------------------------------------------------------------------------- KFLR / KFAC

@@ -17,7 +17,6 @@ loop-based reference without ``vmap`` where ``vmap`` cannot be used):
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from torch import Tensor, nn
 from torch.autograd.functional import jacobian
 from torch.func import functional_call, hessian, jacrev
 
-from backprism import collect, extend
+from backprism import extend
 from backprism.extensions import (
     KFLR,
     BatchDiagGGNExact,
@@ -38,13 +37,13 @@ from backprism.extensions import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
+from common import assert_mc_within, backward, gather, trainable
 
 from reference import diag_blocks, ggn_blocks
 
 DT = torch.float64
 N, C = 2, 3
 M = 1000
-N_SE = 6.0
 TOL = {"atol": 1e-9, "rtol": 1e-9}
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -52,19 +51,6 @@ CHUNKING = st.sampled_from([{}, {"chunk_size": 1}, {"memory_budget": 700}])
 
 
 # --------------------------------------------------------------------------- helpers
-def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-
-
-def gather(model: nn.Module, attr: str, lead: int) -> Tensor:
-    """Concatenate ``param.<attr>`` over trainable parameters, keeping ``lead`` leading axes."""
-    parts = []
-    for _, p in trainable(model):
-        v = getattr(p, attr)
-        parts.append(v.reshape(*v.shape[:lead], -1))
-    return torch.cat(parts, -1)
-
-
 def param_blocks(model: nn.Module, G: Tensor) -> dict[str, Tensor]:
     """Diagonal blocks ``{name: [p, p]}`` of a ``[P, P]`` matrix in parameter order."""
     out, i = {}, 0
@@ -110,13 +96,6 @@ def ggn_blocks_loop(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor) ->
     return G
 
 
-def backward(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor, *exts, **kw) -> None:
-    xs = X if isinstance(X, tuple) else (X,)
-    loss = lossfunc(model(*xs), y)
-    with collect(*exts, **kw):
-        loss.backward()
-
-
 def check_exact(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor, G: Tensor, **kw) -> None:
     """Exact diagonal, per-sample diagonals and square root against the reference blocks."""
     extend(model), extend(lossfunc)
@@ -132,15 +111,6 @@ def check_exact(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor, G: Ten
         torch.testing.assert_close(V[:, i].T @ V[:, i], G[i, i], **TOL)
 
 
-def _within(value: Tensor, draws: Tensor, ref: Tensor) -> None:
-    """``value`` is the mean of i.i.d. ``draws`` (dim 0) and within 6 standard errors of ``ref``."""
-    se = draws.std(0) / math.sqrt(draws.shape[0])
-    torch.testing.assert_close(value, draws.mean(0), atol=1e-10, rtol=1e-8)
-    err = (value - ref).abs()
-    bad = err > N_SE * se + 1e-10
-    assert not bad.any(), f"MC off by {err[bad]} (se {se[bad]})"
-
-
 def check_mc(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor, G: Tensor) -> None:
     extend(model), extend(lossfunc)
     torch.manual_seed(0)
@@ -148,8 +118,8 @@ def check_mc(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor, G: Tensor
     V = gather(model, "sqrt_ggn_mc", 2)  # [M, N, P]
     assert V.shape[:2] == (M, G.shape[0])
     per = V.square() * M
-    _within(gather(model, "diag_ggn_mc", 0), per.sum(1), torch.diagonal(G.sum((0, 1))))
-    _within(gather(model, "diag_ggn_mc_batch", 1), per, diag_blocks(G))
+    assert_mc_within(gather(model, "diag_ggn_mc", 0), per.sum(1), torch.diagonal(G.sum((0, 1))))
+    assert_mc_within(gather(model, "diag_ggn_mc_batch", 1), per, diag_blocks(G))
 
 
 def check_kflr_exact(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor) -> None:

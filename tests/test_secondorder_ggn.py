@@ -12,7 +12,6 @@ The engine scales the columns by ``√(∂L_total/∂loss)``: the ``"sum"`` case
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import pytest
@@ -29,13 +28,13 @@ from backprism.extensions import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
+from common import assert_mc_within
 
 from reference import diag_blocks, ggn_blocks
 
 DT = torch.float64
 N, D_IN, HID = 3, 4, 5
 M = 3000
-N_SE = 6.0
 
 
 class Residual(nn.Module):
@@ -195,15 +194,6 @@ def test_exact_sqrt_subsampling(loss):
         torch.testing.assert_close(V[:, i].T @ V[:, i], G[n, n], atol=1e-9, rtol=1e-9)
 
 
-def _within(value: Tensor, draws: Tensor, ref: Tensor) -> None:
-    """``value`` (the mean of ``draws`` along dim 0, up to rounding) vs ``ref``."""
-    se = draws.std(0) / math.sqrt(draws.shape[0])
-    torch.testing.assert_close(value, draws.mean(0), atol=1e-10, rtol=1e-8)
-    err = (value - ref).abs()
-    bad = err > N_SE * se + 1e-10
-    assert not bad.any(), f"MC off by {err[bad]} (se {se[bad]})"
-
-
 @pytest.mark.parametrize(("loss", "reduction", "kind"), [*CASES[::2], ("gauss", "sum", "resmlp")])
 def test_mc_in_expectation(loss, reduction, kind):
     case = Case(loss, reduction, kind, seed=2)
@@ -215,11 +205,11 @@ def test_mc_in_expectation(loss, reduction, kind):
     V = case.gather("sqrt_ggn_mc", 2)  # [M, N, P]
     assert V.shape[:2] == (M, N)
     per = V.square() * M  # i.i.d. draws of the per-sample diagonals, [M, N, P]
-    _within(diag, per.sum(1), torch.diagonal(G.sum((0, 1))))
-    _within(batch, per, diag_blocks(G))
+    assert_mc_within(diag, per.sum(1), torch.diagonal(G.sum((0, 1))))
+    assert_mc_within(batch, per, diag_blocks(G))
     n = 1
     outer = torch.einsum("mp,mq->mpq", V[:, n], V[:, n]) * M
-    _within(V[:, n].T @ V[:, n], outer, G[n, n])
+    assert_mc_within(V[:, n].T @ V[:, n], outer, G[n, n])
 
 
 def test_mc_sqrt_subsampling_and_seed():
@@ -230,7 +220,7 @@ def test_mc_sqrt_subsampling_and_seed():
     V = case.gather("sqrt_ggn_mc", 2)
     assert V.shape[:2] == (M, 1)
     outer = torch.einsum("mp,mq->mpq", V[:, 0], V[:, 0]) * M
-    _within(V[:, 0].T @ V[:, 0], outer, G[2, 2])
+    assert_mc_within(V[:, 0].T @ V[:, 0], outer, G[2, 2])
     torch.manual_seed(5)
     case.backward(SqrtGGNMC(M, subsampling=[2]))
     torch.testing.assert_close(case.gather("sqrt_ggn_mc", 2), V, atol=0, rtol=0)
@@ -284,9 +274,9 @@ def test_gaussian_nll_learned_variance_mc_is_fisher_ggn(reduction):
         loss.backward()
     diag = torch.cat([p.diag_ggn_mc.reshape(-1) for p in model.parameters()])
     V = torch.cat([p.sqrt_ggn_mc.reshape(M, N, -1) for p in model.parameters()], -1)
-    _within(diag, (V.square() * M).sum(1), torch.diagonal(G.sum((0, 1))))
+    assert_mc_within(diag, (V.square() * M).sum(1), torch.diagonal(G.sum((0, 1))))
     outer = torch.einsum("mp,mq->mpq", V[:, 0], V[:, 0]) * M
-    _within(V[:, 0].T @ V[:, 0], outer, G[0, 0])
+    assert_mc_within(V[:, 0].T @ V[:, 0], outer, G[0, 0])
 
 
 def test_gaussian_nll_learned_variance_exact_is_refused():
