@@ -53,22 +53,10 @@ class Columns:
         return self.chunk(0, self.num)
 
 
-def _grad(
+def _loop(
     origins: list[Tensor], outputs: list[Tensor], cols: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
-    try:
-        return torch.autograd.grad(
-            origins,
-            outputs,
-            grad_outputs=cols,
-            retain_graph=True,
-            allow_unused=True,
-            is_grads_batched=True,
-        )
-    except (RuntimeError, NotImplementedError) as err:
-        if "vmap" not in str(err) and "batch" not in str(err).lower():
-            raise
-    # an operation in the graph has no batching rule: one column at a time
+    """One ordinary backward per column, stacked."""
     per_col = [
         torch.autograd.grad(
             origins,
@@ -83,6 +71,27 @@ def _grad(
         None if per_col[0][i] is None else torch.stack([pc[i] for pc in per_col])
         for i in range(len(outputs))
     )
+
+
+def _grad(
+    origins: list[Tensor], outputs: list[Tensor], cols: list[Tensor]
+) -> tuple[Tensor | None, ...]:
+    if cols[0].shape[0] == 1:  # a single column (e.g. one MC sample): no vmap overhead
+        return _loop(origins, outputs, cols)
+    try:
+        return torch.autograd.grad(
+            origins,
+            outputs,
+            grad_outputs=cols,
+            retain_graph=True,
+            allow_unused=True,
+            is_grads_batched=True,
+        )
+    except (RuntimeError, NotImplementedError) as err:
+        if "vmap" not in str(err) and "batch" not in str(err).lower():
+            raise
+    # an operation in the graph has no batching rule: one column at a time
+    return _loop(origins, outputs, cols)
 
 
 def backprop_columns(
