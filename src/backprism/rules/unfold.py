@@ -122,9 +122,6 @@ class _UnfoldCache:
         self._v: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
             weakref.WeakKeyDictionary()
         )
-        self._sum: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
-            weakref.WeakKeyDictionary()
-        )
 
     def unfolded(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
         x = self._x.get(call)
@@ -141,14 +138,6 @@ class _UnfoldCache:
     def set_v(self, call: Call, g: Tensor, v: Tensor) -> None:
         self._v.clear()
         self._v[call] = (weakref.ref(g), v)
-
-    def get_sum(self, call: Call, g: Tensor) -> Tensor | None:
-        hit = self._sum.get(call)
-        return hit[1] if hit is not None and hit[0]() is g else None
-
-    def set_sum(self, call: Call, g: Tensor, s: Tensor) -> None:
-        self._sum.clear()
-        self._sum[call] = (weakref.ref(g), s)
 
 
 def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
@@ -252,11 +241,8 @@ class UnfoldRule(Rule):
         out: dict[str, Tensor] = {}
         if self._has_weight(call):
             v = self._cache.get_v(call, g)
-            s = self._cache.get_sum(call, g)
             if v is not None:
                 out["weight"] = v.sum(1)
-            elif s is not None:
-                out["weight"] = s
             else:
                 self.check_call(call)
                 out["weight"] = torch.stack([self.weight_grad(call, gm) for gm in g])
@@ -280,16 +266,10 @@ class UnfoldRule(Rule):
         per = m * grp * o * x.shape[2]
         parts: list[Tensor] = []
         total: Tensor | None = None
-        # first order (M = 1): the gradient Σₙ Vₙ comes almost for free from the same chunks
-        grad: Tensor | None = None
-        want_grad = m == 1 and not keep_batch
         for sl in _sample_chunks(n, per):
             v = self._vmat(g5[:, sl], x[sl])
             k = v.shape[1]
             flat = v.reshape(m * k, -1)
-            if want_grad:
-                term = (flat.new_ones(1, k) @ flat)[0]
-                grad = term if grad is None else grad.add_(term)
             flat.square_()
             if keep_batch:
                 if weights is not None:
@@ -304,8 +284,6 @@ class UnfoldRule(Rule):
                 )
                 term = (wv @ flat)[0]
                 total = term if total is None else total.add_(term)
-        if grad is not None:
-            self._cache.set_sum(call, g, self.to_param(call, grad.reshape(1, grp, o, -1)))
         res = torch.cat(parts) if keep_batch else total
         assert res is not None
         return self.to_param(call, res.reshape(*res.shape[:-1], grp, o, -1))
