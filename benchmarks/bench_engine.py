@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from problems import PROBLEMS
 
-FIRST = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "BatchDotGrad"]
+FIRST = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "BatchGrad+hook", "BatchDotGrad"]
 SECOND = ["DiagGGNMC", "KFAC", "DiagGGNExact", "KFLR", "DiagHessian"]
 BACKPACK_OK = {"mnist_mlp", "cifar10_3c3d", "mnist_2c2d", "cifar100_allcnnc"}
 
@@ -60,22 +60,24 @@ def make_runner(problem: str, method: str, tool: str, n: int):
         import backprism
         from backprism import extensions as E
 
-        ext_cls = getattr(E, method, None)
-        if ext_cls is None:
-            import importlib
+        hook = None
+        if method == "BatchGrad+hook":
+            # the extension-hook use case: reduce per-sample gradients to their norms and free
+            # them during the backward pass
+            norms: dict = {}
 
-            for mod in ("backprism.extensions.hessian", "backprism.extensions.kronecker"):
-                try:
-                    ext_cls = getattr(importlib.import_module(mod), method, None)
-                except ImportError:
-                    continue
-                if ext_cls is not None:
-                    break
+            def hook(module):
+                for p in module.parameters(recurse=False):
+                    if hasattr(p, "grad_batch"):
+                        norms[p] = p.grad_batch.flatten(1).norm(dim=1)
+                        del p.grad_batch
+
+        ext_cls = getattr(E, method.split("+")[0], None)
         if ext_cls is None:
             return None
         backprism.extend(model)
         lossfunc = backprism.extend(lossfunc)
-        ctx = lambda: backprism.collect(ext_cls())  # noqa: E731
+        ctx = lambda: backprism.collect(ext_cls(), extension_hook=hook)  # noqa: E731
     else:
         import backpack
         from backpack import extensions as BE
@@ -94,6 +96,7 @@ def make_runner(problem: str, method: str, tool: str, n: int):
         "SumGradSquared": "sum_grad_squared",
         "Variance": "variance",
         "BatchGrad": "grad_batch",
+        "BatchGrad+hook": "grad_batch",
         "BatchDotGrad": "batch_dot",
         "DiagGGNMC": "diag_ggn_mc",
         "DiagGGNExact": "diag_ggn_exact",
