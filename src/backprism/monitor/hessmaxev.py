@@ -45,16 +45,21 @@ def lanczos_max_eig(
     norm = v0.norm()
     if not torch.isfinite(norm) or norm == 0:
         raise ValueError("lanczos_max_eig: the start vector must be finite and non-zero")
-    basis = [v0 / norm]
+    # the basis lives in one growing buffer (rows 0..k), so re-orthogonalization is two
+    # matrix-vector products on a view instead of stacking k vectors every iteration
+    cap = min(max_iter + 1, 16)
+    basis = v0.new_empty(cap, dim)
+    basis[0] = v0 / norm
     alphas: list[float] = []
     betas: list[float] = []
     theta, s = float("nan"), None
+    residual = float("nan")
     for k in range(max_iter):
         q = basis[k]
         w = matvec(q)
         a = float(torch.dot(w, q))
         alphas.append(a)
-        stack = torch.stack(basis)  # [k + 1, D]
+        stack = basis[: k + 1]  # [k + 1, D]
         for _ in range(2):  # full re-orthogonalization, twice
             w = w - stack.t() @ (stack @ w)
         b = float(w.norm())
@@ -70,7 +75,11 @@ def lanczos_max_eig(
         if residual <= tol * abs(theta) or b <= 1e-12 * max(1.0, abs(theta)) or k + 1 == dim:
             break
         betas.append(b)
-        basis.append(w / b)
+        if k + 1 == basis.shape[0]:  # grow (doubling, at most max_iter + 1 rows)
+            grown = basis.new_empty(min(2 * basis.shape[0], max_iter + 1), dim)
+            grown[: k + 1] = basis
+            basis = grown
+        basis[k + 1] = w / b
     else:
         warnings.warn(
             f"lanczos_max_eig: not converged to rtol {tol} in {max_iter} iterations "
@@ -79,6 +88,6 @@ def lanczos_max_eig(
             stacklevel=2,
         )
     assert s is not None
-    stack = torch.stack(basis[: len(s)])
+    stack = basis[: len(s)]
     y = stack.t() @ s.to(stack.dtype)
     return theta, y / y.norm(), len(alphas)
