@@ -12,8 +12,9 @@ each is divided by the median of the plain forward+backward measured in the same
 When ``backpack-for-pytorch`` is installed, its extensions run side by side on the problems it
 supports (chains of known layers).
 
-Memory: each configuration runs once more in a fresh subprocess; we report its peak resident
-set size above the same process's plain forward+backward peak (``VmHWM``), in MiB.
+Memory: in a fresh subprocess, after a warm-up of both, one step of each configuration runs
+with the resident high-water mark (``VmHWM``) reset before it; we report the configuration's
+step peak minus the plain step's peak, in MiB.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def make_runner(problem: str, method: str, tool: str, n: int):
             model.zero_grad(set_to_none=True)
             lossfunc(model(X), y).backward()
 
+        run.clear = lambda: model.zero_grad(set_to_none=True)
         return run
     if tool == "backprism":
         import backprism
@@ -105,14 +107,18 @@ def make_runner(problem: str, method: str, tool: str, n: int):
         "DiagHessian": "diag_h",
     }
 
-    def run():
+    def clear():
         model.zero_grad(set_to_none=True)
         for p in params:  # free last round's results before measuring this one
             if hasattr(p, fields[method]):
                 delattr(p, fields[method])
+
+    def run():
+        clear()
         with ctx():
             lossfunc(model(X), y).backward()
 
+    run.clear = clear
     return run
 
 
@@ -148,23 +154,37 @@ def time_problem(problem: str, methods: list[str], n: int, repeats: int, backpac
 
 
 def peak_memory(problem: str, method: str, tool: str, n: int) -> float | None:
-    """Extra peak memory (MiB) of one run over the plain run, in a fresh subprocess.
+    """Extra peak memory (MiB) of one step over a plain step, in a fresh subprocess.
 
-    Uses the process's resident high-water mark ``VmHWM`` (``ru_maxrss`` would be inherited
-    from the parent across fork/exec on Linux)."""
+    Both configurations are warmed up first (imports and one-time allocations excluded); then
+    the resident high-water mark is reset (``/proc/self/clear_refs``) before each measured
+    step, and the step's peak above the resident size it started from is compared."""
     code = (
         "import sys, torch; torch.set_num_threads(2);"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-        "from bench_engine import make_runner, hwm;"
-        f"p = make_runner({problem!r}, 'plain', 'plain', {n}); p(); base = hwm();"
+        "from bench_engine import make_runner, step_peak;"
+        f"p = make_runner({problem!r}, 'plain', 'plain', {n});"
         f"r = make_runner({problem!r}, {method!r}, {tool!r}, {n});"
-        "r is None and sys.exit(3); r();"
-        "print((hwm() - base) / 1024)"
+        "r is None and sys.exit(3); p(); r();"
+        "print((step_peak(r) - step_peak(p)) / 1024)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode != 0:
         return None
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def step_peak(run) -> int:
+    """Peak resident memory (KiB) of one call of ``run`` above the resident size before it."""
+    import gc
+
+    run.clear()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current VmRSS
+        f.write("5")
+    before = hwm()
+    run()
+    return hwm() - before
 
 
 def hwm() -> int:
