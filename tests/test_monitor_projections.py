@@ -55,6 +55,10 @@ def models():
     )
     return {
         "mlp": (nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)), (4,)),
+        "relu": (
+            nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 8), nn.ReLU(), nn.Linear(8, 3)),
+            (4,),
+        ),
         "conv": (conv, (2, 8, 8)),
         "conv1d": (
             nn.Sequential(nn.Conv1d(2, 3, 3, dilation=2), nn.Flatten(), nn.Linear(3 * 4, 3)),
@@ -115,7 +119,7 @@ def _hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
 
 @settings(max_examples=12, deadline=None)
 @given(
-    kind=st.sampled_from(["mlp", "conv", "conv1d", "seq", "tied"]),
+    kind=st.sampled_from(["mlp", "relu", "conv", "conv1d", "seq", "tied"]),
     chunk=st.sampled_from([1, 7, 40, 2**18]),
     bins=st.integers(1, 9),
     width=st.floats(0.05, 1.0),
@@ -140,6 +144,34 @@ def test_grad_hist(kind: str, chunk: int, bins: int, width: float, seed: int) ->
         want2 = _hist2d_ref(G, p.detach().numpy(), (bins, 3), rng2)
         np.testing.assert_array_equal(got["hist2d"].numpy(), want2)
         np.testing.assert_allclose(float(got["abs_max"]), np.abs(G).max(), rtol=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    half=st.integers(1, 6),
+    width=st.floats(0.01, 1.0),
+    seed=st.integers(0, 5),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_grad_hist_linear_rank_one(half: int, width: float, seed: int, dtype) -> None:
+    """Linear weights (1d counts from the sorted inputs): ReLU zeros on the bin edge at 0."""
+    model, lossf, X, y, ref = setup("relu", n=11, seed=seed)
+    model, X = model.to(dtype), X.to(dtype)
+    with suspended():
+        ref = reference.per_sample_grads(model, lossf, X, y)
+    with backprism.collect(GradHist(bins=2 * half, range=(-width, width), abs_max=True)):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        G = (X.shape[0] * ref[name]).double().numpy()
+        if dtype == torch.float32:  # values within rounding of an edge may move by one bin
+            got = p.grad_hist["hist"].numpy()
+            want = _hist1d_ref(G, 2 * half, -width, width)
+            assert got.sum() == want.sum() and np.abs(got - want).sum() <= 2
+        else:
+            np.testing.assert_array_equal(
+                p.grad_hist["hist"].numpy(), _hist1d_ref(G, 2 * half, -width, width)
+            )
+        np.testing.assert_allclose(float(p.grad_hist["abs_max"]), np.abs(G).max(), rtol=1e-5)
 
 
 def test_grad_hist_custom_scale_and_1d_only() -> None:

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from backprism.extensions.base import FirstOrderExtension
 from backprism.rules.base import Call, Rule
+from backprism.rules.linear import LinearRule
 
 __all__ = ["BatchDotWith", "GradHist"]
 
@@ -246,14 +247,20 @@ class GradHist(FirstOrderExtension):
         return bin_index(param.detach(), 1.0, ya, yb, ybins).to(_index_dtype(size))
 
     def _reduce(
-        self, acc: dict[str, Tensor], v: Tensor, scale: float, y_idx: Tensor | None
+        self,
+        acc: dict[str, Tensor],
+        v: Tensor,
+        scale: float,
+        y_idx: Tensor | None,
+        skip: frozenset[str] = frozenset(),
     ) -> None:
-        """Add the chunk ``scale·v`` (``v``: ``[n, *p]``) to the accumulators."""
-        if self.abs_max:
+        """Add the chunk ``scale·v`` (``v``: ``[n, *p]``) to the accumulators (except the
+        entries in ``skip``, computed otherwise)."""
+        if self.abs_max and "abs_max" not in skip:
             lo_, hi_ = torch.aminmax(v)
             m = torch.maximum(hi_, -lo_) * abs(scale)
             acc["abs_max"] = torch.maximum(acc["abs_max"], m.to(acc["abs_max"].dtype))
-        if self.bins is not None:
+        if self.bins is not None and "hist" not in skip:
             lo, hi = self.range
             acc["hist"] += _count(bin_index(v, scale, lo, hi, self.bins), self.bins)
         if self.bins2d is not None:
@@ -281,16 +288,35 @@ class GradHist(FirstOrderExtension):
             if self.bins2d is not None
             else {}
         )
-        per_sample = sum(p.numel() for p in params.values()) or 1
+        # Linear weights (no middle axes): 1d counts and maxima from the rank-one structure
+        skip: dict[str, frozenset[str]] = {}
+        if self.bins is not None and isinstance(rule, LinearRule) and "weight" in accs:
+            done = _linear_rank1(call, g, scale, self.range, self.bins)
+            if done is not None:
+                hist, amax = done
+                accs["weight"]["hist"] += hist
+                if self.abs_max:
+                    accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
+                skip["weight"] = frozenset({"hist", "abs_max"})
+        direct = [
+            name
+            for name in params
+            if self.bins2d is not None or set(accs[name]) - skip.get(name, frozenset())
+        ]
+        per_sample = sum(params[name].numel() for name in direct)
+        if not per_sample:
+            return {name: self._finish(acc) for name, acc in accs.items()}
         step = max(1, self.chunk_elements // per_sample)
         for start in range(0, n, step):
             stop = min(n, start + step)
             sub = call if (start, stop) == (0, n) else _slice_call(call, start, stop)
             ps = rule.per_sample(sub, _slice_cols(g, start, stop, n))
             for name, v in ps.items():
-                if name not in accs:
+                if name not in direct:
                     continue
-                self._reduce(accs[name], v[0].detach(), scale, y_idx.get(name))
+                self._reduce(
+                    accs[name], v[0].detach(), scale, y_idx.get(name), skip.get(name, frozenset())
+                )
             del ps
         return {name: self._finish(acc) for name, acc in accs.items()}
 
@@ -324,3 +350,57 @@ def _dense_param(call: Call, d: Tensor) -> Tensor:
         if tuple(p.shape) == tuple(d.shape[1:]):
             return p
     raise RuntimeError("GradHist: could not match per-sample gradients to a parameter")
+
+
+def _linear_rank1(
+    call: Call, g: Any, scale: float, rng: tuple[float, float], bins: int
+) -> tuple[Tensor, Tensor] | None:
+    r"""1d counts and ``maxₙᵢ |gₙᵢ|`` of a Linear weight's individual gradients without building
+    them: ``gₙ = s·δₙ xₙᵀ`` has, in row ``o``, the bin coordinates ``tₙₒᵢ = uₙₒ xₙᵢ + c`` with
+    ``uₙₒ = a·s·δₙₒ`` (:func:`_affine`), monotone in ``xₙᵢ``. With ``xₙ`` sorted, a row whose
+    extreme coordinates fall in one bin puts all ``I`` elements there; otherwise, for each
+    threshold ``k`` it crosses, ``#{i: tₙₒᵢ ≥ k}`` is a binary search for ``(k − c)/uₙₒ`` in the
+    sorted ``xₙ``. Cost ``O(N I log I + N O + Σ crossings · log I)`` instead of ``O(N O I)``;
+    exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`, other
+    elements agree with it up to rounding of the bin coordinate. ``None`` where it does not
+    apply (middle axes, several columns, non-finite values)."""
+    x = call.input
+    if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
+        return None
+    d = g[0].detach()
+    if d.dtype not in (torch.float32, torch.float64) or x.dtype != d.dtype:
+        return None
+    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
+        return None
+    lo, hi = rng
+    n, size = x.shape
+    a, c = _affine(d, scale, lo, hi, bins)
+    u = d * a  # [N, O]
+    xs = x.sort(dim=1).values  # [N, I]
+    t1, t2 = u * xs[:, :1] + c, u * xs[:, -1:] + c
+    b0 = torch.minimum(t1, t2).clamp_(0, bins - 1).trunc_().long()
+    b1 = torch.maximum(t1, t2).clamp_(0, bins - 1).trunc_().long()
+    hist = torch.bincount(b0.reshape(-1), minlength=bins)[:bins] * size
+    amax = (d.abs().amax(1) * xs.abs().amax(1)).max() * abs(scale)
+    rows = (b1 > b0).nonzero()
+    if rows.shape[0]:
+        rn, ro = rows.unbind(1)
+        b0m, um = b0[rn, ro], u[rn, ro]
+        spans = b1[rn, ro] - b0m
+        total = int(spans.sum())
+        rep = torch.repeat_interleave(torch.arange(len(spans), device=d.device), spans)
+        first = torch.cumsum(spans, 0) - spans
+        k = b0m[rep] + 1 + (torch.arange(total, device=d.device) - first[rep])
+        ur, nr = um[rep], rn[rep]
+        thr = (k.to(d.dtype) - c) / ur
+        # batched binary search: queries padded per sample
+        per_n = torch.bincount(nr, minlength=n)
+        pos = torch.arange(total, device=d.device) - (torch.cumsum(per_n, 0) - per_n)[nr]
+        q = d.new_full((n, int(per_n.max())), float("inf"))
+        q[nr, pos] = thr
+        left = torch.searchsorted(xs, q, side="left")[nr, pos]
+        right = torch.searchsorted(xs, q, side="right")[nr, pos]
+        ge = torch.where(ur > 0, size - left, right)  # #{i: t ≥ k}
+        hist.index_add_(0, k, ge)
+        hist.index_add_(0, k - 1, -ge)
+    return hist, amax
