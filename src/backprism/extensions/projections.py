@@ -310,7 +310,11 @@ class GradHist(FirstOrderExtension):
         for start in range(0, n, step):
             stop = min(n, start + step)
             sub = call if (start, stop) == (0, n) else _slice_call(call, start, stop)
-            ps = rule.per_sample(sub, _slice_cols(g, start, stop, n))
+            gs = _slice_cols(g, start, stop, n)
+            if isinstance(rule, LinearRule) and direct == ["bias"]:
+                ps = {"bias": gs.reshape(gs.shape[0], stop - start, -1, gs.shape[-1]).sum(2)}
+            else:
+                ps = rule.per_sample(sub, gs)
             for name, v in ps.items():
                 if name not in direct:
                     continue
