@@ -119,11 +119,14 @@ def main() -> None:
     names = args.problems or (["mnist_mlp"] if args.quick else ["cifar10_3c3d", "mnist_mlp"])
     for name in names:
         res = bench(name, rounds, args.quick)
-        print(f"{name}: plain step {res.pop('plain_s') * 1e3:.1f} ms (median of {rounds})")
+        print(
+            f"{name}: plain step {res.pop('plain_s') * 1e3:.1f} ms (median of {rounds})",
+            flush=True,
+        )
         for k, v in res.items():
             target = {"economy": 1.3, "business": 1.6, "full": 4.0}.get(k)
             note = f"  (target ≤ {target}×)" if target else ""
-            print(f"  {k:14s} {v:6.2f}×{note}")
+            print(f"  {k:14s} {v:6.2f}×{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,11 @@ iteration is warm-started from the previous step's eigenvector (plus a random co
 Krylov space cannot miss a new leading direction) and stops at relative accuracy ``rtol``
 (default ``1e-3``). Returns a float. Needs no engine extension; works with BatchNorm in train
 mode.
+
+Cost per tracked step: the ``create_graph`` backward plus one Hessian-vector product (about two
+backward passes) per Lanczos iteration; warm-started steps typically need 4–8 iterations at
+``rtol = 1e-3`` (the first ~25). Memory: the Lanczos basis, ``iterations × D`` numbers of the
+parameters' dtype (e.g. 8 × 1.3 M float32 ≈ 42 MB for mnist_mlp), plus the kept graph.
 """
 
 from __future__ import annotations
