@@ -252,3 +252,15 @@ def test_untracked_steps_do_no_engine_work() -> None:
             assert ctx.ctx is None, step
             assert not monitor.create_graph(step)
     assert sorted(monitor.get_output()["HessMaxEV"]) == [1, 4]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "conv1d", "seq", "tied"])
+def test_batch_proj_grad(kind: str) -> None:
+    from backprism.extensions import BatchProjGrad
+
+    model, lossf, X, y, ref = setup(kind)
+    with backprism.collect(BatchProjGrad()):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        G = ref[name].flatten(1)
+        torch.testing.assert_close(p.batch_proj_grad, G @ G.sum(0))

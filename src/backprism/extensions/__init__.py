@@ -11,7 +11,7 @@ from backprism.extensions.firstorder import (
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
 from backprism.extensions.kronecker import KFAC, KFLR, KFRA
 from backprism.extensions.matprod import GGNMP, HMP, PCHMP
-from backprism.extensions.projections import BatchDotWith, GradHist
+from backprism.extensions.projections import BatchDotWith, BatchProjGrad, GradHist
 from backprism.extensions.secondorder import (
     BatchDiagGGNExact,
     BatchDiagGGNMC,
@@ -35,6 +35,7 @@ __all__ = [
     "BatchDotWith",
     "BatchGrad",
     "BatchL2Grad",
+    "BatchProjGrad",
     "DiagGGNExact",
     "DiagGGNMC",
     "DiagHessian",

@@ -7,6 +7,7 @@ extension          attribute            value
 =================  ===================  ==========================================================
 BatchDotWith(v)    ``batch_dot_with``   ``[N]``: ``⟨grad_batch[n], v_p⟩`` for a given vector
                                         ``v_p`` per parameter (``0`` where none is given)
+BatchProjGrad      ``batch_proj_grad``  ``[N]``: ``⟨grad_batch[n], ∇L⟩ = Σₘ batch_dot[n, m]``
 GradHist(...)      ``grad_hist``        ``dict``: histograms of the elements of the individual
                                         gradients ``gₙ = s·grad_batch[n]`` (``s = N`` by default)
 =================  ===================  ==========================================================
@@ -49,7 +50,7 @@ from backprism.extensions.base import FirstOrderExtension
 from backprism.rules.base import Call, Rule
 from backprism.rules.linear import LinearRule
 
-__all__ = ["BatchDotWith", "GradHist"]
+__all__ = ["BatchDotWith", "BatchProjGrad", "GradHist"]
 
 
 def _raw(rule: Any) -> Rule:
@@ -99,6 +100,39 @@ class BatchDotWith(FirstOrderExtension):
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
         raise NotImplementedError  # additive: never called
+
+
+class BatchProjGrad(FirstOrderExtension):
+    r"""Projections onto the parameter's own gradient of the pass,
+    ``batch_proj_grad[n] = ⟨grad_batch[n], ∇L⟩ = Σₘ batch_dot[n, m]``, shape ``[N]``.
+
+    Linear layers without middle axes take the row sums of their ``batch_dot``
+    (``(δδᵀ ∘ xxᵀ)·1``, cost ``N²(O + I)``, shared with ``BatchDotGrad``); other layers wait for
+    the parameter's gradient ``G`` of the same backward pass and use
+    :meth:`~backprism.rules.base.Rule.batch_dot_with` (convolutions: ``⟨δₙ, conv(xₙ, G)⟩``, the
+    cost of a forward convolution, instead of ``[N, O, I]`` per-sample gradients and ``N²·D``).
+    """
+
+    savefield = "batch_proj_grad"
+    additive = True
+    needs_param_grad = True
+
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        raw = _raw(rule)
+        x = call.args[0] if call.args and isinstance(call.args[0], Tensor) else None
+        group = getattr(call, "group", None)
+        single = group is not None and all(
+            group.param_count[id(p)] <= 1 for p in call.params.values()
+        )  # a shared parameter needs the total gradient, not this call's part
+        if single and isinstance(raw, LinearRule) and x is not None and x.dim() == 2:
+            return {k: ("done", v.sum(1)) for k, v in rule.batch_dot(call, g).items()}
+        return {name: ("wait", raw, call, g, name) for name in call.params}
+
+    def finish(self, partial: tuple, grad: Tensor) -> Tensor:
+        if partial[0] == "done":
+            return partial[1]
+        _, rule, call, g, name = partial
+        return rule.batch_dot_with(call, g, {name: grad})[name]
 
 
 def _slice_call(call: Call, start: int, stop: int) -> Call:

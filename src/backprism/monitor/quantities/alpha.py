@@ -23,7 +23,7 @@ Two ways to get ``πₙ`` (Cockpit's), neither materialising per-sample gradient
 
 * **SGD fast path** (``info['optimizer']`` is SGD without momentum/weight decay): the update is
   known during the start backward, ``d = −lr·g``; the start projections are
-  ``gₙᵀd = −lr·N·Σₘ batch_dot[n, m]`` (``BatchDotGrad``, shared with InnerTest/OrthoTest) and
+  ``gₙᵀd = −lr·N·Σₘ batch_dot[n, m]`` (``BatchProjGrad``, shared with InnerTest/OrthoTest) and
   the end projections ``N·grad_batch[n]ᵀd`` come from ``BatchDotWith(d)`` (Linear:
   ``δₙᵀ D xₙ``).
 * **optimizer-agnostic fallback**: the start step keeps ``grad_batch`` (memory ``N × D``) and
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from backprism.extensions import BatchDotGrad, BatchDotWith, BatchGrad
+from backprism.extensions import BatchDotWith, BatchGrad, BatchProjGrad
 from backprism.extensions.base import Extension
 from backprism.monitor.quantities.base import Schedule, StepData, TwoStepQuantity
 from backprism.monitor.quantities.optim import is_sgd_default_kwargs, lr_of
@@ -120,7 +120,7 @@ class Alpha(TwoStepQuantity):
             return []
         out: list[Extension] = []
         if plan["start"]:
-            out.append(BatchDotGrad() if plan["mode"] == "fast" else BatchGrad())
+            out.append(BatchProjGrad() if plan["mode"] == "fast" else BatchGrad())
         if plan["end"]:
             ext = self._end_ext(global_step, plan)
             out.append(ext)
@@ -179,9 +179,9 @@ class Alpha(TwoStepQuantity):
             # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
             lrs = lr_of(data.get("optimizer", self))
             n = int(data.get("batch_size", self))
-            bdots = data.fetch(BatchDotGrad())
+            rows = data.fetch(BatchProjGrad())  # Σₘ batch_dot[n, m] per parameter
             dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
-            dots = sum(-lrs[id(p)] * n * b.double().sum(1) for p, b in zip(data.params, bdots))
+            dots = sum(-lrs[id(p)] * n * r.double() for p, r in zip(data.params, rows))
             self.save_to_cache(global_step, "update", dirs, block)
             self.save_to_cache(global_step, "dots_start", dots, block)
         else:

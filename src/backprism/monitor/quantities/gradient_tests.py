@@ -7,7 +7,10 @@ projections onto the mini-batch gradient are row sums of ``batch_dot``:
 
     gₙᵀg = (1/N) Σₘ gₙᵀgₘ = N Σₘ batch_dot[n, m]
 
-(summed over parameters). No per-sample gradient is materialised for these quantities.
+(summed over parameters). The engine's ``BatchProjGrad`` gives these row sums directly,
+``batch_proj_grad[n] = Σₘ batch_dot[n, m]`` (Linear: from ``batch_dot``; convolutions:
+``⟨δₙ, conv(xₙ, ∇L)⟩``, without ``[N, N]`` products of per-sample gradients), and
+``Σₙ batch_dot[n, n] = Σₙ batch_l2[n]``. No per-sample gradient is materialised.
 
 * **NormTest** (Byrd et al., 2012, Eq. 3.9): the largest θ for which the norm test passes,
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from backprism.extensions import BatchDotGrad, BatchL2Grad
+from backprism.extensions import BatchL2Grad, BatchProjGrad
 from backprism.extensions.base import Extension
 from backprism.monitor.quantities.base import SingleStepQuantity, StepData
 
@@ -63,11 +66,10 @@ class NormTest(SingleStepQuantity):
         return float((var_l1 / n / g2).sqrt())
 
 
-def _projections(data: StepData) -> tuple[Tensor, Tensor]:
-    """``batch_dot`` summed over parameters and the projections ``πₙ = gₙᵀg = N Σₘ batch_dot``."""
-    batch_dot = sum(t.double() for t in data.fetch(BatchDotGrad()))
-    n = batch_dot.shape[0]
-    return batch_dot, n * batch_dot.sum(1)
+def _projections(data: StepData) -> Tensor:
+    """The projections ``πₙ = gₙᵀg = N Σₘ batch_dot[n, m]`` (summed over parameters)."""
+    rows = sum(t.double() for t in data.fetch(BatchProjGrad()))
+    return rows.shape[0] * rows
 
 
 class InnerTest(SingleStepQuantity):
@@ -76,11 +78,11 @@ class InnerTest(SingleStepQuantity):
     per_sample = True
 
     def extensions(self, global_step: int) -> list[Extension]:
-        return [BatchDotGrad()] if self.should_compute(global_step) else []
+        return [BatchProjGrad()] if self.should_compute(global_step) else []
 
     def _compute(self, global_step: int, data: StepData) -> float:
-        batch_dot, proj = _projections(data)
-        n = batch_dot.shape[0]
+        proj = _projections(data)
+        n = proj.shape[0]
         g2 = grad_l2_squared(data)
         var = (proj.square().sum() - n * g2**2) / (n - 1)
         return float((var / n / g2**2).sqrt())
@@ -92,11 +94,12 @@ class OrthoTest(SingleStepQuantity):
     per_sample = True
 
     def extensions(self, global_step: int) -> list[Extension]:
-        return [BatchDotGrad()] if self.should_compute(global_step) else []
+        return [BatchProjGrad(), BatchL2Grad()] if self.should_compute(global_step) else []
 
     def _compute(self, global_step: int, data: StepData) -> float:
-        batch_dot, proj = _projections(data)
-        n = batch_dot.shape[0]
+        proj = _projections(data)
+        n = proj.shape[0]
         g2 = grad_l2_squared(data)
-        var = (n**2 * batch_dot.diagonal().sum() - (proj.square() / g2).sum()) / (n - 1)
+        l2 = sum(t.double().sum() for t in data.fetch(BatchL2Grad()))
+        var = (n**2 * l2 - (proj.square() / g2).sum()) / (n - 1)
         return float((var / n / g2).sqrt())
