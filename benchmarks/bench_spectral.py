@@ -1,26 +1,40 @@
-"""Spectral benchmark: GGN eigenvalues / eigenpairs (ViViT computations) vs plain fwd+bwd.
+"""Spectral benchmark: GGN eigenvalues / eigenpairs / damped Newton steps (ViViT's computations)
+against a plain forward+backward, ViViT itself and a power-iteration baseline.
 
 Usage::
 
-    python benchmarks/bench_spectral.py                  # cifar10_3c3d + All-CNN-C, N = 32/64/128
+    python benchmarks/bench_spectral.py          # cifar10_3c3d N = 32/64/128,
+                                                 # All-CNN-C (C = 100) N = 32/64, exact + MC-1
     python benchmarks/bench_spectral.py --quick          # N = 8/16, one repeat (smoke test)
-    python benchmarks/bench_spectral.py --problems cifar10_3c3d --sizes 32 --mc 1
+    python benchmarks/bench_spectral.py --problems cifar10_3c3d --sizes 32 --mc 0 1
 
-Configurations: ``plain`` (forward + backward), ``eigvalsh`` (all Gram eigenvalues),
-``eigh_top1`` / ``eigh_top10`` (leading eigenpairs, eigenvectors in parameter space), on the full
-GGN (one group); ``--mc M`` uses ``M`` MC columns instead of the exact square root (``K = M``
-instead of ``K = C``; needed for All-CNN-C's ``C = 100`` at large ``N``: the Gram matrix is
-``KN × KN``).
+Configurations, all on the full GGN (one parameter group, the same model, data, criterion and
+damping for every implementation):
+
+* ``plain``: forward + backward;
+* ``eigvalsh``: all ``KN`` Gram eigenvalues; ``eigh_top1`` / ``eigh_top10``: the leading
+  eigenpairs with eigenvectors in parameter space; ``newton``: a directionally damped Newton step
+  along all eigenvectors whose eigenvalue is ≥ ``1e-4`` (constant damping ``δ = 1``);
+* ``vivit_*``: the same with ViViT (when ``vivit`` is installed; ``torch.Tensor.symeig``, which
+  ViViT needs, is re-added here in the benchmark process only);
+* ``power_topK``: deflated power iteration for the top-``K`` GGN eigenpairs from GGN-vector
+  products ``Jᵀ (∇²ℓ) J v`` (``J v`` by the double-vjp trick on a retained graph, one forward per
+  call), each eigenvalue to ``1e-4`` relative change (``--power-k``).
+
+``--mc M`` uses ``M`` MC columns instead of the exact square root (``K = M`` instead of ``K = C``).
 
 Timing: ``torch.set_num_threads(2)``, one warm-up, ``--repeats`` alternating rounds, medians,
-reported as ratios to ``plain``. Memory: each configuration runs once in a fresh subprocess;
-we report its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same
-process, in MiB.
+reported in seconds and as ratios to ``plain``; configurations slower than ``--slow`` seconds
+are repeated at most twice. Memory: each configuration runs once in a fresh subprocess; we report
+its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same process, in MiB.
+Agreement: the maximum difference of our eigenvalues from ViViT's (and power iteration's),
+relative to the largest eigenvalue.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -34,17 +48,57 @@ sys.path.insert(0, os.path.dirname(__file__))
 from problems import PROBLEMS
 
 import backprism
-from backprism.spectral import EighComputation, EigvalshComputation
+from backprism.spectral import (
+    DirectionalDampedNewtonComputation,
+    EighComputation,
+    EigvalshComputation,
+)
 
-CONFIGS = ["plain", "eigvalsh", "eigh_top1", "eigh_top10"]
+HAVE_VIVIT = importlib.util.find_spec("vivit") is not None
+OURS = ["eigvalsh", "eigh_top1", "eigh_top10", "newton"]
+NEWTON_MIN_EVAL = 1e-4
+
+
+def _top(k: int):
+    return lambda evals: list(range(evals.numel() - k, evals.numel()))
+
+
+def _newton_criterion(evals: torch.Tensor) -> list[int]:
+    return [i for i, e in enumerate(evals.tolist()) if e >= NEWTON_MIN_EVAL]
+
+
+def _constant_damping(evals, evecs, gammas, lambdas):
+    return torch.ones_like(evals)
+
+
+def _group(model: torch.nn.Module, config: str) -> dict:
+    group: dict = {"params": [p for p in model.parameters() if p.requires_grad]}
+    if "eigh_top" in config:
+        group["criterion"] = _top(int(config.rsplit("top", 1)[1]))
+    elif config.endswith("newton"):
+        group["criterion"] = _newton_criterion
+        group["damping"] = _constant_damping
+    return group
+
+
+def _patch_symeig() -> None:
+    """ViViT calls the removed ``torch.Tensor.symeig`` (benchmark process only)."""
+    torch.Tensor.symeig = lambda self, eigenvectors=False, upper=True: torch.linalg.eigh(
+        self, UPLO="U" if upper else "L"
+    )
 
 
 def make_runner(problem: str, config: str, n: int, mc: int):
-    """A closure running one forward + backward with ``config``."""
+    """A closure running one forward + backward with ``config``; it returns the eigenvalues
+    (ascending, ``None`` where the configuration has none to compare)."""
     torch.manual_seed(0)
     model, lossf, X, y = PROBLEMS[problem](n)
+    if config.startswith("power_top"):
+        return _power_runner(model, lossf, X, y, int(config.removeprefix("power_top")))
+    if config.startswith("vivit_"):
+        return _vivit_runner(model, lossf, X, y, config.removeprefix("vivit_"), mc)
     model, lossf = backprism.extend(model), backprism.extend(lossf)
-    group: dict = {"params": [p for p in model.parameters() if p.requires_grad]}
+    group = _group(model, config)
     if config == "plain":
 
         def run() -> None:
@@ -54,19 +108,129 @@ def make_runner(problem: str, config: str, n: int, mc: int):
         return run
     if config == "eigvalsh":
         comp = EigvalshComputation(mc_samples=mc)
+    elif config == "newton":
+        comp = DirectionalDampedNewtonComputation(mc_samples_ggn=mc, warn_small_eigvals=0.0)
     else:
-        k = int(config.removeprefix("eigh_top"))
         comp = EighComputation(mc_samples=mc, warn_small_eigvals=0.0)
-        group["criterion"] = lambda evals, k=k: list(range(evals.numel() - k, evals.numel()))
+    exts = comp.get_extensions() if hasattr(comp, "get_extensions") else [comp.get_extension()]
 
-    def run() -> None:
+    def run():
         model.zero_grad()
         hook = comp.get_extension_hook([group])
-        with backprism.collect(comp.get_extension(), extension_hook=hook):
+        with backprism.collect(*exts, extension_hook=hook):
             lossf(model(X), y).backward()
-        comp.get_result(group)
+        res = comp.get_result(group)
+        if config == "eigvalsh":
+            return res
+        if config.startswith("eigh"):
+            return res[0]
+        return None
 
     return run
+
+
+def _vivit_runner(model, lossf, X, y, config: str, mc: int):
+    import backpack
+    import vivit
+    from vivit.optim import DirectionalDampedNewtonComputation as VNewton
+
+    _patch_symeig()
+    model, lossf = backpack.extend(model), backpack.extend(lossf)
+    group = _group(model, config)
+    if config == "eigvalsh":
+        comp = vivit.EigvalshComputation(mc_samples=mc)
+        exts = [comp.get_extension()]
+    elif config == "newton":
+        comp = VNewton(mc_samples_ggn=mc, warn_small_eigvals=0.0)
+        exts = comp.get_extensions()
+    else:
+        comp = vivit.EighComputation(mc_samples=mc, warn_small_eigvals=0.0)
+        exts = [comp.get_extension()]
+
+    def run():
+        model.zero_grad()
+        hook = comp.get_extension_hook([group])
+        with backpack.backpack(*exts, extension_hook=hook):
+            lossf(model(X), y).backward()
+        res = comp.get_result(group)
+        if config == "eigvalsh":
+            return res
+        if config.startswith("eigh"):
+            return res[0]
+        return None
+
+    return run
+
+
+# -- power iteration baseline ----------------------------------------------------------------
+
+
+def _ggn_vp_factory(model, lossf, X, y):
+    """Forward once, return ``v ↦ GGN v`` (list of tensors) from autograd: ``J v`` by the
+    double-vjp trick, ``∇²ℓ (J v)`` by a Hessian-vector product of the loss w.r.t. the output
+    (exact for the GGN since the loss is convex in the output), ``Jᵀ ·`` by a vjp."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(X)
+    dummy = torch.zeros_like(out, requires_grad=True)
+    vjp = torch.autograd.grad(out, params, dummy, create_graph=True)  # Jᵀ u, linear in u
+    f = out.detach().requires_grad_(True)
+    gradf = torch.autograd.grad(lossf(f, y), f, create_graph=True)[0]
+
+    def ggn_vp(v: list[torch.Tensor]) -> list[torch.Tensor]:
+        jv = torch.autograd.grad(vjp, dummy, v, retain_graph=True)[0]
+        hjv = torch.autograd.grad(gradf, f, jv, retain_graph=True)[0]
+        return list(torch.autograd.grad(out, params, hjv, retain_graph=True))
+
+    return params, ggn_vp
+
+
+def power_iteration(ggn_vp, params, k: int, tol: float = 1e-4, max_iter: int = 1000):
+    """Top-``k`` eigenpairs by deflated power iteration; returns (evals descending, iterations)."""
+    evals: list[float] = []
+    evecs: list[torch.Tensor] = []
+    iters = 0
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(k):
+        v = torch.randn(sum(p.numel() for p in params), generator=gen)
+        v /= v.norm()
+        lam = 0.0
+        for _ in range(max_iter):
+            iters += 1
+            w = torch.cat([t.flatten() for t in ggn_vp(_split(v, params))])
+            for lam_j, e_j in zip(evals, evecs):  # deflation
+                w -= lam_j * e_j.dot(v) * e_j
+            new = float(v.dot(w))
+            v = w / w.norm()
+            if abs(new - lam) <= tol * abs(new):
+                lam = new
+                break
+            lam = new
+        evals.append(lam)
+        evecs.append(v)
+    return evals, iters
+
+
+def _split(v: torch.Tensor, params) -> list[torch.Tensor]:
+    out, i = [], 0
+    for p in params:
+        out.append(v[i : i + p.numel()].view_as(p))
+        i += p.numel()
+    return out
+
+
+def _power_runner(model, lossf, X, y, k: int):
+    state = {}
+
+    def run():
+        params, ggn_vp = _ggn_vp_factory(model, lossf, X, y)
+        evals, state["iters"] = power_iteration(ggn_vp, params, k)
+        return torch.tensor(sorted(evals))
+
+    run.state = state
+    return run
+
+
+# -- measuring -------------------------------------------------------------------------------
 
 
 def peak_rss_kib() -> int:
@@ -97,22 +261,54 @@ def peak_memory(problem: str, config: str, n: int, mc: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def bench(problem: str, n: int, mc: int, repeats: int, memory: bool) -> dict:
-    runners = {c: make_runner(problem, c, n, mc) for c in CONFIGS}
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
-    for c in CONFIGS:  # warm-up
-        runners[c]()
-    for _ in range(repeats):
-        for c in CONFIGS:
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` (aligned at the largest eigenvalues)."""
+    m = min(a.numel(), b.numel())
+    a, b = a[-m:].double(), b[-m:].double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
+    configs = ["plain", *OURS]
+    if HAVE_VIVIT and not args.no_vivit:
+        configs += [f"vivit_{c}" for c in OURS]
+    if mc == 0:
+        configs += [f"power_top{k}" for k in args.power_k]
+    runners = {c: make_runner(problem, c, n, mc) for c in configs}
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    results: dict[str, torch.Tensor | None] = {}
+    for c in configs:  # warm-up (and the values to compare)
+        t0 = time.perf_counter()
+        results[c] = runners[c]()
+        first = time.perf_counter() - t0
+        if first > args.slow:
+            times[c].append(first)  # too slow to waste a run on warming up
+    for _ in range(args.repeats):
+        for c in configs:
+            if times[c] and times[c][0] > args.slow and len(times[c]) >= 2:
+                continue
             t0 = time.perf_counter()
             runners[c]()
             times[c].append(time.perf_counter() - t0)
     med = {c: statistics.median(v) for c, v in times.items()}
-    row = {"problem": problem, "N": n, "mc": mc, "plain_s": round(med["plain"], 4)}
-    for c in CONFIGS[1:]:
-        row[f"{c}_x"] = round(med[c] / med["plain"], 2)
-    if memory:
-        for c in CONFIGS[1:]:
+    row: dict = {"problem": problem, "N": n, "mc": mc, "plain_s": round(med["plain"], 4)}
+    for c in configs[1:]:
+        row[f"{c}_s"] = round(med[c], 3)
+        row[f"{c}_x"] = round(med[c] / med["plain"], 1)
+    for c in OURS:
+        if f"vivit_{c}" in med:
+            row[f"{c}_vs_vivit"] = round(med[c] / med[f"vivit_{c}"], 3)
+    for c in configs:
+        if c.startswith("vivit_") and results[c] is not None:
+            row[f"{c}_reldiff"] = float(
+                f"{_rel_diff(results[c.removeprefix('vivit_')], results[c]):.2e}"
+            )
+        if c.startswith("power_top"):
+            k = int(c.removeprefix("power_top"))
+            row[f"{c}_iters"] = runners[c].state["iters"]
+            row[f"{c}_reldiff"] = float(f"{_rel_diff(results['eigvalsh'][-k:], results[c]):.2e}")
+    if not args.no_memory:
+        for c in configs[1:]:
             row[f"{c}_MiB"] = round(peak_memory(problem, c, n, mc), 1)
     return row
 
@@ -120,18 +316,49 @@ def bench(problem: str, n: int, mc: int, repeats: int, memory: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", nargs="+", default=["cifar10_3c3d", "cifar100_allcnnc"])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[32, 64, 128])
-    parser.add_argument("--mc", type=int, default=0, help="MC columns (0: exact)")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="default: 32 64 128 (cifar10_3c3d), 32 64 (cifar100_allcnnc)",
+    )
+    parser.add_argument(
+        "--mc",
+        nargs="+",
+        type=int,
+        default=None,
+        help="MC columns, 0 = exact (default: 0 for cifar10_3c3d, 0 1 otherwise)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--slow",
+        type=float,
+        default=5.0,
+        help="configurations slower than this (s) are repeated at most twice",
+    )
+    parser.add_argument(
+        "--power-k",
+        nargs="*",
+        type=int,
+        default=[1, 2],
+        help="power-iteration baselines (top-k), exact GGN only",
+    )
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-vivit", action="store_true")
     parser.add_argument("--quick", action="store_true", help="N = 8/16, one repeat")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    sizes, repeats = ([8, 16], 1) if args.quick else (args.sizes, args.repeats)
+    if args.quick:
+        args.repeats = 1
     for problem in args.problems:
-        for n in sizes:
-            row = bench(problem, n, args.mc, repeats, not args.no_memory)
-            print(json.dumps(row), flush=True)
+        default_sizes = [32, 64] if problem == "cifar100_allcnnc" else [32, 64, 128]
+        sizes = [8, 16] if args.quick else (args.sizes or default_sizes)
+        mcs = args.mc if args.mc is not None else ([0, 1] if problem == "cifar100_allcnnc" else [0])
+        for mc in mcs:
+            for n in sizes:
+                row = bench(problem, n, mc, args)
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

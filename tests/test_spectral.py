@@ -323,14 +323,33 @@ def test_kernel_factor_matches_dense(k, n, t, o, i, d):
     V = torch.einsum("knto,nti->knoi", g, x).reshape(k * n, o * i)
     f = KernelFactor(x, g, (o, i), n)
     u, w = torch.randn(k * n, d, dtype=torch.float64), torch.randn(d, o, i, dtype=torch.float64)
-    for block_elems in (fac.BLOCK_ELEMENTS, 1):  # kernel form / materialised one column a time
+    for block_elems in (fac.BLOCK_ELEMENTS, 1):  # one block / one sample or column a time
         old, fac.BLOCK_ELEMENTS = fac.BLOCK_ELEMENTS, block_elems
         try:
-            torch.testing.assert_close(f.gram(), V @ V.T)
+            for method in (None, "kernel", "materialise"):
+                torch.testing.assert_close(f.gram(method), V @ V.T)
             torch.testing.assert_close(f.matmul(u).reshape(d, -1), u.T @ V)
             torch.testing.assert_close(f.tmatmul(w), V @ w.reshape(d, -1).T)
+            gram, vtw = f.gram_tmatmul(w)  # fused when V is materialised
+            torch.testing.assert_close(gram, V @ V.T)
+            torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
+            gram, vtw = f._gram_materialised(w, out := []), out[0]
+            torch.testing.assert_close(gram, V @ V.T)
+            torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
         finally:
             fac.BLOCK_ELEMENTS = old
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 13])
+def test_syrk_blocks(rows):
+    """The block-triangular ``out += v vᵀ`` equals the full product for 1, 2 and 4 blocks."""
+    from backprism.spectral.factors import _syrk_
+
+    torch.manual_seed(rows)
+    v = torch.randn(rows, 7, dtype=torch.float64)
+    out = torch.randn(rows, rows, dtype=torch.float64)
+    expected = out + v @ v.T
+    torch.testing.assert_close(_syrk_(out, v, min_rows=2), expected)
 
 
 # -- errors and warnings ---------------------------------------------------------------------

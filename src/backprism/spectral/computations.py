@@ -36,10 +36,11 @@ Usage (the loss must use ``reduction='mean'``)::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,28 @@ __all__ = [
     "EighComputation",
     "EigvalshComputation",
 ]
+
+
+#: CPU threads for the Gram eigendecomposition (``None``: torch's setting). LAPACK's symmetric
+#: tridiagonalisation synchronises its threads once per row; when the cores are shared (more
+#: runnable threads than cores) every synchronisation can cost a scheduler time slice, and on a
+#: 2-core machine with other work ``eigh`` of a 1280 × 1280 matrix took 20 s with 2 threads
+#: against 0.24 s with one. One thread loses at most the parallel speed-up on an idle machine.
+EIGH_THREADS: int | None = 1
+
+
+@contextlib.contextmanager
+def _eigh_threads() -> Iterator[None]:
+    """Run the block with ``EIGH_THREADS`` CPU threads (restored afterwards)."""
+    old = torch.get_num_threads()
+    if EIGH_THREADS is None or old <= EIGH_THREADS:
+        yield
+        return
+    torch.set_num_threads(EIGH_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 class _Accumulator:
@@ -132,7 +155,8 @@ class _SpectralComputation:
     """Shared machinery: extensions, the per-module hook, group accumulation."""
 
     _needs_grad = False
-    _needs_vectors = False
+    _needs_vectors = False  # keep the factors to map Gram vectors to parameter space
+    _needs_eigenvectors = True  # Gram eigenvectors (all computations but eigenvalues only)
     _group_keys: tuple[str, ...] = ()
 
     def __init__(
@@ -231,14 +255,17 @@ class _SpectralComputation:
                 "parameters of one group received different numbers of GGN square-root columns "
                 f"({acc.num_cols} vs {f.num_cols}); they must all be reached by the same losses"
             )
-        gram = f.gram()
-        acc.gram = gram if acc.gram is None else acc.gram + gram
-        acc.batch_size, acc.num_samples, acc.num_cols = f.batch_size, f.num_samples, f.num_cols
         if self._needs_grad:
             gb = p.grad_batch
             del p.grad_batch
-            vtg = f.tmatmul(gb)
-            acc.vtg = vtg if acc.vtg is None else acc.vtg + vtg
+            gram, vtg = f.gram_tmatmul(gb)
+            acc.vtg = vtg if acc.vtg is None else acc.vtg.add_(vtg)
+            del gb, vtg
+        else:
+            gram = f.gram()
+        acc.gram = gram if acc.gram is None else acc.gram.add_(gram)
+        del gram
+        acc.batch_size, acc.num_samples, acc.num_cols = f.batch_size, f.num_samples, f.num_cols
         if self._needs_vectors:
             acc.factors[id(p)] = f
         acc.done.add(id(p))
@@ -255,8 +282,13 @@ class _SpectralComputation:
             )
         self._log(f"group {id(group)}: eigendecomposition of a {tuple(acc.gram.shape)} Gram matrix")
         scale = acc.batch_size / acc.num_samples
-        gram = acc.gram * scale
-        evals, evecs = torch.linalg.eigh(gram)
+        gram = acc.gram.mul_(scale) if scale != 1 else acc.gram
+        acc.gram = None
+        with _eigh_threads():
+            if self._needs_eigenvectors:
+                evals, evecs = torch.linalg.eigh(gram)
+            else:  # eigenvalues only: no eigenvector back-transformation
+                evals, evecs = torch.linalg.eigvalsh(gram), gram.new_empty(gram.shape[0], 0)
         self._results[id(group)] = self._group_result(group, acc, gram, evals, evecs, scale)
 
     def _complete_pending(self, group: dict) -> None:
@@ -343,6 +375,8 @@ class EigvalshComputation(_SpectralComputation):
         mc_samples: ``0`` exact GGN; ``M ≥ 1`` MC approximation with ``M`` sampled labels.
         verbose: print what happens during the backward pass.
     """
+
+    _needs_eigenvectors = False
 
     def __init__(
         self, subsampling: Sequence[int] | None = None, mc_samples: int = 0, verbose: bool = False
