@@ -15,9 +15,11 @@ cheaper:
   .. math:: G_{(k,n),(k',n')} = \sum_{t,s} \langle g_{knt}, g_{k'n's}\rangle
             \langle x_{nt}, x_{n's}\rangle
 
-  (the *kernel form*, ``(X Xᵀ) ⊙ (S Sᵀ)`` summed over positions), or, when that costs more, the
-  Gram matrix of ``V`` materialised a block of output channels at a time. The ``[K, N, O, I]``
-  factor is never stored.
+  (the *kernel form*, ``(X Xᵀ) ⊙ (S Sᵀ)`` summed over positions, evaluated by contracting
+  ``X Xᵀ`` with ``g`` first so that the ``[KNT, KNT]`` matrix ``g gᵀ`` is never formed), or,
+  when that costs more (see ``KernelFactor._gram_method``), the Gram matrix of ``V`` materialised
+  a block of output channels at a time, upper block triangle only. The ``[K, N, O, I]`` factor is
+  never stored.
 
 Row index of every ``[KN, ·]`` matrix: ``i = k·N' + n`` (column-major in ``k``), ``N'`` the
 number of samples kept by the sub-sampling.
