@@ -37,11 +37,14 @@ _ACTIVE: collect | None = None
 
 
 class _Memo:
-    """Caches rule results within one call's processing (e.g. SumGradSquared and Variance)."""
+    """Caches rule results within one call's processing (e.g. SumGradSquared and Variance).
+
+    Entries keep their arguments alive, so an id can't be reused by another tensor while the
+    memo exists (extensions may call the rule on temporary sample chunks)."""
 
     def __init__(self, rule: Any) -> None:
         self._rule = rule
-        self._cache: dict[tuple, Any] = {}
+        self._cache: dict[tuple, tuple[tuple, Any]] = {}
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._rule, name)
@@ -49,10 +52,13 @@ class _Memo:
             return fn
 
         def cached(call: Call, *args: Any, **kwargs: Any) -> Any:
-            key = (name, *(id(a) for a in args), *sorted((k, id(v)) for k, v in kwargs.items()))
-            if key not in self._cache:
-                self._cache[key] = fn(call, *args, **kwargs)
-            return self._cache[key]
+            held = (call, *args, *kwargs.values())
+            key = (name, tuple(kwargs), *(id(a) for a in held))
+            hit = self._cache.get(key)
+            if hit is None or any(a is not b for a, b in zip(hit[0], held)):
+                hit = (held, fn(call, *args, **kwargs))
+                self._cache[key] = hit
+            return hit[1]
 
         return cached
 
