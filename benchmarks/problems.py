@@ -147,7 +147,9 @@ class _TinyTransformer(nn.Module):
         self.head = nn.Linear(d, classes)
 
     def forward(self, tokens):
-        h = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        n, t = tokens.shape
+        # positions carry the batch axis, so per-sample quantities are defined for self.pos
+        h = self.emb(tokens) + self.pos(torch.arange(t, device=tokens.device).expand(n, t))
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h).mean(1))
