@@ -30,7 +30,7 @@ from backprism.monitor import quantities, schedules
 from backprism.monitor.monitor import Monitor
 from backprism.monitor.quantities.base import Quantity
 
-__all__ = ["Cockpit", "quantities", "utils"]
+__all__ = ["Cockpit", "CockpitPlotter", "quantities", "utils"]
 
 __path__: list[str] = []  # lets ``import backprism.compat.cockpit.utils.schedules`` resolve
 
@@ -107,6 +107,88 @@ class Cockpit(Monitor):
         data = to_jsonable({str(s): v for s, v in self.get_output().items()})
         with open(path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=4, sort_keys=True, allow_nan=False)
+
+
+class CockpitPlotter:
+    """Cockpit's ``CockpitPlotter`` drawing with :class:`backprism.plot.Dashboard`.
+
+    ``plot(source)`` takes a :class:`Cockpit`/:class:`Monitor`, the path of a log written by
+    ``Cockpit.write`` (``{step: {name: value}}``) or ``Monitor`` (JSONL or JSON).
+    """
+
+    def __init__(self, secondary_screen: bool = False) -> None:
+        self.secondary_screen = secondary_screen
+        self._dashboard: Any = None
+
+    def plot(
+        self,
+        source: Any,
+        show_plot: bool = True,
+        block: bool = False,
+        save_plot: bool = False,
+        savedir: str | os.PathLike | None = None,
+        savename: str = "cockpit",
+        savename_append: str | None = None,
+        savefig_kwargs: dict | None = None,
+        show_log_iter: bool = False,
+        discard: int | None = None,
+        plot_title: str | None = None,
+        debug: bool = False,
+    ) -> Any:
+        """Draw the instrument panel; save it as ``savedir/savename[savename_append].png`` with
+        ``save_plot``; show it with ``show_plot``. ``discard`` drops the first steps."""
+        from backprism.plot import Dashboard
+
+        data = _monitor_layout(source)
+        if discard and isinstance(data, dict):
+            data = {
+                k: {s: v for s, v in d.items() if int(s) >= discard} if isinstance(d, dict) else d
+                for k, d in data.items()
+            }
+        if self._dashboard is None:
+            self._dashboard = Dashboard(title=plot_title)
+        fig = self._dashboard.draw(data)
+        if save_plot:
+            folder = (
+                savedir
+                if savedir is not None
+                else (
+                    os.path.dirname(os.fspath(source))
+                    if isinstance(source, (str, os.PathLike))
+                    else "."
+                )
+            )
+            name = savename + (savename_append or "") + ".png"
+            fig.savefig(os.path.join(folder or ".", name), **(savefig_kwargs or {}))
+        if show_plot:
+            import matplotlib.pyplot as plt
+
+            plt.show(block=block)
+        return fig
+
+
+def _monitor_layout(source: Any) -> Any:
+    """``{name: {step: value}}`` from a Cockpit/Monitor or a written log."""
+    if isinstance(source, Monitor):
+        return Monitor.get_output(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path) and os.path.exists(path + ".json"):
+            path += ".json"
+        if path.endswith(".json"):
+            import json
+
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            if raw and all(str(k).lstrip("-").isdigit() for k in raw):  # Cockpit's layout
+                out: dict[str, dict[Any, Any]] = defaultdict(dict)
+                for step, values in raw.items():
+                    for name, value in values.items():
+                        out[name][int(step)] = value
+                return dict(out)
+            return raw
+        return path  # a streamed JSONL log: the dashboard reads it directly
+    return source
 
 
 def _module(name: str, doc: str, **attrs: Any) -> types.ModuleType:
