@@ -36,7 +36,7 @@ def test_cockpit_plotter_from_object_and_file(tmp_path):
     cockpit.write(os.fspath(tmp_path / "log"))
     plotter = CockpitPlotter()
     fig = plotter.plot(cockpit, show_plot=False, save_plot=True, savedir=tmp_path)
-    titles = {ax.get_title() for ax in fig.axes}
+    titles = {ax.get_title(loc="left") for ax in fig.axes}
     assert "Gradient norm" in titles and "α gauge" in titles
     plotter.plot(
         tmp_path / "log.json", show_plot=False, save_plot=True, savename_append="_f", discard=1
