@@ -40,12 +40,8 @@ class _SGS(SingleStepQuantity):
         return grad, sgs, int(data.get("batch_size", self))
 
 
-class MeanGSNR(_SGS):
-    """Mean gradient signal-to-noise ratio (float).
-
-    Args:
-        epsilon: stabilization constant (default ``1e-5``).
-    """
+class _SGSEpsilon(_SGS):
+    """A ``_SGS`` quantity with a stabilization constant ``epsilon``."""
 
     def __init__(self, track_schedule: Schedule, verbose: bool = False, epsilon: float = 1e-5):
         super().__init__(track_schedule, verbose=verbose)
@@ -53,6 +49,14 @@ class MeanGSNR(_SGS):
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"epsilon": self._epsilon}
+
+
+class MeanGSNR(_SGSEpsilon):
+    """Mean gradient signal-to-noise ratio (float).
+
+    Args:
+        epsilon: stabilization constant (default ``1e-5``).
+    """
 
     def info_keys(self, global_step: int) -> set[str]:
         return {"batch_size"} if self.should_compute(global_step) else set()
@@ -86,19 +90,12 @@ class CABS(_SGS):
         return {"cabs": float("nan")}
 
 
-class EarlyStopping(_SGS):
+class EarlyStopping(_SGSEpsilon):
     """Evidence-based early-stopping criterion (float; stop when ``> 0``) for zero-momentum SGD.
 
     Args:
         epsilon: stabilization constant (default ``1e-5``).
     """
-
-    def __init__(self, track_schedule: Schedule, verbose: bool = False, epsilon: float = 1e-5):
-        super().__init__(track_schedule, verbose=verbose)
-        self._epsilon = epsilon
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {"epsilon": self._epsilon}
 
     def info_keys(self, global_step: int) -> set[str]:
         return {"batch_size", "optimizer"} if self.should_compute(global_step) else set()
