@@ -77,16 +77,6 @@ from backprism.monitor.quantities.base import (
 
 __all__ = ["Monitor"]
 
-_LOG_FIELDS = (
-    "train_loss",
-    "valid_loss",
-    "test_loss",
-    "train_accuracy",
-    "valid_accuracy",
-    "test_accuracy",
-    "learning_rate",
-)
-
 _NUMERICAL_ERRORS: tuple[type[BaseException], ...] = (
     FloatingPointError,
     np.linalg.LinAlgError,
