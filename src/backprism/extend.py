@@ -57,10 +57,9 @@ class _Capture:
 
     def __init__(self) -> None:
         self.group = Group()
-        # id(call) -> (call, outputs, root_key, generation)
-        self.pending: dict[int, tuple[Call, list[Tensor], int, int]] = {}
+        # id(call) -> (call, outputs, root key)
+        self.pending: dict[int, tuple[Call, list[Tensor], int]] = {}
         self.root_stack: list[int] = []
-        self.root_generation: Counter[int] = Counter()
         self.in_column_backprop = 0
         self.suspended = 0
         # one frame per hooked module currently in its forward: ids of hooked descendants run
@@ -70,7 +69,7 @@ class _Capture:
         self.root_inputs: dict[int, tuple[nn.Module, tuple]] = {}
 
     def take_pending(self) -> list[tuple[Call, list[Tensor]]]:
-        taken = [(c, outs) for c, outs, _, _ in self.pending.values()]
+        taken = [(c, outs) for c, outs, _ in self.pending.values()]
         self.pending.clear()
         self.group = Group()
         return taken
@@ -110,12 +109,11 @@ def _root_pre_hook(module: nn.Module, args: Any) -> None:
         return
     # a new top-level forward of this root: outputs it left pending in its previous forward
     # (never taken by a loss, never backpropagated) are dropped.
-    stale = [k for k, (_, _, rk, _) in CAPTURE.pending.items() if rk == key]
+    stale = [k for k, (_, _, rk) in CAPTURE.pending.items() if rk == key]
     for k in stale:
         del CAPTURE.pending[k]
     if not CAPTURE.pending:  # nothing else awaits a loss: forget the stale calls' counts too
         CAPTURE.group = Group()
-    CAPTURE.root_generation[key] += 1
     CAPTURE.root_inputs[key] = (module, tuple(tree_map(_detach, a) for a in args))
 
 
@@ -190,7 +188,7 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
 
     root = CAPTURE.root_stack[0] if CAPTURE.root_stack else -1
     call_key = id(call)
-    CAPTURE.pending[call_key] = (call, outs, root, CAPTURE.root_generation[root])
+    CAPTURE.pending[call_key] = (call, outs, root)
     # the hook must not hold `outs` (that would be a cycle through the autograd node)
     call_ref = call
     from backprism import context as _collect
@@ -320,9 +318,3 @@ def _hook_param(p: nn.Parameter) -> None:
 
     p.register_hook(hook)
     p._backprism_hooked = True  # type: ignore[attr-defined]
-
-
-def is_extended(module: nn.Module) -> bool:
-    return getattr(module, "_backprism_hooked", False) or bool(
-        getattr(module, _EXTENDED_ATTR, None)
-    )
