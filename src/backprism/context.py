@@ -361,7 +361,7 @@ class collect:
         chunk = self.chunk_size or max(1, self.memory_budget // per_col)
         count = Counter(id(p) for c, _ in calls for p in params_of(c).values())
         for start, grads in backprop_columns(origins, cols, outputs, chunk):
-            w = None if weights is None else weights[start : start + grads_k(grads)]
+            w = None if weights is None else weights[start : start + _chunk_width(grads)]
             dense: dict[int, list] = {}
             i = 0
             for call, outs in calls:
@@ -406,7 +406,7 @@ def _summed_fallback(rule: Any, call: Call, g: Any, name: str) -> Callable[[], T
     return lambda: rule.summed(call, g)[name][0]
 
 
-def grads_k(grads: list[Tensor | None]) -> int:
+def _chunk_width(grads: list[Tensor | None]) -> int:
     for g in grads:
         if g is not None:
             return g.shape[0] if isinstance(g, Tensor) else g[0].shape[0]
