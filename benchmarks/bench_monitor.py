@@ -8,13 +8,16 @@ median time of each variant divided by the median plain step of the same run.
 
     python benchmarks/bench_monitor.py            # all variants, 7 rounds
     python benchmarks/bench_monitor.py --quick    # configurations only, 3 rounds, mnist_mlp
+    python benchmarks/bench_monitor.py --isolate  # each variant in its own fresh process
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -60,7 +63,7 @@ def variants(quick: bool) -> dict[str, object]:
     return out
 
 
-def bench(name: str, rounds: int, quick: bool) -> dict[str, float]:
+def bench(name: str, rounds: int, quick: bool, only: str | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     model, lossf, X, y = problems.PROBLEMS[name](128)
     backprism.extend(model)
@@ -70,6 +73,7 @@ def bench(name: str, rounds: int, quick: bool) -> dict[str, float]:
     monitors = {
         k: None if make is None else Monitor(model.parameters(), make())  # type: ignore[operator]
         for k, make in variants(quick).items()
+        if only is None or k in ("plain", only)
     }
     steps = dict.fromkeys(monitors, 0)
 
@@ -113,12 +117,42 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="configurations only, few rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--problems", nargs="*", default=None)
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="time each variant against the plain step in its own fresh process",
+    )
+    parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(2)
     rounds = args.rounds or (3 if args.quick else 7)
     names = args.problems or (["mnist_mlp"] if args.quick else ["cifar10_3c3d", "mnist_mlp"])
+    if args.only:  # one variant in this process (used by --isolate)
+        res = bench(names[0], rounds, args.quick, only=args.only)
+        print(json.dumps(res))
+        return
     for name in names:
-        res = bench(name, rounds, args.quick)
+        if args.isolate:
+            res = {"plain_s": 0.0}
+            for key in [k for k in variants(args.quick) if k != "plain"]:
+                cmd = [
+                    sys.executable,
+                    "-W",
+                    "ignore",
+                    __file__,
+                    "--problems",
+                    name,
+                    "--rounds",
+                    str(rounds),
+                    "--only",
+                    key,
+                ] + (["--quick"] if args.quick else [])
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                one = json.loads(out.stdout.strip().splitlines()[-1])
+                res[key] = one[key]
+                res["plain_s"] = max(res["plain_s"], one["plain_s"])
+        else:
+            res = bench(name, rounds, args.quick)
         print(
             f"{name}: plain step {res.pop('plain_s') * 1e3:.1f} ms (median of {rounds})",
             flush=True,
