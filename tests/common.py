@@ -50,6 +50,18 @@ class TinyGPT(nn.Module):
         return logits.flatten(0, 1) if self.flat else logits.transpose(1, 2)
 
 
+def first_order_expected(gb: Tensor) -> dict[str, Tensor]:
+    """What each first-order extension stores, from per-sample gradients ``gb = [N, *p]``."""
+    f = gb.flatten(1)
+    return {
+        "grad_batch": gb,
+        "batch_l2": f.square().sum(1),
+        "sum_grad_squared": gb.square().sum(0),
+        "variance": gb.var(0, unbiased=False),
+        "batch_dot": f @ f.t(),
+    }
+
+
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
 

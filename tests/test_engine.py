@@ -13,21 +13,11 @@ from torch import nn
 import backprism
 from backprism import collect, extend
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from common import first_order_expected
 
 from reference import per_sample_grads
 
 FIRST_ORDER = (BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad)
-
-
-def _expected(gb: torch.Tensor) -> dict[str, torch.Tensor]:
-    f = gb.flatten(1)
-    return {
-        "grad_batch": gb,
-        "batch_l2": f.square().sum(1),
-        "sum_grad_squared": gb.square().sum(0),
-        "variance": gb.var(0, unbiased=False),
-        "batch_dot": f @ f.t(),
-    }
 
 
 def _check_first_order(model, lossfunc, X, y, rtol=1e-7, atol=1e-10):
@@ -38,7 +28,7 @@ def _check_first_order(model, lossfunc, X, y, rtol=1e-7, atol=1e-10):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        for field, value in _expected(ref[name]).items():
+        for field, value in first_order_expected(ref[name]).items():
             torch.testing.assert_close(
                 getattr(p, field), value, rtol=rtol, atol=atol, msg=f"{name}.{field}"
             )

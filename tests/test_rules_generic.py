@@ -28,6 +28,7 @@ from backprism import collect, extend
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backprism.rules import generic
 from backprism.rules.base import Call, get_rule
+from common import first_order_expected
 
 from reference import per_sample_grads
 
@@ -62,18 +63,6 @@ def loop_per_sample_grads(
     }
 
 
-def expected(gb: Tensor) -> dict[str, Tensor]:
-    """What each first-order extension stores, from per-sample gradients ``gb = [N, *p]``."""
-    f = gb.flatten(1)
-    return {
-        "grad_batch": gb,
-        "batch_l2": f.square().sum(1),
-        "sum_grad_squared": gb.square().sum(0),
-        "variance": gb.var(0, unbiased=False),
-        "batch_dot": f @ f.t(),
-    }
-
-
 def run_first_order(model: nn.Module, lossfunc: nn.Module, X: Tensor | tuple, y: Tensor) -> None:
     xs = X if isinstance(X, tuple) else (X,)
     model.zero_grad()
@@ -91,7 +80,7 @@ def check_first_order(
         if not p.requires_grad:
             assert not hasattr(p, "grad_batch"), name
             continue
-        for field, value in expected(ref[name]).items():
+        for field, value in first_order_expected(ref[name]).items():
             torch.testing.assert_close(
                 getattr(p, field), value, rtol=1e-7, atol=1e-10, msg=f"{name}.{field}"
             )
