@@ -114,19 +114,7 @@ def make_runner(problem: str, config: str, n: int, mc: int):
         comp = EighComputation(mc_samples=mc, warn_small_eigvals=0.0)
     exts = comp.get_extensions() if hasattr(comp, "get_extensions") else [comp.get_extension()]
 
-    def run():
-        model.zero_grad()
-        hook = comp.get_extension_hook([group])
-        with backprism.collect(*exts, extension_hook=hook):
-            lossf(model(X), y).backward()
-        res = comp.get_result(group)
-        if config == "eigvalsh":
-            return res
-        if config.startswith("eigh"):
-            return res[0]
-        return None
-
-    return run
+    return _step(model, lossf, X, y, comp, group, exts, config, backprism.collect)
 
 
 def _vivit_runner(model, lossf, X, y, config: str, mc: int):
@@ -147,10 +135,16 @@ def _vivit_runner(model, lossf, X, y, config: str, mc: int):
         comp = vivit.EighComputation(mc_samples=mc, warn_small_eigvals=0.0)
         exts = [comp.get_extension()]
 
+    return _step(model, lossf, X, y, comp, group, exts, config, backpack.backpack)
+
+
+def _step(model, lossf, X, y, comp, group, exts, config: str, context):
+    """One backward pass inside ``context(*exts, extension_hook=...)`` and the result."""
+
     def run():
         model.zero_grad()
         hook = comp.get_extension_hook([group])
-        with backpack.backpack(*exts, extension_hook=hook):
+        with context(*exts, extension_hook=hook):
             lossf(model(X), y).backward()
         res = comp.get_result(group)
         if config == "eigvalsh":
