@@ -495,3 +495,29 @@ def test_hutchinson_bad_samples():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="samples"):
             HutchinsonDiagHessian(samples=bad)
+
+
+def test_hutchinson_fused_attention_names_the_way_out():
+    """The CPU fused attention kernel has no second derivative: a clear error with the fix,
+    and under the math kernel the estimator runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = attn, nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    model, lossfunc = extend(Model()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
+    fix = r"HutchinsonDiagHessian.*SDPBackend\.MATH"
+    with pytest.raises(RuntimeError, match=fix), collect(HutchinsonDiagHessian()):
+        lossfunc(model(X), y).backward()
+    with sdpa_kernel(SDPBackend.MATH), collect(HutchinsonDiagHessian()):
+        lossfunc(model(X), y).backward()
+    assert torch.isfinite(model.head.weight.diag_h_hutchinson).all()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backprism.double_backward import explain_double_backward
 from backprism.extend import CAPTURE, suspended
 from backprism.extensions.base import SecondOrderExtension
 from backprism.hessian_residual import NonlinearityError, check_linear_in_params
@@ -143,9 +144,12 @@ class HutchinsonDiagHessian(SecondOrderExtension):
 
     over all parameters of the extended model jointly, so ``E[\hat d] = diag ∇²L`` exactly and
     ``Var[\hat d_i] = (1/S) Σ_{j≠i} (∇²L)_{ij}²``. Works on any twice-differentiable graph
-    (attention, LayerNorm, shared parameters). The Hessian-vector products are computed by double
-    backward from the loss, re-evaluated from its recorded inputs when the backward pass starts
-    (the forward graph is still intact then); cost ≈ ``1 + 2S`` extra backward passes.
+    (attention, LayerNorm, shared parameters); fused attention kernels without a second
+    derivative (PyTorch's CPU flash attention) need the forward pass under
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, and the error says so. The
+    Hessian-vector products are computed by double backward from the loss, re-evaluated from
+    its recorded inputs when the backward pass starts (the forward graph is still intact then);
+    cost ≈ ``1 + 2S`` extra backward passes.
 
     Args:
         samples: number ``S`` of Rademacher vectors (positive integer).
@@ -204,9 +208,10 @@ class HutchinsonDiagHessian(SecondOrderExtension):
                     ps, gs = zip(*pairs)
                     for _ in range(self.samples):
                         vs = [torch.randint_like(p, 2).mul_(2).sub_(1).detach() for p in ps]
-                        hvs = torch.autograd.grad(
-                            gs, ps, grad_outputs=vs, retain_graph=True, allow_unused=True
-                        )
+                        with explain_double_backward("HutchinsonDiagHessian"):
+                            hvs = torch.autograd.grad(
+                                gs, ps, grad_outputs=vs, retain_graph=True, allow_unused=True
+                            )
                         for p, v, hv in zip(ps, vs, hvs):
                             if hv is not None:
                                 est[p] += v * hv.detach()

@@ -63,9 +63,9 @@ def lanczos_max_eig(
         for _ in range(2):  # full re-orthogonalization, twice
             w = w - stack.t() @ (stack @ w)
         b = float(w.norm())
-        t = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        t = torch.diag(torch.tensor(alphas, dtype=torch.float64, device="cpu"))
         if betas:
-            off = torch.tensor(betas, dtype=torch.float64)
+            off = torch.tensor(betas, dtype=torch.float64, device="cpu")
             t = t + torch.diag(off, 1) + torch.diag(off, -1)
         evals, evecs = torch.linalg.eigh(t)
         theta, s = float(evals[-1]), evecs[:, -1]
@@ -89,5 +89,5 @@ def lanczos_max_eig(
         )
     assert s is not None
     stack = basis[: len(s)]
-    y = stack.t() @ s.to(stack.dtype)
+    y = stack.t() @ s.to(stack)  # the tridiagonal problem is solved on the CPU
     return theta, y / y.norm(), len(alphas)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from backprism.double_backward import explain_double_backward
 from backprism.monitor.hessmaxev import lanczos_max_eig
 from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData
 
@@ -85,9 +86,10 @@ class HessMaxEV(SingleStepQuantity):
 
         def hvp(v: Tensor) -> Tensor:
             vs = [c.view_as(p) for c, p in zip(v.split(sizes), params)]
-            hv = torch.autograd.grad(
-                grads, params, grad_outputs=vs, retain_graph=True, allow_unused=True
-            )
+            with explain_double_backward(self.key):
+                hv = torch.autograd.grad(
+                    grads, params, grad_outputs=vs, retain_graph=True, allow_unused=True
+                )
             return torch.cat(
                 [
                     (h if h is not None else torch.zeros_like(p)).reshape(-1).detach()

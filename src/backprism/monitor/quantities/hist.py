@@ -104,7 +104,9 @@ class GradHist1d(SingleStepQuantity):
         ext = self._ext(global_step)
         assert ext is not None
         hist = sum(r["hist"] for r in data.fetch(ext)).to(torch.float64)
-        edges = torch.linspace(self._range[0], self._range[1], self._bins + 1, dtype=torch.float64)
+        edges = torch.linspace(
+            self._range[0], self._range[1], self._bins + 1, dtype=torch.float64, device="cpu"
+        )
         return {"hist": np.asarray(hist.cpu().numpy()), "edges": edges.numpy()}
 
 
@@ -176,7 +178,7 @@ class GradHist2d(SingleStepQuantity):
 
     def _edges(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(  # type: ignore[return-value]
-            torch.linspace(lo, hi, b + 1, dtype=torch.float64).numpy()
+            torch.linspace(lo, hi, b + 1, dtype=torch.float64, device="cpu").numpy()
             for (lo, hi), b in zip(self._range, self._bins)
         )
 
