@@ -5,16 +5,22 @@ Usage::
     python benchmarks/bench_engine.py                       # first- and second-order, all problems
     python benchmarks/bench_engine.py --problems cifar10_3c3d mnist_mlp --order 1 --repeats 7
     python benchmarks/bench_engine.py --quick               # small N, few repeats (smoke test)
+    PYTHONPATH=src python benchmarks/bench_engine.py --device cuda --problems cifar10_3c3d
 
-Timing: ``torch.set_num_threads(2)``, one warm-up round, then ``--repeats`` rounds in which all
-configurations run in turn (alternating, so drifting machine load hits all alike); the median of
-each is divided by the median of the plain forward+backward measured in the same rounds.
+Timing: ``torch.set_num_threads(2)`` (``--threads``, CPU), one warm-up round, then ``--repeats``
+rounds in which all configurations run in turn (alternating, so drifting machine load hits all
+alike); the median of each is divided by the median of the plain forward+backward measured in
+the same rounds.
+On CUDA (``--device cuda``) the clock starts and stops after ``torch.cuda.synchronize()``.
 When ``backpack-for-pytorch`` is installed, its extensions run side by side on the problems it
 supports (chains of known layers).
 
 Memory: in a fresh subprocess, after a warm-up of both, one step of each configuration runs
 with the resident high-water mark (``VmHWM``) reset before it; we report the configuration's
-step peak minus the plain step's peak, in MiB.
+step peak minus the plain step's peak, in MiB. On CUDA, in this process: after a warm-up of
+both, each step's peak allocated memory (``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``) above the memory allocated before it; again the configuration's
+minus the plain step's, in MiB.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from problems import PROBLEMS
+from problems import PROBLEMS, build, cuda_step_peak, describe, sync
 
 FIRST = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "BatchGrad+hook", "BatchDotGrad"]
 SECOND = ["DiagGGNMC", "KFAC", "DiagGGNExact", "KFLR", "DiagHessian"]
@@ -46,10 +52,10 @@ def _have_backpack() -> bool:
     return True
 
 
-def make_runner(problem: str, method: str, tool: str, n: int):
+def make_runner(problem: str, method: str, tool: str, n: int, device: str = "cpu"):
     """Return a closure running one forward+backward with ``method`` under ``tool``."""
     torch.manual_seed(0)
-    model, lossfunc, X, y = PROBLEMS[problem](n)
+    model, lossfunc, X, y = build(problem, n, device)
     if tool == "plain":
 
         def run():
@@ -122,23 +128,27 @@ def make_runner(problem: str, method: str, tool: str, n: int):
     return run
 
 
-def time_problem(problem: str, methods: list[str], n: int, repeats: int, backpack: bool):
-    configs = {("plain", "plain"): make_runner(problem, "plain", "plain", n)}
+def time_problem(
+    problem: str, methods: list[str], n: int, repeats: int, backpack: bool, device: str = "cpu"
+):
+    configs = {("plain", "plain"): make_runner(problem, "plain", "plain", n, device)}
     for m in methods:
-        r = make_runner(problem, m, "backprism", n)
+        r = make_runner(problem, m, "backprism", n, device)
         if r is not None:
             configs[("backprism", m)] = r
         if backpack:
-            r = make_runner(problem, m, "backpack", n)
+            r = make_runner(problem, m, "backpack", n, device)
             if r is not None:
                 configs[("backpack", m)] = r
     times: dict = {k: [] for k in configs}
     for rnd in range(repeats + 1):
         for key, run in list(configs.items()):
             gc.collect()
+            sync(device)
             t0 = time.perf_counter()
             try:
                 run()
+                sync(device)
             except Exception as err:  # unsupported here (e.g. exact DiagHessian + attention)
                 print(
                     f"  {key[0]} {key[1]} on {problem}: {type(err).__name__}: "
@@ -153,12 +163,15 @@ def time_problem(problem: str, methods: list[str], n: int, repeats: int, backpac
     return med
 
 
-def peak_memory(problem: str, method: str, tool: str, n: int) -> float | None:
-    """Extra peak memory (MiB) of one step over a plain step, in a fresh subprocess.
+def peak_memory(problem: str, method: str, tool: str, n: int, device: str = "cpu") -> float | None:
+    """Extra peak memory (MiB) of one step over a plain step, in a fresh subprocess (CUDA: in
+    this process, see ``cuda_peak_memory``).
 
     Both configurations are warmed up first (imports and one-time allocations excluded); then
     the resident high-water mark is reset (``/proc/self/clear_refs``) before each measured
     step, and the step's peak above the resident size it started from is compared."""
+    if torch.device(device).type == "cuda":
+        return cuda_peak_memory(problem, method, tool, n, device)
     code = (
         "import sys, torch; torch.set_num_threads(2);"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
@@ -172,6 +185,26 @@ def peak_memory(problem: str, method: str, tool: str, n: int) -> float | None:
     if out.returncode != 0:
         return None
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def cuda_peak_memory(problem: str, method: str, tool: str, n: int, device: str) -> float | None:
+    """Extra peak CUDA memory (MiB) of one step over a plain step: fresh runners, both warmed
+    up, then each step's peak allocation above the memory allocated before it."""
+    p = make_runner(problem, "plain", "plain", n, device)
+    r = make_runner(problem, method, tool, n, device)
+    if r is None:
+        return None
+    try:
+        p()
+        r()
+        extra = cuda_step_peak(r, device, r.clear) - cuda_step_peak(p, device, p.clear)
+    except Exception:
+        return None
+    finally:
+        del p, r
+        gc.collect()
+        torch.cuda.empty_cache()
+    return extra / 2**20
 
 
 def step_peak(run) -> int:
@@ -203,7 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: 2 on the CPU, else torch's)",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-backpack", action="store_true")
     ap.add_argument("--quick", action="store_true", help="N=16, 2 repeats, no memory")
@@ -211,19 +250,21 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.n, args.repeats, args.no_memory = 16, 2, True
-    torch.set_num_threads(args.threads)
+    on_cpu = torch.device(args.device).type == "cpu"
+    if args.threads is not None or on_cpu:
+        torch.set_num_threads(args.threads or 2)
     methods = args.methods or (
         FIRST if args.order == "1" else SECOND if args.order == "2" else FIRST + SECOND
     )
     bp = _have_backpack() and not args.no_backpack
     results = []
-    print(f"N={args.n}, threads={args.threads}, repeats={args.repeats}, backpack={bp}")
+    print(f"N={args.n}, repeats={args.repeats}, backpack={bp}, {describe(args.device)}")
     header = f"{'problem':<16} {'extension':<16} {'backprism':>10} {'backpack':>10}"
     if not args.no_memory:
         header += f" {'mem MiB':>9} {'bp MiB':>9}"
     print(header)
     for problem in args.problems:
-        med = time_problem(problem, methods, args.n, args.repeats, bp)
+        med = time_problem(problem, methods, args.n, args.repeats, bp, args.device)
         plain = med[("plain", "plain")]
         print(f"{problem:<16} {'(plain, s)':<16} {plain:>10.3f}")
         for m in methods:
@@ -231,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             theirs = med.get(("backpack", m))
             row = {
                 "problem": problem,
+                "device": args.device,
                 "extension": m,
                 "plain_s": plain,
                 "backprism": ours and ours / plain,
@@ -242,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                 + (f" {theirs / plain:>9.2f}x" if theirs else f" {'-':>10}")
             )
             if not args.no_memory:
-                row["mem"] = peak_memory(problem, m, "backprism", args.n) if ours else None
-                row["mem_bp"] = peak_memory(problem, m, "backpack", args.n) if theirs else None
+                for key, tool, ok in (("mem", "backprism", ours), ("mem_bp", "backpack", theirs)):
+                    row[key] = peak_memory(problem, m, tool, args.n, args.device) if ok else None
                 line += "".join(
                     f" {v:>9.0f}" if v is not None else f" {'-':>9}"
                     for v in (row["mem"], row["mem_bp"])

@@ -7,6 +7,7 @@ Usage::
                                                  # All-CNN-C (C = 100) N = 32/64, exact + MC-1
     python benchmarks/bench_spectral.py --quick          # N = 8/16, one repeat (smoke test)
     python benchmarks/bench_spectral.py --problems cifar10_3c3d --sizes 32 --mc 0 1
+    PYTHONPATH=src python benchmarks/bench_spectral.py --device cuda --sizes 32 128
 
 Configurations, all on the full GGN (one parameter group, the same model, data, criterion and
 damping for every implementation):
@@ -23,10 +24,14 @@ damping for every implementation):
 
 ``--mc M`` uses ``M`` MC columns instead of the exact square root (``K = M`` instead of ``K = C``).
 
-Timing: ``torch.set_num_threads(2)``, one warm-up, ``--repeats`` alternating rounds, medians,
-reported in seconds and as ratios to ``plain``; configurations slower than ``--slow`` seconds
-are repeated at most twice. Memory: each configuration runs once in a fresh subprocess; we report
-its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same process, in MiB.
+Timing: ``torch.set_num_threads(2)`` (CPU), one warm-up, ``--repeats`` alternating rounds,
+medians, reported in seconds and as ratios to ``plain``; configurations slower than ``--slow``
+seconds are repeated at most twice. On CUDA (``--device cuda``) the clock starts and stops after
+``torch.cuda.synchronize()``. Memory: each configuration runs once in a fresh subprocess; we
+report its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same process, in
+MiB. On CUDA, in this process with fresh runners: the peak allocated memory of one step
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``) above the memory
+allocated before it, the configuration's minus a (warmed-up) plain step's, in MiB.
 Agreement: the maximum difference of our eigenvalues from ViViT's (and power iteration's),
 relative to the largest eigenvalue.
 """
@@ -34,6 +39,7 @@ relative to the largest eigenvalue.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -45,7 +51,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from problems import PROBLEMS
+from problems import build, cuda_step_peak, describe, sync
 
 import backprism
 from backprism.spectral import (
@@ -88,11 +94,18 @@ def _patch_symeig() -> None:
     )
 
 
-def make_runner(problem: str, config: str, n: int, mc: int):
+def make_runner(problem: str, config: str, n: int, mc: int, device: str = "cpu"):
     """A closure running one forward + backward with ``config``; it returns the eigenvalues
-    (ascending, ``None`` where the configuration has none to compare)."""
+    (ascending, ``None`` where the configuration has none to compare). ``run.clear()`` frees the
+    gradients of the previous call."""
     torch.manual_seed(0)
-    model, lossf, X, y = PROBLEMS[problem](n)
+    model, lossf, X, y = build(problem, n, device)
+    run = _make_run(model, lossf, X, y, config, mc)
+    run.clear = lambda: model.zero_grad(set_to_none=True)
+    return run
+
+
+def _make_run(model, lossf, X, y, config: str, mc: int):
     if config.startswith("power_top"):
         return _power_runner(model, lossf, X, y, int(config.removeprefix("power_top")))
     if config.startswith("vivit_"):
@@ -185,7 +198,7 @@ def power_iteration(ggn_vp, params, k: int, tol: float = 1e-4, max_iter: int = 1
     iters = 0
     gen = torch.Generator().manual_seed(1)
     for _ in range(k):
-        v = torch.randn(sum(p.numel() for p in params), generator=gen)
+        v = torch.randn(sum(p.numel() for p in params), generator=gen).to(params[0].device)
         v /= v.norm()
         lam = 0.0
         for _ in range(max_iter):
@@ -238,8 +251,11 @@ def peak_rss_kib() -> int:
     raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
 
 
-def peak_memory(problem: str, config: str, n: int, mc: int) -> float:
-    """Peak RSS of ``config`` above a plain fwd+bwd's, in MiB (fresh subprocess)."""
+def peak_memory(problem: str, config: str, n: int, mc: int, device: str = "cpu") -> float:
+    """Peak RSS of ``config`` above a plain fwd+bwd's, in MiB (fresh subprocess; on CUDA: the
+    peak allocated memory of one step above a plain step's, in this process)."""
+    if torch.device(device).type == "cuda":
+        return cuda_peak_memory(problem, config, n, mc, device)
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import sys, torch; sys.path.insert(0, {here!r}); import bench_spectral as b;"
@@ -255,14 +271,32 @@ def peak_memory(problem: str, config: str, n: int, mc: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def cuda_peak_memory(problem: str, config: str, n: int, mc: int, device: str) -> float:
+    """Peak allocated CUDA memory of one ``config`` step above a plain step's, in MiB (fresh
+    runners; the plain one warmed up, ``config`` measured on its first call as on the CPU)."""
+    plain = make_runner(problem, "plain", n, mc, device)
+    plain()
+    base = cuda_step_peak(plain, device, plain.clear)
+    del plain
+    run = make_runner(problem, config, n, mc, device)
+    try:
+        extra = cuda_step_peak(run, device, run.clear)
+    finally:
+        del run
+        gc.collect()
+        torch.cuda.empty_cache()
+    return (extra - base) / 2**20
+
+
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b| / max |b|`` (aligned at the largest eigenvalues)."""
     m = min(a.numel(), b.numel())
-    a, b = a[-m:].double(), b[-m:].double()
+    a, b = a[-m:].double().cpu(), b[-m:].double().cpu()
     return float((a - b).abs().max() / b.abs().max())
 
 
 def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
+    device = args.device
     configs = ["plain", *OURS]
     if HAVE_VIVIT and not args.no_vivit:
         configs += [f"vivit_{c}" for c in OURS]
@@ -271,7 +305,7 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
     runners = {}
     for c in configs:
         try:
-            runners[c] = make_runner(problem, c, n, mc)
+            runners[c] = make_runner(problem, c, n, mc, device)
             if c.startswith("vivit_"):
                 runners[c]()  # BackPACK fails at the first backward on modules it lacks
         except NotImplementedError as err:  # e.g. AdaptiveAvgPool2d in BackPACK's SqrtGGN
@@ -281,8 +315,10 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {c: [] for c in configs}
     results: dict[str, torch.Tensor | None] = {}
     for c in configs:  # warm-up (and the values to compare)
+        sync(device)
         t0 = time.perf_counter()
         results[c] = runners[c]()
+        sync(device)
         first = time.perf_counter() - t0
         if first > args.slow:
             times[c].append(first)  # too slow to waste a run on warming up
@@ -290,11 +326,14 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
         for c in configs:
             if times[c] and times[c][0] > args.slow and len(times[c]) >= 2:
                 continue
+            sync(device)
             t0 = time.perf_counter()
             runners[c]()
+            sync(device)
             times[c].append(time.perf_counter() - t0)
     med = {c: statistics.median(v) for c, v in times.items()}
-    row: dict = {"problem": problem, "N": n, "mc": mc, "plain_s": round(med["plain"], 4)}
+    row: dict = {"problem": problem, "device": device, "N": n, "mc": mc}
+    row["plain_s"] = round(med["plain"], 4)
     for c in configs[1:]:
         row[f"{c}_s"] = round(med[c], 3)
         row[f"{c}_x"] = round(med[c] / med["plain"], 1)
@@ -312,7 +351,7 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
             row[f"{c}_reldiff"] = float(f"{_rel_diff(results['eigvalsh'][-k:], results[c]):.2e}")
     if not args.no_memory:
         for c in configs[1:]:
-            row[f"{c}_MiB"] = round(peak_memory(problem, c, n, mc), 1)
+            row[f"{c}_MiB"] = round(peak_memory(problem, c, n, mc, device), 1)
     return row
 
 
@@ -347,11 +386,15 @@ def main() -> None:
         default=[1, 2],
         help="power-iteration baselines (top-k), exact GGN only",
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-vivit", action="store_true")
     parser.add_argument("--quick", action="store_true", help="N = 8/16, one repeat")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    if torch.device(args.device).type == "cpu":
+        torch.set_num_threads(2)
+    vivit = HAVE_VIVIT and not args.no_vivit
+    print(f"# spectral benchmark: {describe(args.device)}, vivit={vivit}", flush=True)
     if args.quick:
         args.repeats = 1
     for problem in args.problems:

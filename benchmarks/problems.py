@@ -1,14 +1,28 @@
 """Benchmark problems (DESIGN.md §7): DeepOBS architectures and modern blocks, random data.
 
-Every builder returns ``(model, lossfunc, X, y)`` with ``N`` samples; nothing is extended here.
+Every builder returns ``(model, lossfunc, X, y)`` with ``N`` samples on the CPU; nothing is
+extended here. ``build(name, n, device)`` builds one and moves it to ``device`` (built on the
+CPU first, so every device gets the same weights and data for a seed). The device helpers
+shared by the benchmark scripts (``sync``, ``cuda_step_peak``, ``describe``) live here too.
+
+Importing this module makes ``backprism`` importable from the checkout (``../src``) when it is
+not installed (the same as running with ``PYTHONPATH=src``).
 """
 
 from __future__ import annotations
 
+import gc
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+if importlib.util.find_spec("backprism") is None and os.path.isdir(_SRC):
+    sys.path.insert(0, _SRC)
 
 
 def mnist_mlp(n: int = 128):
@@ -215,3 +229,43 @@ PROBLEMS: dict[str, Callable] = {
     "cifar100_allcnnc": cifar100_allcnnc,
     "gpt_decoder": gpt_decoder,
 }
+
+
+def build(name: str, n: int, device: str | torch.device = "cpu"):
+    """``PROBLEMS[name](n)`` with model, loss, ``X`` and ``y`` moved to ``device``."""
+    model, lossfunc, X, y = PROBLEMS[name](n)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return model, lossfunc, X, y
+    return model.to(device), lossfunc.to(device), X.to(device), y.to(device)
+
+
+def sync(device: str | torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA; a no-op on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_step_peak(run: Callable, device: str | torch.device, clear: Callable | None = None):
+    """Peak CUDA memory (bytes) allocated during one call of ``run`` above what was allocated
+    before it (after ``clear()``, which frees the previous call's results)."""
+    if clear is not None:
+        clear()
+    gc.collect()
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def describe(device: str | torch.device) -> str:
+    """``device=cuda (NVIDIA H100 ...), torch 2.x`` or ``device=cpu, threads=2, torch 2.x``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        what = f"device={device} ({torch.cuda.get_device_name(device)})"
+    else:
+        what = f"device={device}, threads={torch.get_num_threads()}"
+    return f"{what}, torch {torch.__version__}"
