@@ -25,11 +25,21 @@ from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSq
 
 def cifar10_3c3d() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
-        nn.Conv2d(64, 96, 3), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
-        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(3, 64, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(64, 96, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2, padding=1),
         nn.Flatten(),
-        nn.Linear(1152, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10),
+        nn.Linear(1152, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
     )
 
 
