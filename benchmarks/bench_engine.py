@@ -163,7 +163,9 @@ def time_problem(
     return med
 
 
-def peak_memory(problem: str, method: str, tool: str, n: int, device: str = "cpu") -> float | None:
+def peak_memory(
+    problem: str, method: str, tool: str, n: int, device: str = "cpu", retain: bool = False
+) -> float | None:
     """Extra peak memory (MiB) of one step over a plain step, in a fresh subprocess (CUDA: in
     this process, see ``cuda_peak_memory``).
 
@@ -175,6 +177,7 @@ def peak_memory(problem: str, method: str, tool: str, n: int, device: str = "cpu
     code = (
         "import sys, torch; torch.set_num_threads(2);"
         f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
+        f"import backprism; {retain} and backprism.retain_freed_memory();"
         "from bench_engine import make_runner, step_peak;"
         f"p = make_runner({problem!r}, 'plain', 'plain', {n});"
         f"r = make_runner({problem!r}, {method!r}, {tool!r}, {n});"
@@ -247,7 +250,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-backpack", action="store_true")
     ap.add_argument("--quick", action="store_true", help="N=16, 2 repeats, no memory")
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="call backprism.retain_freed_memory() first (glibc keeps freed memory: no page "
+        "faults on fresh memory; applies to every tool in the run)",
+    )
     args = ap.parse_args(argv)
+    if args.retain_freed_memory:
+        import backprism
+
+        backprism.retain_freed_memory()
     if args.quick:
         args.n, args.repeats, args.no_memory = 16, 2, True
     on_cpu = torch.device(args.device).type == "cpu"
@@ -258,7 +271,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     bp = _have_backpack() and not args.no_backpack
     results = []
-    print(f"N={args.n}, repeats={args.repeats}, backpack={bp}, {describe(args.device)}")
+    print(
+        f"N={args.n}, repeats={args.repeats}, backpack={bp}, {describe(args.device)}, "
+        f"retain_freed_memory={args.retain_freed_memory}"
+    )
     header = f"{'problem':<16} {'extension':<16} {'backprism':>10} {'backpack':>10}"
     if not args.no_memory:
         header += f" {'mem MiB':>9} {'bp MiB':>9}"
@@ -285,7 +301,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             if not args.no_memory:
                 for key, tool, ok in (("mem", "backprism", ours), ("mem_bp", "backpack", theirs)):
-                    row[key] = peak_memory(problem, m, tool, args.n, args.device) if ok else None
+                    row[key] = (
+                        peak_memory(problem, m, tool, args.n, args.device, args.retain_freed_memory)
+                        if ok
+                        else None
+                    )
                 line += "".join(
                     f" {v:>9.0f}" if v is not None else f" {'-':>9}"
                     for v in (row["mem"], row["mem_bp"])

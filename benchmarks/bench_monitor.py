@@ -150,8 +150,15 @@ def main() -> None:
         help="time each variant against the plain step in its own fresh process",
     )
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    parser.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="call backprism.retain_freed_memory() first (no page faults on fresh memory)",
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.retain_freed_memory:
+        backprism.retain_freed_memory()
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(2)
     rounds = args.rounds or (3 if args.quick else 7)
@@ -160,7 +167,11 @@ def main() -> None:
         res = bench(names[0], rounds, args.quick, only=args.only, device=args.device)
         print(json.dumps(res))
         return
-    print(f"# monitor benchmark: N=128, {describe(args.device)}", flush=True)
+    print(
+        f"# monitor benchmark: N=128, {describe(args.device)}, "
+        f"retain_freed_memory={args.retain_freed_memory}",
+        flush=True,
+    )
     for name in names:
         if args.isolate:
             res = {"plain_s": 0.0}
@@ -178,7 +189,9 @@ def main() -> None:
                     key,
                     "--device",
                     args.device,
-                ] + (["--quick"] if args.quick else [])
+                ]
+                cmd += ["--quick"] if args.quick else []
+                cmd += ["--retain-freed-memory"] if args.retain_freed_memory else []
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:
                     print(f"# {name}: {key} failed:\n{out.stderr[-2000:]}", file=sys.stderr)

@@ -390,7 +390,14 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-vivit", action="store_true")
     parser.add_argument("--quick", action="store_true", help="N = 8/16, one repeat")
+    parser.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="call backprism.retain_freed_memory() first for the timings (memory runs: default)",
+    )
     args = parser.parse_args()
+    if args.retain_freed_memory:
+        backprism.retain_freed_memory()
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(2)
     vivit = HAVE_VIVIT and not args.no_vivit

@@ -7,11 +7,21 @@
 
 from backprism import extensions, rules  # noqa: F401  (registers the layer rules)
 from backprism.context import collect
+from backprism.cpu_memory import retain_freed_memory
 from backprism.extend import extend
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "collect", "extend", "extensions", "monitor", "plot", "spectral"]
+__all__ = [
+    "__version__",
+    "collect",
+    "extend",
+    "extensions",
+    "monitor",
+    "plot",
+    "retain_freed_memory",
+    "spectral",
+]
 
 _LAZY = ("monitor", "plot", "spectral", "report", "integrations", "compat")
 
