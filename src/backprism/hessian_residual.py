@@ -49,6 +49,7 @@ it (``loss(torch.tanh(model(X)), y)``) are not seen — put them inside the mode
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -243,13 +244,16 @@ def residual_extensions() -> list:
 
 
 # -- error hooks -------------------------------------------------------------------------------
-def _error_hook(what: str, nll_node: int | None = None) -> Callable[[Tensor], None]:
-    """Hook raising for the DiagHessian family; holds only a string and an int (no tensors)."""
+def _error_hook(
+    what: str, nll_output: weakref.ref | None = None
+) -> Callable[[Tensor], None]:
+    """Hook raising for the DiagHessian family; holds a string and at most a weak reference
+    (no tensors)."""
 
     def hook(grad: Tensor) -> None:
         if not residual_extensions():
             return
-        if nll_node is not None and _feeds_nll(nll_node):
+        if nll_output is not None and _feeds_nll(nll_output):
             return
         names = ", ".join(sorted({type(e).__name__ for e in residual_extensions()}))
         raise NonlinearityError(
@@ -261,9 +265,11 @@ def _error_hook(what: str, nll_node: int | None = None) -> Callable[[Tensor], No
     return hook
 
 
-def _feeds_nll(node_id: int) -> bool:
-    """Whether the ``log_softmax`` output with grad_fn id ``node_id`` is the input of an
-    ``NLLLoss`` of this backward pass (then it is part of the loss)."""
+def _feeds_nll(output: weakref.ref) -> bool:
+    """Whether the ``log_softmax`` output (weakly referenced) is the input of an ``NLLLoss`` of
+    this backward pass (then it is part of the loss). Compared by tensor identity: ``grad_fn``
+    wrappers are not kept alive between forward and backward on every torch version, so their
+    ``id`` may be reused."""
     from backprism import context
 
     ctx = context.active()
@@ -272,7 +278,7 @@ def _feeds_nll(node_id: int) -> bool:
     for rec in ctx._state().loss_records:
         if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
             x = rec.inputs[0]
-            if isinstance(x, Tensor) and x.grad_fn is not None and id(x.grad_fn) == node_id:
+            if isinstance(x, Tensor) and x is output():
                 return True
     return False
 
@@ -474,8 +480,7 @@ def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if name == "batch_norm" and not _bn_training(args, kwargs):
             return  # eval-mode batch norm is affine in its input
         if name == "log_softmax":
-            node = out.grad_fn
-            _add_hook(out, _error_hook("log_softmax", id(node) if node is not None else None))
+            _add_hook(out, _error_hook("log_softmax", weakref.ref(out)))
             return
         _add_hook(out, _error_hook(f"the non-elementwise nonlinear operation {name}"))
         return

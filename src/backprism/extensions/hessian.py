@@ -62,15 +62,17 @@ def _nested_uses(call: Call) -> bool:
         for c, outs in loss_calls(ctx._state())
         if any(id(p) in pids for p in c.params.values())
     ]
-    owner = {id(o.grad_fn): i for i, outs in enumerate(users) for o in outs if o.grad_fn}
+    # node wrappers are held while their ids are compared (torch may free and re-create them)
+    nodes = [(o.grad_fn, i) for i, outs in enumerate(users) for o in outs if o.grad_fn]
+    owner = {id(fn): i for fn, i in nodes}
     for i, outs in enumerate(users):
         stack = [o.grad_fn for o in outs if o.grad_fn is not None]
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}
         while stack:
             fn = stack.pop()
             if id(fn) in seen:
                 continue
-            seen.add(id(fn))
+            seen[id(fn)] = fn
             if owner.get(id(fn), i) != i:
                 return True
             stack.extend(f for f, _ in fn.next_functions if f is not None)
