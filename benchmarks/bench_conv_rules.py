@@ -12,7 +12,9 @@ machine, where the process is descheduled; quote which one you used).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -22,25 +24,8 @@ from torch import nn
 import backprism
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
-
-def cifar10_3c3d() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 64, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, padding=1),
-        nn.Conv2d(64, 96, 3),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, padding=1),
-        nn.Conv2d(96, 128, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(3, 2, padding=1),
-        nn.Flatten(),
-        nn.Linear(1152, 512),
-        nn.ReLU(),
-        nn.Linear(512, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
-    )
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from problems import cifar10_3c3d
 
 
 def main() -> None:
@@ -53,7 +38,7 @@ def main() -> None:
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = backprism.extend(cifar10_3c3d())
+    model = backprism.extend(cifar10_3c3d(1)[0])
     lossfunc = backprism.extend(nn.CrossEntropyLoss())
     x = torch.randn(args.n, 3, 32, 32)
     y = torch.randint(0, 10, (args.n,))
