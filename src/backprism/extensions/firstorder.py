@@ -122,8 +122,9 @@ class Variance(FirstOrderExtension):
 
     def finish(self, partial: tuple[Tensor, int], grad: Tensor) -> Tensor:
         """``partial = (Σₙ gbₙ², N)`` and ``grad = Σₙ gbₙ`` → the biased variance."""
-        sq, n = partial
-        return (sq / n - (grad / n).square()).clamp_min_(0)
+        sq, n = partial  # ``sq`` may be shared with SumGradSquared: not modified in place
+        out = sq / n
+        return out.addcmul_(grad, grad, value=-1.0 / (n * n)).clamp_min_(0)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
         d = dense[0]
