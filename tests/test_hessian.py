@@ -521,3 +521,28 @@ def test_hutchinson_fused_attention_names_the_way_out():
     with sdpa_kernel(SDPBackend.MATH), collect(HutchinsonDiagHessian()):
         lossfunc(model(X), y).backward()
     assert torch.isfinite(model.head.weight.diag_h_hutchinson).all()
+
+
+def test_forward_not_recorded_inside_a_context_without_diag_hessian():
+    """A forward inside ``collect()`` without the DiagHessian family skips the nonlinearity
+    recording; a later DiagHessian backward of that graph refuses instead of missing terms,
+    while forwards outside any context or inside a DiagHessian context are exact."""
+    from backprism.extensions import BatchL2Grad
+
+    torch.manual_seed(3)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    lossfunc = extend(nn.MSELoss())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    # (a context that sees no backward complains on exit; the graph stays usable)
+    with pytest.raises(RuntimeError, match="no extended module"), collect(BatchL2Grad()):
+        loss = lossfunc(model(X), y)
+    with pytest.raises(RuntimeError, match="not recorded"), collect(DiagHessian()):
+        loss.backward()
+    model.zero_grad()
+    H = torch.diagonal(loss_hessian(model, lossfunc, X, y))
+    for inside in (False, True):
+        loss = None if inside else lossfunc(model(X), y)  # forward outside any context
+        with collect(DiagHessian()):
+            (loss if loss is not None else lossfunc(model(X), y)).backward()
+        got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, H, rtol=1e-8, atol=1e-10)

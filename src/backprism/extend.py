@@ -62,6 +62,10 @@ class _Capture:
         self.root_stack: list[int] = []
         self.in_column_backprop = 0
         self.suspended = 0
+        # > 0 inside a top-level forward whose nonlinearities are deliberately not recorded
+        # (it runs inside a collect() without a DiagHessian-family extension); its calls are
+        # marked ``unrecorded`` so that such an extension in a later backward refuses them
+        self.unrecorded = 0
         # one frame per hooked module currently in its forward: ids of hooked descendants run
         self.call_stack: list[set[int]] = []
         # latest top-level input of each extended root (detached), for chain-wise recursions
@@ -145,7 +149,14 @@ def _call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
     """Parameters a call of ``module`` is responsible for: its own, plus those of descendants
     whose forward did not run during the call (e.g. ``MultiheadAttention.out_proj``, used
     functionally), which therefore have no call of their own."""
-    params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    params: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for n, p in module._parameters.items():  # named_parameters(recurse=False), cheaper
+        if p is not None and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params[n] = p
+    if not module._modules:  # a leaf (Linear, Conv, ...): nothing else to look at
+        return params
     for name, sub in module.named_modules():
         if sub is module or id(sub) in ran:
             continue
@@ -162,25 +173,43 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
         CAPTURE.call_stack[-1].update(ran)
     if not torch.is_grad_enabled() or CAPTURE.suspended:
         return
-    outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
-    if not any(o.requires_grad for o in outs):
-        return
-    first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)), None)
-    if first is None:
-        return
+    if isinstance(output, Tensor):  # the common case, without pytree traversals
+        if not output.requires_grad:
+            return
+        outs = [output]
+    else:
+        outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
+        if not any(o.requires_grad for o in outs):
+            return
+    if not kwargs and all(isinstance(a, Tensor) for a in args):
+        arg_tensors: list[Tensor] = list(args)
+        first = arg_tensors[0] if arg_tensors else None
+        if first is None:
+            return
+        call_args: tuple = tuple(a.detach() for a in args)
+        call_kwargs: dict[str, Any] = {}
+    else:
+        arg_tensors = [a for a in tree_flatten(args)[0] if isinstance(a, Tensor)]
+        first = next((a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)), None)
+        if first is None:
+            return
+        call_args = tuple(tree_map(_detach, a) for a in args)
+        call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
     params = _call_params(module, ran)
     call = Call(
         module=module,
-        args=tuple(tree_map(_detach, a) for a in args),
-        kwargs={k: tree_map(_detach, v) for k, v in kwargs.items()},
+        args=call_args,
+        kwargs=call_kwargs,
         out_shapes=[o.shape for o in outs],
         batch_size=first.shape[0] if first.dim() > 0 else 1,
         training=module.training,
-        versions=[(a, a._version) for a in tree_flatten(args)[0] if isinstance(a, Tensor)],
+        versions=[(a, a._version) for a in arg_tensors],
         params=params,
     )
     group = CAPTURE.group
     call.group = group  # type: ignore[attr-defined]
+    if CAPTURE.unrecorded:
+        call.unrecorded = True  # type: ignore[attr-defined]
     for p in params.values():
         group.param_count[id(p)] += 1
     group.module_count[id(module)] += 1

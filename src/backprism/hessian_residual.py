@@ -37,9 +37,12 @@ How the nonlinearities are found
 * :func:`activation_forward_hook` is the fallback for activation modules called while the mode is
   not active (e.g. a sub-module called by hand).
 
-Overhead when no DiagHessian is requested: one Python dispatch per operation during forward, one
-closure per smooth nonlinearity (holding ``z``, usually kept alive anyway as the output of a
-captured layer), and a cheap early return in its backward hook.
+Overhead when no DiagHessian is requested: a forward that runs inside ``collect(...)`` without a
+DiagHessian-family extension is not recorded at all (its calls are marked ``unrecorded``, and
+such an extension in a later backward refuses them with a clear error). A forward outside any
+context is recorded, since its backward may ask for DiagHessian: one Python dispatch per
+operation, one closure per smooth nonlinearity (holding ``z``, usually kept alive anyway as the
+output of a captured layer), and a cheap early return in its backward hook.
 ``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
 
 Only the forward of an extended model is watched: nonlinearities applied to its output outside
@@ -333,6 +336,14 @@ def check_linear_in_params(call: Any, exts: list) -> None:
     from backprism.rules.base import get_rule
 
     check_recording(exts)
+    if getattr(call, "unrecorded", False):
+        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        raise RuntimeError(
+            f"backprism {names}: the forward pass of this backward ran inside a collect() "
+            "without a DiagHessian-family extension, so its nonlinearities were not recorded "
+            "and the Hessian residual terms would be missing. Run the forward pass inside the "
+            f"collect() that holds {names}, or outside any collect()."
+        )
     if not get_rule(call.module).linear_in_params:
         names = ", ".join(sorted({type(e).__name__ for e in exts}))
         raise NonlinearityError(
@@ -506,12 +517,28 @@ class _RecordMode(TorchFunctionMode):
         return out
 
 
-_MODES: list[_RecordMode | None] = []
+_MODES: list[_RecordMode | str | None] = []
+
+
+_SKIPPED = "skipped"  # _MODES entry of a forward deliberately not recorded
+
+
+def _wanted() -> bool:
+    """Whether this top-level forward must be recorded: outside any ``collect()`` (its backward
+    may ask for DiagHessian) or inside one that holds a DiagHessian-family extension."""
+    from backprism import context
+
+    ctx = context.active()
+    return ctx is None or any(getattr(e, "needs_residual", False) for e in ctx.second)
 
 
 def _enter(root: nn.Module) -> None:
     if not _RECORDING[0]:
         _MODES.append(None)
+        return
+    if not _wanted():
+        _MODES.append(_SKIPPED)
+        CAPTURE.unrecorded += 1
         return
     mode = _RecordMode()
     mode.__enter__()
@@ -522,7 +549,9 @@ def _enter(root: nn.Module) -> None:
 def _exit(root: nn.Module) -> None:
     if _MODES:
         mode = _MODES.pop()
-        if mode is not None:
+        if mode is _SKIPPED:
+            CAPTURE.unrecorded -= 1
+        elif mode is not None:
             _MODE_DEPTH[0] -= 1
             mode.__exit__(None, None, None)
 
@@ -531,6 +560,8 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
     """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
     not active (a sub-module called on its own); otherwise the mode saw its functional call."""
     if _MODE_DEPTH[0] or not _RECORDING[0] or CAPTURE.suspended or not torch.is_grad_enabled():
+        return
+    if CAPTURE.unrecorded:  # inside a forward deliberately not recorded
         return
     if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
         return
