@@ -243,6 +243,19 @@ def _module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: A
         torch.autograd.graph.register_multi_grad_hook(grad_outs, multi_hook)
 
 
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature(module: nn.Module) -> inspect.Signature:
+    """``inspect.signature(module.forward)``, cached per forward function."""
+    fwd = module.forward
+    key = getattr(fwd, "__func__", fwd)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = _SIGNATURES[key] = inspect.signature(fwd)
+    return sig
+
+
 def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if (
         not torch.is_grad_enabled()
@@ -252,7 +265,11 @@ def _loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any
     ):
         return
     try:  # the loss's inputs in the order of its forward's parameters
-        inputs = list(inspect.signature(module.forward).bind(*args, **kwargs).arguments.values())
+        if kwargs:
+            sig = _signature(module)
+            inputs = list(sig.bind(*args, **kwargs).arguments.values())
+        else:
+            inputs = list(args)
     except TypeError:
         inputs = list(args) + list(kwargs.values())
     taken = CAPTURE.take_pending()
