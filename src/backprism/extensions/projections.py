@@ -237,7 +237,8 @@ class GradHist(FirstOrderExtension):
         abs_max: also return ``maxₙᵢ |gₙᵢ|`` (default ``False``).
         scale: ``s`` in ``gₙ = s·grad_batch[n]``; ``None`` (default) uses the batch size ``N``
             (individual gradients ``∇ℓₙ`` of a mean-reduced loss).
-        chunk_elements: per-sample gradient elements built at once (default ``2**18``).
+        chunk_elements: per-sample gradient elements built at once (default ``2**20``: on
+            cifar10_3c3d the extension costs 1.67× a plain step against 1.80× with ``2**18``).
     """
 
     savefield = "grad_hist"
@@ -250,7 +251,7 @@ class GradHist(FirstOrderExtension):
         range2d: tuple[tuple[float, float], tuple[float, float]] = ((-1.0, 1.0), (-2.0, 2.0)),
         abs_max: bool = False,
         scale: float | None = None,
-        chunk_elements: int = 2**18,
+        chunk_elements: int = 2**20,
     ) -> None:
         self.bins = None if bins is None else int(bins)
         self.range = (float(range[0]), float(range[1]))
