@@ -61,6 +61,7 @@ class StepData:
             (duplicates of one extension type with different hyperparameters get distinct
             names, see :class:`~backprism.monitor.Monitor`).
         transformed: ``quantity key -> transform name -> id(param) -> value``.
+        cache: values several quantities derive alike in one step (e.g. ``‖g‖²``).
     """
 
     def __init__(self, step: int, params: list[Tensor], info: dict[str, Any]) -> None:
@@ -69,6 +70,7 @@ class StepData:
         self.info = info
         self.fields: dict[Hashable, str] = {}
         self.transformed: dict[str, dict[str, dict[int, Any]]] = {}
+        self.cache: dict[str, Any] = {}
         self.finite = True
 
     def get(self, key: str, quantity: Quantity) -> Any:

@@ -43,11 +43,14 @@ __all__ = ["InnerTest", "NormTest", "OrthoTest"]
 
 
 def grad_l2_squared(data: StepData) -> Tensor:
-    """``‖g‖² = Σ_p ‖∇_{θ_p} L‖²``."""
-    return sum(
-        (p.grad.detach().double().square().sum() for p in data.params),
-        torch.zeros((), dtype=torch.float64),
-    )
+    """``‖g‖² = Σ_p ‖∇_{θ_p} L‖²`` in float64, computed once per step (the three gradient tests
+    share it)."""
+    if "grad_l2_squared" not in data.cache:
+        data.cache["grad_l2_squared"] = sum(
+            (p.grad.detach().double().square().sum() for p in data.params),
+            torch.zeros((), dtype=torch.float64),
+        )
+    return data.cache["grad_l2_squared"]
 
 
 class NormTest(SingleStepQuantity):
