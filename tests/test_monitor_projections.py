@@ -264,3 +264,32 @@ def test_batch_proj_grad(kind: str) -> None:
     for name, p in model.named_parameters():
         G = ref[name].flatten(1)
         torch.testing.assert_close(p.batch_proj_grad, G @ G.sum(0))
+
+
+@pytest.mark.parametrize("order", ["hist_first", "l2_first"])
+def test_batch_l2_shared_with_grad_hist(order, monkeypatch):
+    """With GradHist in the same pass, BatchL2Grad takes its squared norms from GradHist's
+    per-sample chunks (the rule's own ``batch_l2`` is not called for layers GradHist
+    materialises), in either order of the extensions; values match the reference."""
+    from backprism.extensions import BatchL2Grad
+    from backprism.rules.conv import Conv2dRule
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)
+    ).double()
+    lossfunc = nn.CrossEntropyLoss()
+    X, y = torch.randn(5, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    ref = reference.per_sample_grads(model, lossfunc, X, y)
+    backprism.extend(model), backprism.extend(lossfunc)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Conv2d batch_l2 recomputed although GradHist provided it")
+
+    monkeypatch.setattr(Conv2dRule, "batch_l2", refuse)
+    exts = [GradHist(bins=7, chunk_elements=60), BatchL2Grad()]
+    with backprism.collect(*(exts if order == "hist_first" else exts[::-1])):
+        lossfunc(model(X), y).backward()
+    for name, p in model.named_parameters():
+        expected = ref[name].flatten(1).square().sum(1)
+        torch.testing.assert_close(p.batch_l2, expected, rtol=1e-10, atol=1e-12)

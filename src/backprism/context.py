@@ -62,6 +62,12 @@ class _Memo:
 
         return cached
 
+    def provide(self, name: str, call: Call, *args: Any, value: Any) -> None:
+        """Record ``value`` as the result of ``rule.<name>(call, *args)`` (an extension that
+        derived it on the way, e.g. GradHist's per-sample chunks giving ``batch_l2``)."""
+        held = (call, *args)
+        self._cache.setdefault((name, (), *(id(a) for a in held)), (held, value))
+
 
 class _BackwardState:
     """Book-keeping for one backward pass."""
@@ -125,7 +131,11 @@ class collect:
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
         self.extensions = list(extensions)
-        self.first = [e for e in extensions if isinstance(e, FirstOrderExtension)]
+        # extensions that provide rule results to the per-call memo run first (stable order)
+        self.first = sorted(
+            (e for e in extensions if isinstance(e, FirstOrderExtension)),
+            key=lambda e: not getattr(e, "provides", ()),
+        )
         self.second = [e for e in extensions if isinstance(e, SecondOrderExtension)]
         self.extension_hook = extension_hook
         self.chunk_size = chunk_size

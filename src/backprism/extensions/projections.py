@@ -59,6 +59,11 @@ def _raw(rule: Any) -> Rule:
     return getattr(rule, "_rule", rule)
 
 
+def _one_column(g: Any) -> bool:
+    """Whether the backpropagated quantity has a single column (first order: the gradient)."""
+    return isinstance(g, Tensor) and g.shape[0] == 1
+
+
 def _first_tensor(g: Any) -> Tensor:
     return g[0] if isinstance(g, tuple) else g
 
@@ -242,6 +247,10 @@ class GradHist(FirstOrderExtension):
     """
 
     savefield = "grad_hist"
+    #: where it materialises every parameter's per-sample gradients of a call, it hands their
+    #: squared norms to the engine's per-call memo, so ``BatchL2Grad`` in the same pass (the
+    #: monitor's norm and orthogonality tests) does not build them again
+    provides = ("batch_l2",)
 
     def __init__(
         self,
@@ -314,7 +323,7 @@ class GradHist(FirstOrderExtension):
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         n = call.batch_size
         scale = float(n if self.scale is None else self.scale)
-        rule = _raw(rule)
+        memo, rule = rule, _raw(rule)
         params = call.params
         ref = _first_tensor(g)
         accs = {name: self._empty(ref) for name in params}
@@ -342,6 +351,12 @@ class GradHist(FirstOrderExtension):
         if not per_sample:
             return {name: self._finish(acc) for name, acc in accs.items()}
         step = max(1, self.chunk_elements // per_sample)
+        # all per-sample gradients pass through here: their squared norms are BatchL2Grad's
+        norms: dict[str, list[Tensor]] | None = (
+            {name: [] for name in params}
+            if set(direct) == set(params) and hasattr(memo, "provide") and _one_column(g)
+            else None
+        )
         for start in range(0, n, step):
             stop = min(n, start + step)
             sub = call if (start, stop) == (0, n) else _slice_call(call, start, stop)
@@ -353,10 +368,13 @@ class GradHist(FirstOrderExtension):
             for name, v in ps.items():
                 if name not in direct:
                     continue
-                self._reduce(
-                    accs[name], v[0].detach(), scale, y_idx.get(name), skip.get(name, frozenset())
-                )
+                v0 = v[0].detach()
+                self._reduce(accs[name], v0, scale, y_idx.get(name), skip.get(name, frozenset()))
+                if norms is not None:
+                    norms[name].append(v0.flatten(1).square().sum(1))
             del ps
+        if norms is not None and all(norms.values()):
+            memo.provide("batch_l2", call, g, value={k: torch.cat(v) for k, v in norms.items()})
         return {name: self._finish(acc) for name, acc in accs.items()}
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
