@@ -494,16 +494,7 @@ def test_monitor(name, opt_name, tmp_path):
         out = model(X)
         loss = lossfunc(out, y)
         losses.append(float(loss.detach()))
-        info = {
-            "loss": loss,
-            "individual_losses": individual(out, y),
-            "batch_size": nb,
-            "optimizer": opt,
-        }
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with monitor(step, info=info):
-                loss.backward(create_graph=monitor.create_graph(step))
+        tracked_backward(monitor, step, loss, individual(out, y), nb, opt)
         opt.step()
         for p in params:
             assert p.device == _resolved()
@@ -591,16 +582,8 @@ def test_monitor_under_default_device():
             opt.zero_grad()
             out = model(X)
             loss = lossfunc(out, y)
-            info = {
-                "loss": loss,
-                "individual_losses": nn.functional.cross_entropy(out, y, reduction="none"),
-                "batch_size": 6,
-                "optimizer": opt,
-            }
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with monitor(step, info=info):
-                    loss.backward(create_graph=monitor.create_graph(step))
+            individual = nn.functional.cross_entropy(out, y, reduction="none")
+            tracked_backward(monitor, step, loss, individual, 6, opt)
             opt.step()
     out = monitor.get_output()
     for q in qs:
@@ -608,3 +591,19 @@ def test_monitor_under_default_device():
         assert all(
             _finite(v) or (q.key.startswith("Alpha") and v == -1.0) for v in out[q.key].values()
         ), q.key
+
+
+def tracked_backward(
+    monitor: Monitor, step: int, loss: Tensor, individual: Tensor, batch_size: int, opt: Any
+) -> None:
+    """``loss.backward`` inside ``monitor(step, info=...)`` (warnings silenced)."""
+    info = {
+        "loss": loss,
+        "individual_losses": individual,
+        "batch_size": batch_size,
+        "optimizer": opt,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with monitor(step, info=info):
+            loss.backward(create_graph=monitor.create_graph(step))
