@@ -97,7 +97,9 @@ class collect:
             extensions ran, e.g. to reduce ``param.grad_batch`` to a statistic and delete it.
         chunk_size: number of loss-Hessian square-root columns pushed back at once (second
             order); default: as many as fit in ``memory_budget``.
-        memory_budget: bytes allowed for the backpropagated columns of one chunk (default 1 GiB).
+        memory_budget: bytes allowed for one chunk of backpropagated columns, counting the
+            columns at every captured output and the per-sample gradients rules build from
+            them (default 1 GiB).
 
     Example:
         >>> with collect(BatchGrad(), DiagGGNExact()):
@@ -367,9 +369,9 @@ class collect:
         from backprism.columns import backprop_columns
 
         outputs = [o for _, outs in calls for o in outs]
-        per_col = sum(o.numel() * o.element_size() for o in outputs) or 1
-        chunk = self.chunk_size or max(1, self.memory_budget // per_col)
         count = Counter(id(p) for c, _ in calls for p in params_of(c).values())
+        per_col = _column_bytes(calls, outputs, count, dense=any(not e.additive for e in exts))
+        chunk = self.chunk_size or max(1, self.memory_budget // per_col)
         for start, grads in backprop_columns(origins, cols, outputs, chunk):
             w = None if weights is None else weights[start : start + _chunk_width(grads)]
             dense: dict[int, list] = {}
@@ -410,6 +412,37 @@ class collect:
                 for ext in exts:
                     if not ext.additive:
                         self._store(bs, p, ext, ext.from_dense(d, call, w))
+
+
+def _column_bytes(
+    calls: list[tuple[Call, list[Tensor]]],
+    outputs: list[Tensor],
+    count: Counter[int],
+    dense: bool,
+) -> int:
+    """Bytes one backpropagated column costs at its peak: the column at every captured output,
+    plus the per-sample gradients ``[N, *p]`` a rule may build from it (the largest parameter
+    of a call that is not a plain ``[N, I]`` Linear or an Embedding, whose rules reduce without
+    them) and, for extensions that square summed per-sample gradients (``dense``), those of
+    every parameter shared by several calls (held until its last call).
+
+    Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
+    budget 23-fold: each column carries an ``[N, V, d]`` gradient of the tied matrix."""
+    elem = outputs[0].element_size() if outputs else 4
+    total = sum(o.numel() * o.element_size() for o in outputs)
+    n = max((c.batch_size for c, _ in calls), default=1)
+    built, shared, seen = 0, 0, set()
+    for call, _ in calls:
+        closed_form = isinstance(call.module, nn.Embedding) or (
+            isinstance(call.module, nn.Linear) and call.input.dim() == 2
+        )
+        for p in params_of(call).values():
+            if not closed_form:
+                built = max(built, p.numel())
+            if dense and count[id(p)] > 1 and id(p) not in seen:
+                seen.add(id(p))
+                shared += p.numel()
+    return max(1, total + n * elem * (built + shared))
 
 
 def _summed_fallback(rule: Any, call: Call, g: Any, name: str) -> Callable[[], Tensor]:
