@@ -293,3 +293,33 @@ def test_batch_l2_shared_with_grad_hist(order, monkeypatch):
     for name, p in model.named_parameters():
         expected = ref[name].flatten(1).square().sum(1)
         torch.testing.assert_close(p.batch_l2, expected, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    xbins=st.integers(1, 12),
+    width=st.floats(0.01, 1.0),
+    seed=st.integers(0, 5),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_grad_hist_2d_linear_rank_one(xbins: int, width: float, seed: int, dtype) -> None:
+    """Linear weights' 2d counts from rows that stay in one gradient bin (their weight row's
+    parameter-bin histogram) plus the built rows that span several: equal to numpy's
+    ``histogram2d`` of the per-sample gradients (float32: an element within rounding of a
+    gradient-bin edge may move by one bin)."""
+    model, lossf, X, y, ref = setup("relu", n=11, seed=seed)
+    model, X = model.to(dtype), X.to(dtype)
+    with suspended():
+        ref = reference.per_sample_grads(model, lossf, X, y)
+    rng2 = ((-width, width), (-0.5, 0.4))
+    with backprism.collect(GradHist(bins=None, bins2d=(xbins, 4), range2d=rng2, abs_max=True)):
+        lossf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        G = (X.shape[0] * ref[name]).double().numpy()
+        got = p.grad_hist["hist2d"].numpy()
+        want = _hist2d_ref(G, p.detach().double().numpy(), (xbins, 4), rng2)
+        if dtype == torch.float32:
+            assert got.sum() == want.sum() and np.abs(got - want).sum() <= 4
+        else:
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(float(p.grad_hist["abs_max"]), np.abs(G).max(), rtol=1e-5)

@@ -307,7 +307,7 @@ class GradHist(FirstOrderExtension):
         if self.bins is not None and "hist" not in skip:
             lo, hi = self.range
             acc["hist"] += _count(bin_index(v, scale, lo, hi, self.bins), self.bins)
-        if self.bins2d is not None:
+        if self.bins2d is not None and "hist2d" not in skip:
             assert y_idx is not None
             (xa, xb), (xbins, ybins) = self.range2d[0], self.bins2d
             size = xbins * ybins
@@ -342,11 +342,17 @@ class GradHist(FirstOrderExtension):
                 if self.abs_max:
                     accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
                 skip["weight"] = frozenset({"hist", "abs_max"})
-        direct = [
-            name
-            for name in params
-            if self.bins2d is not None or set(accs[name]) - skip.get(name, frozenset())
-        ]
+        if self.bins2d is not None and isinstance(rule, LinearRule) and "weight" in accs:
+            done2 = _linear_rank1_2d(
+                call, g, scale, self.range2d[0], self.bins2d, y_idx["weight"]
+            )
+            if done2 is not None:
+                hist2d, amax = done2
+                accs["weight"]["hist2d"] += hist2d.reshape(-1)
+                if self.abs_max and "abs_max" not in skip.get("weight", frozenset()):
+                    accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
+                skip["weight"] = skip.get("weight", frozenset()) | {"hist2d", "abs_max"}
+        direct = [name for name in params if set(accs[name]) - skip.get(name, frozenset())]
         per_sample = sum(params[name].numel() for name in direct)
         if not per_sample:
             return {name: self._finish(acc) for name, acc in accs.items()}
@@ -407,6 +413,62 @@ def _dense_param(call: Call, d: Tensor) -> Tensor:
         if tuple(p.shape) == tuple(d.shape[1:]):
             return p
     raise RuntimeError("GradHist: could not match per-sample gradients to a parameter")
+
+
+def _linear_rank1_2d(
+    call: Call,
+    g: Any,
+    scale: float,
+    rng: tuple[float, float],
+    bins2d: tuple[int, int],
+    y_idx: Tensor,
+    chunk_elements: int = 2**20,
+) -> tuple[Tensor, Tensor] | None:
+    r"""2d counts (gradient element × parameter value) and ``maxₙᵢ |gₙᵢ|`` of a Linear
+    weight's individual gradients, from the rank-one structure ``gₙ = s·δₙ xₙᵀ``: in row ``o``
+    of sample ``n`` the bin coordinates ``uₙₒ xₙᵢ + c`` are monotone in ``xₙᵢ``, so when the
+    row's extremes fall in one gradient bin ``b`` all its elements do, and the row adds the
+    fixed parameter-bin histogram ``Hₒ`` of weight row ``o`` to ``hist2d[b]`` (one
+    ``[X, O] @ [O, Y]`` product for all such rows). Only rows spanning several gradient bins
+    are built, as in :func:`bin_index` (so exact zeros land where numpy puts them). ``None``
+    where it does not apply (middle axes, several columns, non-finite values)."""
+    x = call.input
+    if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
+        return None
+    d = g[0].detach()
+    if d.dtype not in (torch.float32, torch.float64) or x.dtype != d.dtype:
+        return None
+    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
+        return None
+    (lo, hi), (xbins, ybins) = rng, bins2d
+    o = d.shape[1]
+    x = x.detach()
+    a, c = _affine(d, scale, lo, hi, xbins)
+    u = d * a  # [N, O]
+    xmin, xmax = torch.aminmax(x, dim=1)
+    t1, t2 = u * xmin[:, None] + c, u * xmax[:, None] + c
+    b0 = torch.minimum(t1, t2).clamp_(0, xbins - 1).trunc_().long()
+    b1 = torch.maximum(t1, t2).clamp_(0, xbins - 1).trunc_().long()
+    rows_o = torch.arange(o, device=d.device)
+    yl = y_idx.long().reshape(o, -1)  # [O, I] parameter bins
+    h = torch.bincount((rows_o[:, None] * ybins + yl).reshape(-1), minlength=o * ybins)
+    h = h.reshape(o, ybins).to(torch.float64)
+    single = b0 == b1
+    keys = (b0 * o + rows_o)[single]
+    counts = torch.bincount(keys, minlength=xbins * o).reshape(xbins, o).to(torch.float64)
+    hist = (counts @ h).round_().long()  # exact: integers below 2**53
+    spans = (~single).nonzero()
+    if spans.shape[0]:
+        rn, ro = spans.unbind(1)
+        step = max(1, chunk_elements // max(1, x.shape[1]))
+        flat = hist.reshape(-1)
+        for start in range(0, rn.shape[0], step):
+            sn, so = rn[start : start + step], ro[start : start + step]
+            v = d[sn, so][:, None] * x[sn]  # the elements gₙₒᵢ/s of these rows
+            idx = bin_index(v, scale, lo, hi, xbins).long() * ybins + yl[so]
+            flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
+    amax = (d.abs().amax(1) * x.abs().amax(1)).max() * abs(scale)
+    return hist, amax
 
 
 def _linear_rank1(
