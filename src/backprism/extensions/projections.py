@@ -343,9 +343,7 @@ class GradHist(FirstOrderExtension):
                     accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
                 skip["weight"] = frozenset({"hist", "abs_max"})
         if self.bins2d is not None and isinstance(rule, LinearRule) and "weight" in accs:
-            done2 = _linear_rank1_2d(
-                call, g, scale, self.range2d[0], self.bins2d, y_idx["weight"]
-            )
+            done2 = _linear_rank1_2d(call, g, scale, self.range2d[0], self.bins2d, y_idx["weight"])
             if done2 is not None:
                 hist2d, amax = done2
                 accs["weight"]["hist2d"] += hist2d.reshape(-1)
@@ -425,13 +423,20 @@ def _linear_rank1_2d(
     chunk_elements: int = 2**20,
 ) -> tuple[Tensor, Tensor] | None:
     r"""2d counts (gradient element × parameter value) and ``maxₙᵢ |gₙᵢ|`` of a Linear
-    weight's individual gradients, from the rank-one structure ``gₙ = s·δₙ xₙᵀ``: in row ``o``
-    of sample ``n`` the bin coordinates ``uₙₒ xₙᵢ + c`` are monotone in ``xₙᵢ``, so when the
-    row's extremes fall in one gradient bin ``b`` all its elements do, and the row adds the
-    fixed parameter-bin histogram ``Hₒ`` of weight row ``o`` to ``hist2d[b]`` (one
-    ``[X, O] @ [O, Y]`` product for all such rows). Only rows spanning several gradient bins
-    are built, as in :func:`bin_index` (so exact zeros land where numpy puts them). ``None``
-    where it does not apply (middle axes, several columns, non-finite values)."""
+    weight's individual gradients, from the rank-one structure ``gₙ = s·δₙ xₙᵀ``: the bin
+    coordinate of element ``(o, i)`` of sample ``n`` is ``uₙₒ xₙᵢ + c`` (``uₙₒ = a·δₙₒ``,
+    :func:`_affine`), monotone in ``xₙᵢ``.
+
+    * A row whose extremes fall in one gradient bin ``b`` puts all its elements there: it adds
+      the fixed parameter-bin histogram ``Hₒ`` of weight row ``o`` to ``hist2d[b]`` (one
+      ``[X, O] @ [O, Y]`` product for all such rows).
+    * Samples with mostly spanning rows are binned whole, a block of samples at a time, from
+      the outer product ``u xᵀ + c`` and the parameter bins broadcast (no gathers, narrow
+      integer indices); the few spanning rows of other samples are built row by row.
+
+    Exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`;
+    other elements agree with it up to rounding of the bin coordinate. ``None`` where it does
+    not apply (middle axes, several columns, non-finite values)."""
     x = call.input
     if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
         return None
@@ -441,7 +446,7 @@ def _linear_rank1_2d(
     if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
         return None
     (lo, hi), (xbins, ybins) = rng, bins2d
-    o = d.shape[1]
+    o, size = d.shape[1], x.shape[1]
     x = x.detach()
     a, c = _affine(d, scale, lo, hi, xbins)
     u = d * a  # [N, O]
@@ -449,26 +454,44 @@ def _linear_rank1_2d(
     t1, t2 = u * xmin[:, None] + c, u * xmax[:, None] + c
     b0 = torch.minimum(t1, t2).clamp_(0, xbins - 1).trunc_().long()
     b1 = torch.maximum(t1, t2).clamp_(0, xbins - 1).trunc_().long()
-    rows_o = torch.arange(o, device=d.device)
-    yl = y_idx.long().reshape(o, -1)  # [O, I] parameter bins
-    h = torch.bincount((rows_o[:, None] * ybins + yl).reshape(-1), minlength=o * ybins)
-    h = h.reshape(o, ybins).to(torch.float64)
+    idt = _index_dtype(xbins * ybins)
+    yl = y_idx.reshape(o, size).to(idt)  # parameter bins of the weight, [O, I]
+    flat = torch.zeros(xbins * ybins, dtype=torch.int64, device=d.device)
     single = b0 == b1
-    keys = (b0 * o + rows_o)[single]
-    counts = torch.bincount(keys, minlength=xbins * o).reshape(xbins, o).to(torch.float64)
-    hist = (counts @ h).round_().long()  # exact: integers below 2**53
-    spans = (~single).nonzero()
+    whole = (~single).float().mean(1) > 0.5  # samples binned whole
+    # rows in one gradient bin (of the other samples): counts [X, O] @ row histograms [O, Y]
+    short = single & ~whole[:, None]
+    if bool(short.any()):
+        rows_o = torch.arange(o, device=d.device)
+        h = torch.bincount((rows_o[:, None] * ybins + yl.long()).reshape(-1), minlength=o * ybins)
+        keys = (b0 * o + rows_o)[short]
+        counts = torch.bincount(keys, minlength=xbins * o).reshape(xbins, o)
+        pairs = counts.to(torch.float64) @ h.reshape(o, ybins).to(torch.float64)
+        flat += pairs.round_().long().reshape(-1)  # exact: integers below 2**53
+    # spanning rows of the other samples, built row by row
+    spans = (~single & ~whole[:, None]).nonzero()
+    step = max(1, chunk_elements // max(1, size))
     if spans.shape[0]:
         rn, ro = spans.unbind(1)
-        step = max(1, chunk_elements // max(1, x.shape[1]))
-        flat = hist.reshape(-1)
         for start in range(0, rn.shape[0], step):
             sn, so = rn[start : start + step], ro[start : start + step]
-            v = d[sn, so][:, None] * x[sn]  # the elements gₙₒᵢ/s of these rows
-            idx = bin_index(v, scale, lo, hi, xbins).long() * ybins + yl[so]
+            t = torch.addcmul(
+                torch.full((), c, dtype=d.dtype, device=d.device), u[sn, so][:, None], x[sn]
+            )
+            idx = t.clamp_(0, xbins - 1).to(idt).mul_(ybins).add_(yl[so])
             flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
+    # whole samples, a block at a time
+    full = whole.nonzero().reshape(-1)
+    block = max(1, chunk_elements // max(1, o * size))
+    for start in range(0, full.shape[0], block):
+        sn = full[start : start + block]
+        t = torch.addcmul(
+            torch.full((), c, dtype=d.dtype, device=d.device), u[sn][:, :, None], x[sn][:, None, :]
+        )
+        idx = t.clamp_(0, xbins - 1).to(idt).mul_(ybins).add_(yl)
+        flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
     amax = (d.abs().amax(1) * x.abs().amax(1)).max() * abs(scale)
-    return hist, amax
+    return flat.reshape(xbins, ybins), amax
 
 
 def _linear_rank1(
