@@ -413,6 +413,20 @@ def _dense_param(call: Call, d: Tensor) -> Tensor:
     raise RuntimeError("GradHist: could not match per-sample gradients to a parameter")
 
 
+def _rank1_factors(call: Call, g: Any) -> tuple[Tensor, Tensor] | None:
+    """``(δ, x)`` (``[N, O]``, ``[N, I]``, detached) of a Linear call without middle axes and a
+    single finite float column, else ``None`` (the rank-one histogram paths do not apply)."""
+    x = call.input
+    if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
+        return None
+    d = g[0].detach()
+    if d.dtype not in (torch.float32, torch.float64) or x.dtype != d.dtype:
+        return None
+    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
+        return None
+    return d, x.detach()
+
+
 def _linear_rank1_2d(
     call: Call,
     g: Any,
@@ -437,17 +451,12 @@ def _linear_rank1_2d(
     Exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`;
     other elements agree with it up to rounding of the bin coordinate. ``None`` where it does
     not apply (middle axes, several columns, non-finite values)."""
-    x = call.input
-    if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
+    got = _rank1_factors(call, g)
+    if got is None:
         return None
-    d = g[0].detach()
-    if d.dtype not in (torch.float32, torch.float64) or x.dtype != d.dtype:
-        return None
-    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
-        return None
+    d, x = got
     (lo, hi), (xbins, ybins) = rng, bins2d
     o, size = d.shape[1], x.shape[1]
-    x = x.detach()
     a, c = _affine(d, scale, lo, hi, xbins)
     u = d * a  # [N, O]
     xmin, xmax = torch.aminmax(x, dim=1)
@@ -506,14 +515,10 @@ def _linear_rank1(
     exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`, other
     elements agree with it up to rounding of the bin coordinate. ``None`` where it does not
     apply (middle axes, several columns, non-finite values)."""
-    x = call.input
-    if not isinstance(g, Tensor) or g.shape[0] != 1 or x.dim() != 2 or g.dim() != 3:
+    got = _rank1_factors(call, g)
+    if got is None:
         return None
-    d = g[0].detach()
-    if d.dtype not in (torch.float32, torch.float64) or x.dtype != d.dtype:
-        return None
-    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(x).all())):
-        return None
+    d, x = got
     lo, hi = rng
     n, size = x.shape
     a, c = _affine(d, scale, lo, hi, bins)
