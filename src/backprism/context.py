@@ -53,7 +53,7 @@ class _Memo:
 
         def cached(call: Call, *args: Any, **kwargs: Any) -> Any:
             held = (call, *args, *kwargs.values())
-            key = (name, tuple(kwargs), *(id(a) for a in held))
+            key = _Memo._key(name, tuple(kwargs), held)
             hit = self._cache.get(key)
             if hit is None or any(a is not b for a, b in zip(hit[0], held)):
                 hit = (held, fn(call, *args, **kwargs))
@@ -66,7 +66,11 @@ class _Memo:
         """Record ``value`` as the result of ``rule.<name>(call, *args)`` (an extension that
         derived it on the way, e.g. GradHist's per-sample chunks giving ``batch_l2``)."""
         held = (call, *args)
-        self._cache.setdefault((name, (), *(id(a) for a in held)), (held, value))
+        self._cache.setdefault(_Memo._key(name, (), held), (held, value))
+
+    @staticmethod
+    def _key(name: str, kwnames: tuple, held: tuple) -> tuple:
+        return (name, kwnames, *(id(a) for a in held))
 
 
 class _BackwardState:

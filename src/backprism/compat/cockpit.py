@@ -63,28 +63,19 @@ class Cockpit(Monitor):
         learning_rate: float,
     ) -> None:
         """Cockpit's epoch-level log (stored under ``output[global_step]``)."""
-        super().log(
-            global_step,
-            epoch=epoch_count,
-            train_loss=train_loss,
-            valid_loss=valid_loss,
-            train_accuracy=train_accuracy,
-            valid_accuracy=valid_accuracy,
-            learning_rate=learning_rate,
-            test_loss=test_loss,
-            test_accuracy=test_accuracy,
-        )
+        metrics = {
+            "train_loss": train_loss,
+            "valid_loss": valid_loss,
+            "test_loss": test_loss,
+            "train_accuracy": train_accuracy,
+            "valid_accuracy": valid_accuracy,
+            "test_accuracy": test_accuracy,
+            "learning_rate": learning_rate,
+        }
+        super().log(global_step, epoch=epoch_count, **metrics)
         entry = self.output[global_step]
         entry["epoch_count"] = epoch_count
-        entry.update(
-            train_loss=train_loss,
-            valid_loss=valid_loss,
-            test_loss=test_loss,
-            train_accuracy=train_accuracy,
-            valid_accuracy=valid_accuracy,
-            test_accuracy=test_accuracy,
-            learning_rate=learning_rate,
-        )
+        entry.update(metrics)
 
     def get_output(self) -> dict[int, dict[str, Any]]:  # type: ignore[override]
         """``{step: {quantity_name: value, ...}}`` (Cockpit's layout), log fields included."""

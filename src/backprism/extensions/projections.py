@@ -466,6 +466,7 @@ def _linear_rank1_2d(
     idt = _index_dtype(xbins * ybins)
     yl = y_idx.reshape(o, size).to(idt)  # parameter bins of the weight, [O, I]
     flat = torch.zeros(xbins * ybins, dtype=torch.int64, device=d.device)
+    c_t = torch.full((), c, dtype=d.dtype, device=d.device)
     single = b0 == b1
     whole = (~single).float().mean(1) > 0.5  # samples binned whole
     # rows in one gradient bin (of the other samples): counts [X, O] @ row histograms [O, Y]
@@ -484,9 +485,7 @@ def _linear_rank1_2d(
         rn, ro = spans.unbind(1)
         for start in range(0, rn.shape[0], step):
             sn, so = rn[start : start + step], ro[start : start + step]
-            t = torch.addcmul(
-                torch.full((), c, dtype=d.dtype, device=d.device), u[sn, so][:, None], x[sn]
-            )
+            t = torch.addcmul(c_t, u[sn, so][:, None], x[sn])
             idx = t.clamp_(0, xbins - 1).to(idt).mul_(ybins).add_(yl[so])
             flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
     # whole samples, a block at a time
@@ -494,9 +493,7 @@ def _linear_rank1_2d(
     block = max(1, chunk_elements // max(1, o * size))
     for start in range(0, full.shape[0], block):
         sn = full[start : start + block]
-        t = torch.addcmul(
-            torch.full((), c, dtype=d.dtype, device=d.device), u[sn][:, :, None], x[sn][:, None, :]
-        )
+        t = torch.addcmul(c_t, u[sn][:, :, None], x[sn][:, None, :])
         idx = t.clamp_(0, xbins - 1).to(idt).mul_(ybins).add_(yl)
         flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
     amax = (d.abs().amax(1) * x.abs().amax(1)).max() * abs(scale)

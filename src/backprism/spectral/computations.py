@@ -314,7 +314,10 @@ class _SpectralComputation:
         raise NotImplementedError
 
     # -- shared maths -------------------------------------------------------------------------
-    def _warn_small(self, evals: Tensor) -> None:
+    def _selected(self, group: dict, evals: Tensor, evecs: Tensor) -> tuple[Tensor, Tensor]:
+        """The eigenpairs ``group['criterion']`` picks; warns about small selected ones."""
+        keep = _select(group["criterion"], evals)
+        evals, evecs = evals[keep], evecs[:, keep]
         if evals.numel() and bool((evals.abs() < self._warn_small_eigvals).any()):
             warnings.warn(
                 f"{type(self).__name__}: selected eigenvalues below warn_small_eigvals="
@@ -324,6 +327,7 @@ class _SpectralComputation:
                 UserWarning,
                 stacklevel=3,
             )
+        return evals, evecs
 
     @staticmethod
     def _to_params(group: dict, acc: _Accumulator, u: Tensor) -> list[Tensor]:
@@ -412,9 +416,7 @@ class EighComputation(_SpectralComputation):
         super().__init__(subsampling, mc_samples, verbose, warn_small_eigvals)
 
     def _group_result(self, group, acc, gram, evals, evecs, scale):
-        keep = _select(group["criterion"], evals)
-        evals, evecs = evals[keep], evecs[:, keep]
-        self._warn_small(evals)
+        evals, evecs = self._selected(group, evals, evecs)
         # e_d = Ṽ u_d / √λ_d has unit norm; normalising Ṽ u_d directly avoids dividing by
         # √λ_d (finite results for (numerically) zero eigenvalues)
         vecs = self._to_params(group, acc, evecs)
@@ -455,9 +457,7 @@ class DirectionalDerivativesComputation(_SpectralComputation):
         )
 
     def _group_result(self, group, acc, gram, evals, evecs, scale):
-        keep = _select(group["criterion"], evals)
-        evals, evecs = evals[keep], evecs[:, keep]
-        self._warn_small(evals)
+        evals, evecs = self._selected(group, evals, evecs)
         return self._directional(acc, gram, evals, evecs, scale)
 
 
@@ -495,9 +495,7 @@ class DirectionalDampedNewtonComputation(_SpectralComputation):
         self._stats: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
 
     def _group_result(self, group, acc, gram, evals, evecs, scale):
-        keep = _select(group["criterion"], evals)
-        evals, evecs = evals[keep], evecs[:, keep]
-        self._warn_small(evals)
+        evals, evecs = self._selected(group, evals, evecs)
         gammas, lambdas = self._directional(acc, gram, evals, evecs, scale)
         delta = group["damping"](evals, evecs, gammas, lambdas)
         delta = torch.as_tensor(delta, dtype=evals.dtype, device=evals.device)
