@@ -50,6 +50,49 @@ class TinyGPT(nn.Module):
         return logits.flatten(0, 1) if self.flat else logits.transpose(1, 2)
 
 
+class ResNetBlock(nn.Module):
+    """Conv-BN-ReLU-Conv-BN plus a 1×1 conv skip, ``out_act`` (ReLU or Tanh), global average
+    pool, linear head; BatchNorm (use it in eval mode) with non-trivial running statistics."""
+
+    def __init__(
+        self, cin: int = 2, c: int = 3, classes: int = 3, out_act: str = "relu"
+    ) -> None:
+        super().__init__()
+        self.out_act = out_act
+        self.conv1 = nn.Conv2d(cin, c, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.skip = nn.Conv2d(cin, c, 1)
+        self.head = nn.Linear(c, classes)
+        with torch.no_grad():
+            for bn in (self.bn1, self.bn2):
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.bn1(self.conv1(x)).relu()
+        z = self.bn2(self.conv2(z)) + self.skip(x)
+        z = z.tanh() if self.out_act == "tanh" else z.relu()
+        return self.head(z.mean((2, 3)))
+
+
+class Siamese(nn.Module):
+    """One Linear used by two parallel branches (not nested), ``tanh`` and ``second`` on
+    them, concatenated into a linear head."""
+
+    def __init__(self, second: Any = torch.sigmoid) -> None:
+        super().__init__()
+        self.second = second
+        self.lin, self.head = nn.Linear(3, 3), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = torch.tanh(self.lin(x[:, :3])), self.second(self.lin(x[:, 3:]))
+        return self.head(torch.cat([a, b], 1))
+
+
 def first_order_expected(gb: Tensor) -> dict[str, Tensor]:
     """What each first-order extension stores, from per-sample gradients ``gb = [N, *p]``."""
     f = gb.flatten(1)

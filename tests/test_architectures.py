@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.extensions import BatchGrad, BatchL2Grad
-from common import TinyGPT
+from common import ResNetBlock, TinyGPT
 from test_rules_generic import check_first_order, loop_per_sample_grads
 
 from reference import per_sample_grads
@@ -47,31 +47,6 @@ class ResidualMLP(nn.Module):
         z = z + self.f1(z)
         z = z + self.f2(z)
         return self.out(z)
-
-
-class ResNetBlock(nn.Module):
-    """Conv-BN-ReLU-Conv-BN plus a 1×1 conv skip, ReLU, global average pool, linear head
-    (BatchNorm in eval mode with non-trivial running statistics)."""
-
-    def __init__(self, cin: int = 2, c: int = 3, classes: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, c, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.skip = nn.Conv2d(cin, c, 1)
-        self.head = nn.Linear(c, classes)
-        for bn in (self.bn1, self.bn2):
-            bn.running_mean.uniform_(-0.5, 0.5)
-            bn.running_var.uniform_(0.5, 2.0)
-            nn.init.uniform_(bn.weight, 0.5, 1.5)
-            nn.init.uniform_(bn.bias, -0.5, 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        z = self.bn1(self.conv1(x)).relu()
-        z = self.bn2(self.conv2(z))
-        z = (z + self.skip(x)).relu()
-        return self.head(z.mean((2, 3)))
 
 
 class TransformerClassifier(nn.Module):

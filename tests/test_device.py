@@ -62,10 +62,9 @@ from backprism.extensions import (
 from backprism.monitor import Monitor, configuration, quantities, read_log, schedules
 from backprism.monitor.quantities.bin_adaptation import GradAbsMax
 from backprism.spectral import DampedNewton, EighComputation, EigvalshComputation
-from common import TinyGPT, first_order_expected, gather, trainable
+from common import ResNetBlock, TinyGPT, first_order_expected, gather, trainable
 from test_secondorder_architectures import (
     Encoder,
-    ResBlock,
     _expected_shapes,
     _freeze_unsupported,
 )
@@ -170,7 +169,7 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Tensor, Tenso
             )
             X, y = randn(N, 2, 4, 4), labels(3, N)
         elif name == "resnet":
-            model = ResBlock().eval()
+            model = ResNetBlock(out_act="tanh").eval()
             X, y = randn(N, 2, 3, 3), labels(3, N)
         elif name == "transformer":
             model = Encoder()

@@ -23,6 +23,7 @@ from backprism import collect, extend
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from backprism.hessian_residual import NonlinearityError
+from common import Siamese
 
 from reference import loss_hessian, split, trainable
 
@@ -347,18 +348,6 @@ def test_recording_keeps_no_reference_cycles():
             lf(out, y).backward()
         del out
         assert all(r() is None for r in refs)
-
-
-class Siamese(nn.Module):
-    """One Linear used by two parallel branches (not nested): DiagHessian stays exact."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.head = nn.Linear(3, 3), nn.Linear(6, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        a, b = torch.tanh(self.lin(x[:, :3])), torch.sigmoid(self.lin(x[:, 3:]))
-        return self.head(torch.cat([a, b], 1))
 
 
 def test_parallel_shared_parameter():

@@ -21,6 +21,7 @@ from backprism import collect, extend
 from backprism.extensions.hessian import DiagHessian
 from backprism.extensions.matprod import GGNMP, HMP, PCHMP
 from backprism.hessian_residual import NonlinearityError
+from common import Siamese
 
 from reference import ggn, loss_hessian, trainable
 
@@ -173,21 +174,11 @@ def test_ggnmp_shared_parameter_and_hmp_refusal():
             lfe(model(X), y).backward()
 
 
-class Siamese(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.head = nn.Linear(3, 3), nn.Linear(6, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        a, b = torch.tanh(self.lin(x[:, :3])), F.gelu(self.lin(x[:, 3:]))
-        return self.head(torch.cat([a, b], 1))
-
-
 def test_hmp_parallel_shared_parameter():
     """A parameter used by two parallel branches: per-sample gradients are summed over the
     calls before the outer products, matching the Hessian block."""
     torch.manual_seed(4)
-    model = Siamese()
+    model = Siamese(F.gelu)
     X, y = torch.randn(3, 6), torch.randint(0, 2, (3,))
     lf = nn.CrossEntropyLoss()
     H = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)

@@ -35,7 +35,7 @@ from backprism.extensions import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
-from common import TinyGPT, assert_mc_within, backward, gather, trainable
+from common import ResNetBlock, TinyGPT, assert_mc_within, backward, gather, trainable
 
 from reference import diag_blocks, ggn_blocks
 
@@ -49,31 +49,6 @@ VOCAB, T = 5, 3
 
 
 # --------------------------------------------------------------------------- architectures
-class ResBlock(nn.Module):
-    """Conv-BN-ReLU-Conv-BN + 1×1 conv skip, tanh, global average pool, linear head."""
-
-    def __init__(self, cin: int = 2, c: int = 3, classes: int = 3) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, c, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-        self.skip = nn.Conv2d(cin, c, 1)
-        self.head = nn.Linear(c, classes)
-        with torch.no_grad():
-            for bn in (self.bn1, self.bn2):
-                bn.running_mean.uniform_(-0.5, 0.5)
-                bn.running_var.uniform_(0.5, 2.0)
-                bn.weight.uniform_(0.5, 1.5)
-                bn.bias.uniform_(-0.5, 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        z = self.bn1(self.conv1(x)).relu()
-        z = self.bn2(self.conv2(z))
-        z = (z + self.skip(x)).tanh()
-        return self.head(z.mean((2, 3)))
-
-
 class Encoder(nn.Module):
     def __init__(self, d: int = 4, heads: int = 2, classes: int = 3) -> None:
         super().__init__()
@@ -94,7 +69,7 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, nn.Module, Tensor, Tenso
     lossfunc = nn.CrossEntropyLoss()
     ref_loss = lossfunc
     if name == "resnet":
-        model = ResBlock().to(DT).eval()
+        model = ResNetBlock(out_act="tanh").to(DT).eval()
         X, y = torch.randn(N, 2, 3, 3, dtype=DT), torch.randint(0, 3, (N,), generator=g)
     elif name == "transformer":
         model = Encoder().to(DT)
