@@ -426,9 +426,9 @@ def _column_bytes(
 ) -> int:
     """Bytes one backpropagated column costs at its peak: the column at every captured output,
     plus the per-sample gradients ``[N, *p]`` a rule may build from it (the largest parameter
-    of a call that is not a plain ``[N, I]`` Linear or an Embedding, whose rules reduce without
-    them) and, for extensions that square summed per-sample gradients (``dense``), those of
-    every parameter shared by several calls (held until its last call).
+    of a call whose rule says so, :meth:`Rule.builds_per_sample`) and, for extensions that
+    square summed per-sample gradients (``dense``), those of every parameter shared by several
+    calls (held until its last call).
 
     Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
     budget 23-fold: each column carries an ``[N, V, d]`` gradient of the tied matrix."""
@@ -437,11 +437,9 @@ def _column_bytes(
     n = max((c.batch_size for c, _ in calls), default=1)
     built, shared, seen = 0, 0, set()
     for call, _ in calls:
-        closed_form = isinstance(call.module, nn.Embedding) or (
-            isinstance(call.module, nn.Linear) and call.input.dim() == 2
-        )
+        builds = get_rule(call.module).builds_per_sample(call)
         for p in params_of(call).values():
-            if not closed_form:
+            if builds:
                 built = max(built, p.numel())
             if dense and count[id(p)] > 1 and id(p) not in seen:
                 seen.add(id(p))

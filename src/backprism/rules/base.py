@@ -83,6 +83,11 @@ class Rule:
     #: a parameter entering nonlinearly has a Hessian term of its own).
     linear_in_params: bool = True
 
+    def builds_per_sample(self, call: Call) -> bool:
+        """Whether the statistics of ``call`` may build per-sample, per-column gradients
+        ``[N, *p]`` (the engine sizes column chunks by it); rules with closed forms say no."""
+        return True
+
     def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
         """Per-sample, per-column parameter gradients ``Vₘₙ = Jₙᵀ g[m, n]``, ``[M, N, *p]``."""
         raise NotImplementedError

@@ -120,6 +120,9 @@ def _weighted(sq: Tensor, weights: Tensor | None, sample: Tensor) -> Tensor:
 class EmbeddingRule(Rule):
     """Per-sample quantities of ``nn.Embedding`` from token indices (see the module docstring)."""
 
+    def builds_per_sample(self, call: Call) -> bool:
+        return False  # statistics come from the compact (sample, token) table
+
     def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         tk = _tokens(call, g)
         m, _, d = tk.g.shape
