@@ -332,24 +332,27 @@ class GradHist(FirstOrderExtension):
             if self.bins2d is not None
             else {}
         )
-        # Linear weights (no middle axes): 1d counts and maxima from the rank-one structure
+        # Linear weights (no middle axes): counts and maxima from the rank-one structure
         skip: dict[str, frozenset[str]] = {}
-        if self.bins is not None and isinstance(rule, LinearRule) and "weight" in accs:
-            done = _linear_rank1(call, g, scale, self.range, self.bins)
-            if done is not None:
-                hist, amax = done
-                accs["weight"]["hist"] += hist
-                if self.abs_max:
-                    accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
-                skip["weight"] = frozenset({"hist", "abs_max"})
-        if self.bins2d is not None and isinstance(rule, LinearRule) and "weight" in accs:
-            done2 = _linear_rank1_2d(call, g, scale, self.range2d[0], self.bins2d, y_idx["weight"])
-            if done2 is not None:
-                hist2d, amax = done2
-                accs["weight"]["hist2d"] += hist2d.reshape(-1)
-                if self.abs_max and "abs_max" not in skip.get("weight", frozenset()):
-                    accs["weight"]["abs_max"] = amax.to(accs["weight"]["abs_max"].dtype)
-                skip["weight"] = skip.get("weight", frozenset()) | {"hist2d", "abs_max"}
+        wanted = self.bins is not None or self.bins2d is not None
+        factors = (
+            _rank1_factors(call, g)
+            if wanted and isinstance(rule, LinearRule) and "weight" in accs
+            else None
+        )
+        if factors is not None:
+            d, x = factors
+            acc = accs["weight"]
+            if self.bins is not None:
+                acc["hist"] += _linear_rank1(d, x, scale, self.range, self.bins)
+            if self.bins2d is not None:
+                acc["hist2d"] += _linear_rank1_2d(
+                    d, x, scale, self.range2d[0], self.bins2d, y_idx["weight"]
+                ).reshape(-1)
+            if self.abs_max:  # maxₙᵢ |s δₙₒ xₙᵢ|
+                amax = (d.abs().amax(1) * x.abs().amax(1)).max() * abs(scale)
+                acc["abs_max"] = amax.to(acc["abs_max"].dtype)
+            skip["weight"] = frozenset({"hist", "hist2d", "abs_max"})
         direct = [name for name in params if set(accs[name]) - skip.get(name, frozenset())]
         per_sample = sum(params[name].numel() for name in direct)
         if not per_sample:
@@ -428,16 +431,17 @@ def _rank1_factors(call: Call, g: Any) -> tuple[Tensor, Tensor] | None:
 
 
 def _linear_rank1_2d(
-    call: Call,
-    g: Any,
+    d: Tensor,
+    x: Tensor,
     scale: float,
     rng: tuple[float, float],
     bins2d: tuple[int, int],
     y_idx: Tensor,
     chunk_elements: int = 2**20,
-) -> tuple[Tensor, Tensor] | None:
-    r"""2d counts (gradient element × parameter value) and ``maxₙᵢ |gₙᵢ|`` of a Linear
-    weight's individual gradients, from the rank-one structure ``gₙ = s·δₙ xₙᵀ``: the bin
+) -> Tensor:
+    r"""2d counts ``[X, Y]`` (gradient element × parameter value) of a Linear weight's
+    individual gradients, from its factors ``δ``, ``x`` (:func:`_rank1_factors`) and the
+    rank-one structure ``gₙ = s·δₙ xₙᵀ``: the bin
     coordinate of element ``(o, i)`` of sample ``n`` is ``uₙₒ xₙᵢ + c`` (``uₙₒ = a·δₙₒ``,
     :func:`_affine`), monotone in ``xₙᵢ``.
 
@@ -449,12 +453,7 @@ def _linear_rank1_2d(
       integer indices); the few spanning rows of other samples are built row by row.
 
     Exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`;
-    other elements agree with it up to rounding of the bin coordinate. ``None`` where it does
-    not apply (middle axes, several columns, non-finite values)."""
-    got = _rank1_factors(call, g)
-    if got is None:
-        return None
-    d, x = got
+    other elements agree with it up to rounding of the bin coordinate."""
     (lo, hi), (xbins, ybins) = rng, bins2d
     o, size = d.shape[1], x.shape[1]
     a, c = _affine(d, scale, lo, hi, xbins)
@@ -496,26 +495,21 @@ def _linear_rank1_2d(
         t = torch.addcmul(c_t, u[sn][:, :, None], x[sn][:, None, :])
         idx = t.clamp_(0, xbins - 1).to(idt).mul_(ybins).add_(yl)
         flat += torch.bincount(idx.reshape(-1), minlength=xbins * ybins)
-    amax = (d.abs().amax(1) * x.abs().amax(1)).max() * abs(scale)
-    return flat.reshape(xbins, ybins), amax
+    return flat.reshape(xbins, ybins)
 
 
 def _linear_rank1(
-    call: Call, g: Any, scale: float, rng: tuple[float, float], bins: int
-) -> tuple[Tensor, Tensor] | None:
-    r"""1d counts and ``maxₙᵢ |gₙᵢ|`` of a Linear weight's individual gradients without building
-    them: ``gₙ = s·δₙ xₙᵀ`` has, in row ``o``, the bin coordinates ``tₙₒᵢ = uₙₒ xₙᵢ + c`` with
-    ``uₙₒ = a·s·δₙₒ`` (:func:`_affine`), monotone in ``xₙᵢ``. With ``xₙ`` sorted, a row whose
-    extreme coordinates fall in one bin puts all ``I`` elements there; otherwise, for each
-    threshold ``k`` it crosses, ``#{i: tₙₒᵢ ≥ k}`` is a binary search for ``(k − c)/uₙₒ`` in the
-    sorted ``xₙ``. Cost ``O(N I log I + N O + Σ crossings · log I)`` instead of ``O(N O I)``;
-    exact zeros (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`, other
-    elements agree with it up to rounding of the bin coordinate. ``None`` where it does not
-    apply (middle axes, several columns, non-finite values)."""
-    got = _rank1_factors(call, g)
-    if got is None:
-        return None
-    d, x = got
+    d: Tensor, x: Tensor, scale: float, rng: tuple[float, float], bins: int
+) -> Tensor:
+    r"""1d counts of a Linear weight's individual gradients from its factors ``δ``, ``x``
+    (:func:`_rank1_factors`), without building them: ``gₙ = s·δₙ xₙᵀ`` has, in row ``o``,
+    the bin coordinates ``tₙₒᵢ = uₙₒ xₙᵢ + c`` with ``uₙₒ = a·s·δₙₒ`` (:func:`_affine`),
+    monotone in ``xₙᵢ``. With ``xₙ`` sorted, a row whose extreme coordinates fall in one bin
+    puts all ``I`` elements there; otherwise, for each threshold ``k`` it crosses,
+    ``#{i: tₙₒᵢ ≥ k}`` is a binary search for ``(k − c)/uₙₒ`` in the sorted ``xₙ``. Cost
+    ``O(N I log I + N O + Σ crossings · log I)`` instead of ``O(N O I)``; exact zeros
+    (``δₙₒ = 0`` or ``xₙᵢ = 0``) get coordinate ``c`` as in :func:`bin_index`, other
+    elements agree with it up to rounding of the bin coordinate."""
     lo, hi = rng
     n, size = x.shape
     a, c = _affine(d, scale, lo, hi, bins)
@@ -525,7 +519,6 @@ def _linear_rank1(
     b0 = torch.minimum(t1, t2).clamp_(0, bins - 1).trunc_().long()
     b1 = torch.maximum(t1, t2).clamp_(0, bins - 1).trunc_().long()
     hist = torch.bincount(b0.reshape(-1), minlength=bins)[:bins] * size
-    amax = (d.abs().amax(1) * xs.abs().amax(1)).max() * abs(scale)
     rows = (b1 > b0).nonzero()
     if rows.shape[0]:
         rn, ro = rows.unbind(1)
@@ -547,4 +540,4 @@ def _linear_rank1(
         ge = torch.where(ur > 0, size - left, right)  # #{i: t ≥ k}
         hist.index_add_(0, k, ge)
         hist.index_add_(0, k - 1, -ge)
-    return hist, amax
+    return hist
