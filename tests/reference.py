@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev, vmap
@@ -113,3 +114,18 @@ def split(vec: Tensor, model: nn.Module, lead: int = 0) -> dict[str, Tensor]:
 def diag_blocks(G: Tensor) -> Tensor:
     """Per-sample diagonals ``[N, P]`` from ``[N, N, P, P]`` blocks."""
     return torch.stack([torch.diagonal(G[i, i]) for i in range(G.shape[0])])
+
+
+def hist1d_ref(G: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
+    """``numpy.histogram`` of ``G`` over ``[lo, hi]``, values outside clipped to the edges."""
+    return np.histogram(np.clip(G, lo, hi), bins=bins, range=(lo, hi))[0]
+
+
+def hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
+    """``numpy.histogram2d`` of (gradient element, parameter value), both clipped to the
+    centres of their outermost bins (Cockpit's GradHist2d)."""
+    (xlo, xhi), (ylo, yhi) = rng
+    xw, yw = (xhi - xlo) / bins[0], (yhi - ylo) / bins[1]
+    x = np.clip(G, xlo + xw / 2, xhi - xw / 2).reshape(-1)
+    y = np.clip(np.broadcast_to(theta, G.shape), ylo + yw / 2, yhi - yw / 2).reshape(-1)
+    return np.histogram2d(x, y, bins=bins, range=rng)[0]

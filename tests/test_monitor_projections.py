@@ -105,18 +105,6 @@ def test_batch_dot_with_checks_shapes() -> None:
         BatchDotWith({p: torch.zeros(2, 3)})
 
 
-def _hist1d_ref(G: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
-    return np.histogram(np.clip(G, lo, hi), bins=bins, range=(lo, hi))[0]
-
-
-def _hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
-    (xlo, xhi), (ylo, yhi) = rng
-    xw, yw = (xhi - xlo) / bins[0], (yhi - ylo) / bins[1]
-    x = np.clip(G, xlo + xw / 2, xhi - xw / 2).reshape(-1)
-    yv = np.broadcast_to(np.clip(theta, ylo + yw / 2, yhi - yw / 2), G.shape).reshape(-1)
-    return np.histogram2d(x, yv, bins=bins, range=rng)[0]
-
-
 @settings(max_examples=12, deadline=None)
 @given(
     kind=st.sampled_from(["mlp", "relu", "conv", "conv1d", "seq", "tied"]),
@@ -139,9 +127,9 @@ def test_grad_hist(kind: str, chunk: int, bins: int, width: float, seed: int) ->
         G = (n * ref[name]).numpy()
         got = p.grad_hist
         np.testing.assert_array_equal(
-            got["hist"].numpy(), _hist1d_ref(G, bins, -width, 0.5 * width)
+            got["hist"].numpy(), reference.hist1d_ref(G, bins, -width, 0.5 * width)
         )
-        want2 = _hist2d_ref(G, p.detach().numpy(), (bins, 3), rng2)
+        want2 = reference.hist2d_ref(G, p.detach().numpy(), (bins, 3), rng2)
         np.testing.assert_array_equal(got["hist2d"].numpy(), want2)
         np.testing.assert_allclose(float(got["abs_max"]), np.abs(G).max(), rtol=1e-6)
 
@@ -165,11 +153,11 @@ def test_grad_hist_linear_rank_one(half: int, width: float, seed: int, dtype) ->
         G = (X.shape[0] * ref[name]).double().numpy()
         if dtype == torch.float32:  # values within rounding of an edge may move by one bin
             got = p.grad_hist["hist"].numpy()
-            want = _hist1d_ref(G, 2 * half, -width, width)
+            want = reference.hist1d_ref(G, 2 * half, -width, width)
             assert got.sum() == want.sum() and np.abs(got - want).sum() <= 2
         else:
             np.testing.assert_array_equal(
-                p.grad_hist["hist"].numpy(), _hist1d_ref(G, 2 * half, -width, width)
+                p.grad_hist["hist"].numpy(), reference.hist1d_ref(G, 2 * half, -width, width)
             )
         np.testing.assert_allclose(float(p.grad_hist["abs_max"]), np.abs(G).max(), rtol=1e-5)
 
@@ -180,7 +168,7 @@ def test_grad_hist_custom_scale_and_1d_only() -> None:
         lossf(model(X), y).backward()
     for name, p in model.named_parameters():
         assert set(p.grad_hist) == {"hist"}
-        want = _hist1d_ref(ref[name].numpy(), 5, -0.1, 0.1)
+        want = reference.hist1d_ref(ref[name].numpy(), 5, -0.1, 0.1)
         np.testing.assert_array_equal(p.grad_hist["hist"].numpy(), want)
 
 
@@ -317,7 +305,7 @@ def test_grad_hist_2d_linear_rank_one(xbins: int, width: float, seed: int, dtype
     for name, p in model.named_parameters():
         G = (X.shape[0] * ref[name]).double().numpy()
         got = p.grad_hist["hist2d"].numpy()
-        want = _hist2d_ref(G, p.detach().double().numpy(), (xbins, 4), rng2)
+        want = reference.hist2d_ref(G, p.detach().double().numpy(), (xbins, 4), rng2)
         if dtype == torch.float32:
             assert got.sum() == want.sum() and np.abs(got - want).sum() <= 4
         else:

@@ -72,18 +72,6 @@ def split_sizes(model: nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-def hist1d_ref(G: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
-    return np.histogram(np.clip(G, lo, hi), bins=bins, range=(lo, hi))[0]
-
-
-def hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
-    (xlo, xhi), (ylo, yhi) = rng
-    xw, yw = (xhi - xlo) / bins[0], (yhi - ylo) / bins[1]
-    x = np.clip(G, xlo + xw / 2, xhi - xw / 2).reshape(-1)
-    y = np.clip(np.broadcast_to(theta, G.shape), ylo + yw / 2, yhi - yw / 2).reshape(-1)
-    return np.histogram2d(x, y, bins=bins, range=rng)[0]
-
-
 def alpha_ref(t, fs, dfs, var_fs, var_dfs) -> float:
     """Weighted least squares by ``lstsq`` on rows scaled by 1/σ (independent of the monitor)."""
     A = np.array([[1, 0, 0], [1, t, t * t], [0, 1, 0], [0, 1, 2 * t]], dtype=float)
@@ -201,10 +189,11 @@ def _reference_single(ref, step, names, model, X, y, G, g, theta, theta0, loss, 
     ortho = G - torch.outer(proj / g2, g)
     out["OrthoTest"] = math.sqrt(float(ortho.square().sum()) / (n - 1) / n / g2)
     out["GradHist1d"] = sum(
-        hist1d_ref(c.numpy(), HIST1["bins"], *HIST1["range"]) for c in G.split(sizes, dim=1)
+        reference.hist1d_ref(c.numpy(), HIST1["bins"], *HIST1["range"])
+        for c in G.split(sizes, dim=1)
     )
     out["GradHist2d"] = [
-        hist2d_ref(c.numpy(), t.numpy(), HIST2["bins"], HIST2["range"])
+        reference.hist2d_ref(c.numpy(), t.numpy(), HIST2["bins"], HIST2["range"])
         for c, t in zip(G.split(sizes, dim=1), theta.split(sizes))
     ]
     var_b = G.var(0, unbiased=False)
