@@ -311,7 +311,7 @@ def test_mc_trace_in_expectation():
 
 @settings(max_examples=20, deadline=None)
 @given(
-    k=st.integers(1, 3), n=st.integers(1, 3), t=st.integers(1, 4), o=st.integers(1, 4),
+    k=st.integers(1, 3), n=st.integers(1, 20), t=st.integers(1, 4), o=st.integers(1, 4),
     i=st.integers(1, 4), d=st.integers(1, 3),
 )
 def test_kernel_factor_matches_dense(k, n, t, o, i, d):
@@ -323,8 +323,10 @@ def test_kernel_factor_matches_dense(k, n, t, o, i, d):
     V = torch.einsum("knto,nti->knoi", g, x).reshape(k * n, o * i)
     f = KernelFactor(x, g, (o, i), n)
     u, w = torch.randn(k * n, d, dtype=torch.float64), torch.randn(d, o, i, dtype=torch.float64)
-    for block_elems in (fac.BLOCK_ELEMENTS, 1):  # one block / one sample or column a time
-        old, fac.BLOCK_ELEMENTS = fac.BLOCK_ELEMENTS, block_elems
+    # one block; one channel a time batched over samples; one channel a time per column
+    for block_elems, min_channels in ((fac.BLOCK_ELEMENTS, 32), (1, 32), (1, 1)):
+        old = fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS
+        fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS = block_elems, min_channels
         try:
             for method in (None, "kernel", "materialise"):
                 torch.testing.assert_close(f.gram(method), V @ V.T)
@@ -337,7 +339,7 @@ def test_kernel_factor_matches_dense(k, n, t, o, i, d):
             torch.testing.assert_close(gram, V @ V.T)
             torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
         finally:
-            fac.BLOCK_ELEMENTS = old
+            fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS = old
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 13])

@@ -40,9 +40,14 @@ from backprism.rules.base import Call, Rule
 __all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
 
 #: elements allowed for one temporary block in Gram/contraction computations (16 Mi)
-BLOCK_ELEMENTS = 2**24
-#: relative cost per multiply-add of the kernel-form Gram (see ``KernelFactor._gram_method``)
-KERNEL_PENALTY = 6
+BLOCK_ELEMENTS = 2**22
+#: relative cost per multiply-add (against a large matrix product) of the kernel form's batched
+#: product with inner dimension ``T``, of its final memory-bound contraction and of building ``V``
+#: (see ``KernelFactor._gram_method``)
+KERNEL_BMM_WEIGHT, KERNEL_FINAL_WEIGHT, BUILD_WEIGHT = 1.6, 3.3, 1.5
+#: fewest output channels per block for building ``V`` column by column (see
+#: ``KernelFactor._gram_materialised``)
+MIN_BLOCK_CHANNELS = 32
 
 
 def _syrk_(out: Tensor, v: Tensor, min_rows: int = 128) -> Tensor:
@@ -147,23 +152,27 @@ class KernelFactor(GramFactor):
 
     # -- costs ---------------------------------------------------------------------------
     def _gram_method(self) -> str:
-        """``"kernel"`` or ``"materialise"``, whichever needs fewer multiply-adds:
+        """``"kernel"`` or ``"materialise"``, whichever costs less (multiply-adds weighted by how
+        fast each product runs on a CPU, measured on the convolutions of ``cifar10_3c3d``):
 
-        * kernel: ``(NT)²·I`` for ``X Xᵀ``, ``(NT)²·K·O`` to contract it with ``g`` and
-          ``(KN)²·T·O`` for the final contraction with ``g``;
-        * materialise: ``KN·T·O·I`` to build ``V`` and ``(KN)²·O·I`` for ``V Vᵀ``.
+        * kernel (one row of samples ``n`` at a time, ``n' ≥ n`` only): ``(NT)²·I/2`` for
+          ``X Xᵀ``, ``N²/2·K·O·T²`` to contract it with ``g`` (inner dimension ``T``, weight
+          :data:`KERNEL_BMM_WEIGHT`) and ``N²/2·K²·O·T`` for the final contraction, which
+          streams an ``[N', K, O, T]`` intermediate per row (weight :data:`KERNEL_FINAL_WEIGHT`);
+        * materialise: ``KN·T·O·I`` to build ``V`` (weight :data:`BUILD_WEIGHT`) and
+          ``(5/8)·(KN)²·O·I`` for the block-triangular ``V Vᵀ``.
 
-        The kernel form's batched products have a short inner dimension ``T`` and write an
-        ``N²TKO`` intermediate, so on CPU they run about ``KERNEL_PENALTY`` times slower per
-        multiply-add than the large matrix products of the materialised form (measured on the
-        convolutions of ``cifar10_3c3d``).
+        The kernel form wins where ``T`` is small against ``O`` and ``I`` (deep convolutions on
+        small feature maps), the materialised one for large feature maps.
         """
         k, n, t, o = self.g.shape
         i = self.x.shape[-1]
         if t == 1:
             return "kernel"
-        kernel = KERNEL_PENALTY * ((n * t) ** 2 * (i + k * o) + (k * n) ** 2 * t * o)
-        materialise = k * n * t * o * i + (k * n) ** 2 * o * i
+        kernel = n * n / 2 * (
+            t * t * i + KERNEL_BMM_WEIGHT * k * o * t * t + KERNEL_FINAL_WEIGHT * k * k * o * t
+        )
+        materialise = BUILD_WEIGHT * k * n * t * o * i + 5 / 8 * (k * n) ** 2 * o * i
         return "kernel" if kernel < materialise else "materialise"
 
     def gram_tmatmul(self, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -176,64 +185,92 @@ class KernelFactor(GramFactor):
         return gram, vtw[0]
 
     def gram(self, method: str | None = None) -> Tensor:
-        r"""``VᵀV`` by the kernel form or by materialising ``V`` (``method``; default: the
-        cheaper). Kernel form, a block of samples ``n`` at a time:
-
-        .. math:: Y_{n t k' n' o} = \sum_s \langle x_{nt}, x_{n's}\rangle\, g_{k'n'so},\qquad
-                  G_{(k,n),(k',n')} = \sum_{t,o} g_{knto}\, Y_{ntk'n'o}
-
-        so neither ``V`` nor the ``[KNT, KNT]`` matrix ``(g gᵀ)`` is formed.
-        """
+        """``VᵀV`` by the kernel form (:meth:`_gram_kernel`) or by materialising ``V`` a block
+        of output channels at a time (:meth:`_gram_materialised`); ``method`` defaults to the
+        cheaper (:meth:`_gram_method`)."""
         method = method or self._gram_method()
         k, n, t, o = self.g.shape
-        x, g = self.x, self.g
         if t == 1:
-            gg = g[:, :, 0].reshape(k * n, o)
-            xx = x[:, 0] @ x[:, 0].t()
+            gg = self.g[:, :, 0].reshape(k * n, o)
+            xx = self.x[:, 0] @ self.x[:, 0].t()
             return (gg @ gg.t()) * xx.repeat(k, k)
         if method == "kernel":
-            out = g.new_empty(k, n, k, n)
-            gm = g.permute(1, 2, 0, 3)  # [N', T, K, O]  (m, s, l, o)
-            step = max(1, BLOCK_ELEMENTS // max(1, t * k * n * o + t * n * t))
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                xx = torch.einsum("nti,msi->mnts", x[a:b], x)  # [N', c, T, T]
-                # y[m, n, t, l, o] = Σ_s xx[m, n, t, s] g[l, m, s, o]
-                y = torch.bmm(xx.reshape(n, (b - a) * t, t), gm.reshape(n, t, k * o))
-                y = y.reshape(n, b - a, t, k, o).permute(1, 2, 4, 3, 0)  # [c, T, O, K, N']
-                # out[k, n, l, m] = Σ_{t,o} g[k, n, t, o] y[n, t, o, l, m]
-                gc = g[:, a:b].permute(1, 0, 2, 3).reshape(b - a, k, t * o)
-                blk = torch.bmm(gc, y.reshape(b - a, t * o, k * n))  # [c, K, K·N']
-                out[:, a:b] = blk.reshape(b - a, k, k, n).transpose(0, 1)
-            return out.reshape(k * n, k * n)
+            return self._gram_kernel()
         return self._gram_materialised()
 
+    def _gram_kernel(self) -> Tensor:
+        r"""Kernel form, one sample ``n`` (a row of the Gram matrix's sample blocks) at a time,
+        blocks ``n' ≥ n`` only (mirrored):
+
+        .. math:: Y_{n' l o t} = \sum_s g_{l n' s o}\,\langle x_{n's}, x_{nt}\rangle,\qquad
+                  G_{(k,n),(l,n')} = \sum_{o,t} g_{knto}\, Y_{n' l o t}
+
+        ``⟨x_{n's}, x_{nt}⟩`` comes from ``X Xᵀ`` computed a block of rows at a time
+        (:data:`BLOCK_ELEMENTS`); ``Y`` (``[N', K, O, T]``) is one batched product over ``n'``
+        and the row of ``G`` one matrix product with it. Neither ``V`` nor ``g gᵀ``
+        (``[KNT, KNT]``) is formed.
+        """
+        k, n, t, o = self.g.shape
+        xf = self.x.reshape(n * t, -1)
+        gp = self.g.permute(1, 0, 3, 2).contiguous()  # [N', K, O, T]
+        out = gp.new_empty(n, k, n, k)  # (n, k, n', l)
+        # about eight row blocks: X Xᵀ restricted to n' ≥ the block's first row costs ~9/16 of
+        # the full product
+        rows = max(1, min(BLOCK_ELEMENTS // max(1, n * t * t), -(-n // 8)))
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            # xx[a, t, p, s] = <x_{start+a, t}, x_{start+p, s}>
+            xx = (xf[start * t : stop * t] @ xf[start * t :].t()).view(stop - start, t, -1, t)
+            for r in range(start, stop):
+                rest = n - r
+                xr = xx[r - start, :, r - start :].permute(1, 2, 0)  # [n' ≥ r, s, t]
+                y = torch.bmm(gp[r:].view(rest, k * o, t), xr)  # [n', (l, o), t]
+                blk = (gp[r].view(k, o * t) @ y.view(rest * k, o * t).t()).view(k, rest, k)
+                out[r, :, r:] = blk
+                out[r + 1 :, :, r] = blk[:, 1:].permute(1, 2, 0)
+        return out.permute(1, 0, 3, 2).reshape(k * n, k * n)
+
     def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
-        """Gram matrix from ``V`` materialised a block of output channels at a time, rows in
-        sample-major order (``i' = n·K + k``: a block is a plain batched product, no permutation
-        copy); only the upper block triangle of the symmetric ``V Vᵀ`` is computed. With ``w``
-        (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is appended to ``vtw``."""
+        """Gram matrix from ``V`` materialised a block of ``c`` output channels at a time
+        (:data:`BLOCK_ELEMENTS`); only the upper block triangle of the symmetric ``V Vᵀ`` is
+        computed (:func:`_syrk_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is
+        appended to ``vtw``.
+
+        A block is built with one batched product (over samples) per column ``k``, reading
+        ``g``'s ``[K, N', O, T]`` memory in place (rows ``k·N' + n``), when it holds at least
+        :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched product
+        of ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``, permuted
+        at the end), which needs a copy of ``g``'s block."""
         k, n, t, o = self.g.shape
         x, g = self.x, self.g
         i = x.shape[-1]
         step = max(1, BLOCK_ELEMENTS // max(1, k * n * i))
-        gp = g.permute(1, 0, 3, 2)  # [N', K, O, T]
-        out = g.new_zeros(n * k, n * k)
+        per_column = step >= min(o, MIN_BLOCK_CHANNELS)
+        gk = g.transpose(2, 3) if per_column else g.permute(1, 0, 3, 2)  # [K,N',O,T] / [N',K,O,T]
+        out = g.new_zeros(k * n, k * n)
         prod = None
         if w is not None:
             w = w.reshape(w.shape[0], o, i).to(g.dtype)
-            prod = g.new_zeros(n * k, w.shape[0])
+            prod = g.new_zeros(k * n, w.shape[0])
         for start in range(0, o, step):
             stop = min(o, start + step)
-            gc = gp[:, :, start:stop].reshape(n, k * (stop - start), t)
-            v = torch.bmm(gc, x).reshape(n * k, -1)  # [N'·K, c·I]
+            if per_column:
+                v = g.new_empty(k, n, stop - start, i)
+                for c in range(k):
+                    torch.bmm(gk[c, :, start:stop], x, out=v[c])
+            else:
+                v = torch.bmm(gk[:, :, start:stop].reshape(n, k * (stop - start), t), x)
+            v = v.reshape(k * n, -1)
             _syrk_(out, v)
-            if prod is not None:
+            if prod is not None and w is not None:
                 prod.addmm_(v, w[:, start:stop].reshape(w.shape[0], -1).t())
+        if not per_column:
+            out = out.reshape(n, k, n, k).permute(1, 0, 3, 2).reshape(k * n, k * n)
+            if prod is not None:
+                prod = prod.reshape(n, k, -1).transpose(0, 1).reshape(k * n, -1)
         if prod is not None and vtw is not None:
-            vtw.append(prod.reshape(n, k, -1).transpose(0, 1).reshape(k * n, -1))
-        out = out.reshape(n, k, n, k).permute(1, 0, 3, 2)
-        return out.reshape(k * n, k * n)
+            vtw.append(prod)
+        return out
 
     def matmul(self, u: Tensor) -> Tensor:
         k, n = self.g.shape[:2]
