@@ -342,16 +342,18 @@ def test_kernel_factor_matches_dense(k, n, t, o, i, d):
             fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS = old
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 13])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 13, 17, 40])
 def test_syrk_blocks(rows):
-    """The block-triangular ``out += v vᵀ`` equals the full product for 1, 2 and 4 blocks."""
-    from backprism.spectral.factors import _syrk_
+    """The block-triangular ``out += v vᵀ`` followed by the mirroring equals the full product
+    for 1 to 8 row blocks."""
+    from backprism.spectral.factors import _mirror_upper, _syrk_upper_
 
     torch.manual_seed(rows)
     v = torch.randn(rows, 7, dtype=torch.float64)
     out = torch.randn(rows, rows, dtype=torch.float64)
+    out = out + out.T
     expected = out + v @ v.T
-    torch.testing.assert_close(_syrk_(out, v, min_rows=2), expected)
+    torch.testing.assert_close(_mirror_upper(_syrk_upper_(out, v, min_rows=2)), expected)
 
 
 # -- errors and warnings ---------------------------------------------------------------------

@@ -50,24 +50,24 @@ KERNEL_BMM_WEIGHT, KERNEL_FINAL_WEIGHT, BUILD_WEIGHT = 1.6, 3.3, 1.5
 MIN_BLOCK_CHANNELS = 32
 
 
-def _syrk_(out: Tensor, v: Tensor, min_rows: int = 128) -> Tensor:
-    """``out += v vᵀ`` for ``v`` of shape ``[R, D]``, computing only the blocks on and above the
-    diagonal of a ``b × b`` block partition (``b = 4`` for ``R ≥ 4·min_rows``, ``b = 2`` for
-    ``R ≥ 2·min_rows``) and mirroring: ``(b + 1) / (2b)`` of the multiply-adds of ``v @ vᵀ``."""
+def _syrk_upper_(out: Tensor, v: Tensor, min_rows: int = 64) -> Tensor:
+    """``out += v vᵀ`` for ``v`` of shape ``[R, D]`` on and above the diagonal blocks of a
+    ``b × b`` block partition of the rows (``b ≤ 8`` blocks of at least ``min_rows`` rows), one
+    matrix product per block row: ``(b + 1) / (2b)`` of the multiply-adds of ``v @ vᵀ``. Entries
+    below the diagonal blocks are left as they are; :func:`_mirror_upper` completes the
+    symmetric result."""
     r = v.shape[0]
-    b = 4 if r >= 4 * min_rows else 2 if r >= 2 * min_rows else 1
-    if b == 1:
-        return out.addmm_(v, v.t())
+    b = max(1, min(8, r // max(1, min_rows)))
     edges = [r * j // b for j in range(b + 1)]
     for a in range(b):
-        ra = slice(edges[a], edges[a + 1])
-        out[ra, ra].addmm_(v[ra], v[ra].t())
-        if a + 1 < b:
-            rb = slice(edges[a + 1], r)
-            blk = v[ra] @ v[rb].t()
-            out[ra, rb] += blk
-            out[rb, ra] += blk.t()
+        lo, hi = edges[a], edges[a + 1]
+        out[lo:hi, lo:].addmm_(v[lo:hi], v[lo:].t())
     return out
+
+
+def _mirror_upper(out: Tensor) -> Tensor:
+    """The symmetric matrix whose upper triangle is ``out``'s."""
+    return torch.triu(out).add_(torch.triu(out, 1).t())
 
 
 class GramFactor:
@@ -233,7 +233,7 @@ class KernelFactor(GramFactor):
     def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
         """Gram matrix from ``V`` materialised a block of ``c`` output channels at a time
         (:data:`BLOCK_ELEMENTS`); only the upper block triangle of the symmetric ``V Vᵀ`` is
-        computed (:func:`_syrk_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is
+        computed (:func:`_syrk_upper_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is
         appended to ``vtw``.
 
         A block is built with one batched product (over samples) per column ``k``, reading
@@ -261,9 +261,10 @@ class KernelFactor(GramFactor):
             else:
                 v = torch.bmm(gk[:, :, start:stop].reshape(n, k * (stop - start), t), x)
             v = v.reshape(k * n, -1)
-            _syrk_(out, v)
+            _syrk_upper_(out, v)
             if prod is not None and w is not None:
                 prod.addmm_(v, w[:, start:stop].reshape(w.shape[0], -1).t())
+        out = _mirror_upper(out)
         if not per_column:
             out = out.reshape(n, k, n, k).permute(1, 0, 3, 2).reshape(k * n, k * n)
             if prod is not None:
