@@ -330,7 +330,8 @@ def test_kernel_factor_matches_dense(k, n, t, o, i, d):
         try:
             for method in (None, "kernel", "materialise"):
                 torch.testing.assert_close(f.gram(method), V @ V.T)
-            torch.testing.assert_close(f.matmul(u).reshape(d, -1), u.T @ V)
+            for method in (None, "contract", "materialise"):
+                torch.testing.assert_close(f.matmul(u, method).reshape(d, -1), u.T @ V)
             torch.testing.assert_close(f.tmatmul(w), V @ w.reshape(d, -1).T)
             gram, vtw = f.gram_tmatmul(w)  # fused when V is materialised
             torch.testing.assert_close(gram, V @ V.T)

@@ -27,7 +27,7 @@ number of samples kept by the sub-sampling.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -230,28 +230,21 @@ class KernelFactor(GramFactor):
                 out[r + 1 :, :, r] = blk[:, 1:].permute(1, 2, 0)
         return out.permute(1, 0, 3, 2).reshape(k * n, k * n)
 
-    def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
-        """Gram matrix from ``V`` materialised a block of ``c`` output channels at a time
-        (:data:`BLOCK_ELEMENTS`); only the upper block triangle of the symmetric ``V Vᵀ`` is
-        computed (:func:`_syrk_upper_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is
-        appended to ``vtw``.
+    def _v_blocks(self) -> Iterator[tuple[slice, Tensor, bool]]:
+        """``V`` a block of ``c`` output channels at a time (:data:`BLOCK_ELEMENTS`), as
+        ``(channels, v, k_major)`` with ``v`` of shape ``[K·N', c·I]``.
 
         A block is built with one batched product (over samples) per column ``k``, reading
-        ``g``'s ``[K, N', O, T]`` memory in place (rows ``k·N' + n``), when it holds at least
-        :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched product
-        of ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``, permuted
-        at the end), which needs a copy of ``g``'s block."""
+        ``g``'s ``[K, N', O, T]`` memory in place (rows ``k·N' + n``, ``k_major``), when it holds
+        at least :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched
+        product of ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``),
+        which needs a copy of ``g``'s block."""
         k, n, t, o = self.g.shape
         x, g = self.x, self.g
         i = x.shape[-1]
         step = max(1, BLOCK_ELEMENTS // max(1, k * n * i))
         per_column = step >= min(o, MIN_BLOCK_CHANNELS)
         gk = g.transpose(2, 3) if per_column else g.permute(1, 0, 3, 2)  # [K,N',O,T] / [N',K,O,T]
-        out = g.new_zeros(k * n, k * n)
-        prod = None
-        if w is not None:
-            w = w.reshape(w.shape[0], o, i).to(g.dtype)
-            prod = g.new_zeros(k * n, w.shape[0])
         for start in range(0, o, step):
             stop = min(o, start + step)
             if per_column:
@@ -260,12 +253,28 @@ class KernelFactor(GramFactor):
                     torch.bmm(gk[c, :, start:stop], x, out=v[c])
             else:
                 v = torch.bmm(gk[:, :, start:stop].reshape(n, k * (stop - start), t), x)
-            v = v.reshape(k * n, -1)
+            yield slice(start, stop), v.reshape(k * n, -1), per_column
+
+    def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
+        """Gram matrix from ``V`` materialised a block of output channels at a time
+        (:meth:`_v_blocks`); only the upper block triangle of the symmetric ``V Vᵀ`` is computed
+        (:func:`_syrk_upper_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is appended
+        to ``vtw``."""
+        k, n, _, o = self.g.shape
+        i = self.x.shape[-1]
+        out = self.g.new_zeros(k * n, k * n)
+        prod = None
+        if w is not None:
+            w = w.reshape(w.shape[0], o, i).to(self.g.dtype)
+            prod = self.g.new_zeros(k * n, w.shape[0])
+        k_major = True
+        for channels, v, major in self._v_blocks():
+            k_major = major
             _syrk_upper_(out, v)
             if prod is not None and w is not None:
-                prod.addmm_(v, w[:, start:stop].reshape(w.shape[0], -1).t())
+                prod.addmm_(v, w[:, channels].reshape(w.shape[0], -1).t())
         out = _mirror_upper(out)
-        if not per_column:
+        if not k_major:
             out = out.reshape(n, k, n, k).permute(1, 0, 3, 2).reshape(k * n, k * n)
             if prod is not None:
                 prod = prod.reshape(n, k, -1).transpose(0, 1).reshape(k * n, -1)
@@ -273,11 +282,28 @@ class KernelFactor(GramFactor):
             vtw.append(prod)
         return out
 
-    def matmul(self, u: Tensor) -> Tensor:
-        k, n = self.g.shape[:2]
+    def matmul(self, u: Tensor, method: str | None = None) -> Tensor:
+        """``V u``, by ``method`` or (default) whichever needs fewer multiply-adds per sample
+        and channel:
+
+        * ``"contract"``: ``w = Σₖ uₖₙ gₖₙ`` (``[N', T, D, O]``, ``K·D·T``), then ``wᵀ X``
+          (``D·T·I``);
+        * ``"materialise"``: ``V``'s blocks (:meth:`_v_blocks`, ``K·T·I``), then ``uᵀ V``
+          (``K·D·I``); it avoids the ``D·N'·T·O`` intermediate for large feature maps.
+        """
+        k, n, t, o = self.g.shape
+        i = self.x.shape[-1]
         d = u.shape[1]
-        w = torch.einsum("knd,knto->dnto", u.reshape(k, n, d), self.g)
-        return torch.einsum("dnto,nti->doi", w, self.x).reshape(d, *self.shape)
+        if method is None:
+            method = "materialise" if t > 1 and k * i * (t + d) < d * t * (k + i) else "contract"
+        if method == "materialise":
+            out = u.new_empty(d, o, i)
+            u_n = u.reshape(k, n, d).transpose(0, 1).reshape(n * k, d)  # sample-major rows
+            for channels, v, k_major in self._v_blocks():
+                out[:, channels] = ((u if k_major else u_n).t() @ v).view(d, -1, i)
+            return out.reshape(d, *self.shape)
+        w = torch.einsum("knd,knto->ntdo", u.reshape(k, n, d), self.g)
+        return (w.reshape(n * t, d * o).t() @ self.x.reshape(n * t, i)).reshape(d, *self.shape)
 
     def tmatmul(self, w: Tensor) -> Tensor:
         k, n, t, o = self.g.shape
