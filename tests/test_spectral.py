@@ -197,6 +197,26 @@ def test_eigh(kind, grouping):
             torch.testing.assert_close(E @ E.T, torch.eye(2, dtype=E.dtype), atol=1e-8, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["conv", "conv1d", "seq"])
+@pytest.mark.parametrize("chunk_size", [1, 2])
+def test_column_chunks(kind, chunk_size):
+    """Columns pushed back a chunk at a time (a small ``memory_budget``) reach the factors in
+    pieces; eigenvalues and eigenvectors are those of the dense GGN."""
+    model, lossf, X, y = make(kind)
+    G, _, _ = ref_ggn(model, lossf, X, y)
+    comp = EighComputation()
+    group = {"params": list(model.parameters()), "criterion": top(3)}
+    with backprism.collect(
+        comp.get_extension(), extension_hook=comp.get_extension_hook([group]),
+        chunk_size=chunk_size,
+    ):
+        lossf(model(X), y).backward()
+    evals, vecs = comp.get_result(group)
+    torch.testing.assert_close(evals, torch.linalg.eigvalsh(G)[-3:], rtol=RTOL, atol=1e-10)
+    E = flat(vecs)
+    torch.testing.assert_close(G @ E.T, E.T * evals, rtol=RTOL, atol=1e-8)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "conv", "residual", "transformer"])
 @pytest.mark.parametrize(("sub_grad", "sub_ggn"), [(None, None), ([1, 3], [0, 2, 3])])
 def test_directional_derivatives(kind, sub_grad, sub_ggn):
@@ -315,30 +335,46 @@ def test_mc_trace_in_expectation():
     i=st.integers(1, 4), d=st.integers(1, 3),
 )
 def test_kernel_factor_matches_dense(k, n, t, o, i, d):
-    """Kernel-form Gram/products equal those of the materialised ``V = Σₜ gₜ xₜᵀ``."""
+    """Kernel-form Gram/products equal those of the materialised ``V = Σₜ gₜ xₜᵀ``, for ``g``
+    in one piece and in column chunks (as several column chunks of one backward pass leave it)."""
     import backprism.spectral.factors as fac
 
     torch.manual_seed(k * 1000 + n * 100 + t * 10 + o)
     x, g = torch.randn(n, t, i, dtype=torch.float64), torch.randn(k, n, t, o, dtype=torch.float64)
     V = torch.einsum("knto,nti->knoi", g, x).reshape(k * n, o * i)
-    f = KernelFactor(x, g, (o, i), n)
     u, w = torch.randn(k * n, d, dtype=torch.float64), torch.randn(d, o, i, dtype=torch.float64)
+
+    def factors():  # fresh each time: reading .g joins the chunks
+        yield KernelFactor(x, g, (o, i), n)
+        src = object()
+        chunks = [KernelFactor(x, c, (o, i), n, source=src) for c in g.split(1)]
+        f = chunks[0]
+        for c in chunks[1:]:
+            f = f.cat(c)
+        assert f.num_cols == k
+        yield f
+
     # one block; one channel a time batched over samples; one channel a time per column
     for block_elems, min_channels in ((fac.BLOCK_ELEMENTS, 32), (1, 32), (1, 1)):
         old = fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS
         fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS = block_elems, min_channels
         try:
             for method in (None, "kernel", "materialise"):
-                torch.testing.assert_close(f.gram(method), V @ V.T)
+                for f in factors():
+                    torch.testing.assert_close(f.gram(method), V @ V.T)
             for method in (None, "contract", "materialise"):
-                torch.testing.assert_close(f.matmul(u, method).reshape(d, -1), u.T @ V)
-            torch.testing.assert_close(f.tmatmul(w), V @ w.reshape(d, -1).T)
-            gram, vtw = f.gram_tmatmul(w)  # fused when V is materialised
-            torch.testing.assert_close(gram, V @ V.T)
-            torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
-            gram, vtw = f._gram_materialised(w, out := []), out[0]
-            torch.testing.assert_close(gram, V @ V.T)
-            torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
+                for f in factors():
+                    torch.testing.assert_close(f.matmul(u, method).reshape(d, -1), u.T @ V)
+            for f in factors():
+                torch.testing.assert_close(f.tmatmul(w), V @ w.reshape(d, -1).T)
+            for f in factors():
+                gram, vtw = f.gram_tmatmul(w)  # fused when V is materialised
+                torch.testing.assert_close(gram, V @ V.T)
+                torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
+            for f in factors():
+                gram, vtw = f._gram_materialised(w, out := []), out[0]
+                torch.testing.assert_close(gram, V @ V.T)
+                torch.testing.assert_close(vtw, V @ w.reshape(d, -1).T)
         finally:
             fac.BLOCK_ELEMENTS, fac.MIN_BLOCK_CHANNELS = old
 

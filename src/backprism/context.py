@@ -374,7 +374,7 @@ class collect:
 
         outputs = [o for _, outs in calls for o in outs]
         count = Counter(id(p) for c, _ in calls for p in params_of(c).values())
-        per_col = _column_bytes(calls, outputs, count, dense=any(not e.additive for e in exts))
+        per_col = _column_bytes(calls, outputs, count, exts)
         chunk = self.chunk_size or max(1, self.memory_budget // per_col)
         for start, grads in backprop_columns(origins, cols, outputs, chunk):
             w = None if weights is None else weights[start : start + _chunk_width(grads)]
@@ -422,22 +422,24 @@ def _column_bytes(
     calls: list[tuple[Call, list[Tensor]]],
     outputs: list[Tensor],
     count: Counter[int],
-    dense: bool,
+    exts: list[Any],
 ) -> int:
     """Bytes one backpropagated column costs at its peak: the column at every captured output,
-    plus the per-sample gradients ``[N, *p]`` a rule may build from it (the largest parameter
-    of a call whose rule says so, :meth:`Rule.builds_per_sample`) and, for extensions that
-    square summed per-sample gradients (``dense``), those of every parameter shared by several
-    calls (held until its last call).
+    plus the per-sample gradients ``[N, *p]`` an extension may build from it (the largest
+    parameter of a call for which one says so, :meth:`Extension.builds_per_sample`) and, for
+    extensions that square summed per-sample gradients (not ``additive``), those of every
+    parameter shared by several calls (held until its last call).
 
     Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
     budget 23-fold: each column carries an ``[N, V, d]`` gradient of the tied matrix."""
     elem = outputs[0].element_size() if outputs else 4
     total = sum(o.numel() * o.element_size() for o in outputs)
     n = max((c.batch_size for c, _ in calls), default=1)
+    dense = any(not e.additive for e in exts)
     built, shared, seen = 0, 0, set()
     for call, _ in calls:
-        builds = get_rule(call.module).builds_per_sample(call)
+        rule = get_rule(call.module)
+        builds = any(e.builds_per_sample(rule, call) for e in exts)
         for p in params_of(call).values():
             if builds:
                 built = max(built, p.numel())

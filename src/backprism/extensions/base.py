@@ -64,6 +64,12 @@ class Extension:
         """Combine results of two contributions (column chunks, calls or losses)."""
         return old + new
 
+    def builds_per_sample(self, rule: Rule, call: Call) -> bool:
+        """Whether :meth:`from_rule` may build per-sample, per-column gradients ``[N, *p]`` of
+        ``call``'s parameters (the engine sizes column chunks by it); by default, whether the
+        rule's statistics may (:meth:`Rule.builds_per_sample`)."""
+        return rule.builds_per_sample(call)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"

@@ -15,11 +15,11 @@ cheaper:
   .. math:: G_{(k,n),(k',n')} = \sum_{t,s} \langle g_{knt}, g_{k'n's}\rangle
             \langle x_{nt}, x_{n's}\rangle
 
-  (the *kernel form*, ``(X Xᵀ) ⊙ (S Sᵀ)`` summed over positions, evaluated by contracting
-  ``X Xᵀ`` with ``g`` first so that the ``[KNT, KNT]`` matrix ``g gᵀ`` is never formed), or,
-  when that costs more (see ``KernelFactor._gram_method``), the Gram matrix of ``V`` materialised
-  a block of output channels at a time, upper block triangle only. The ``[K, N, O, I]`` factor is
-  never stored.
+  (the *kernel form*, ``(X Xᵀ) ⊙ (S Sᵀ)`` summed over positions, evaluated one sample row at
+  a time by contracting ``X Xᵀ`` with ``g`` first so that the ``[KNT, KNT]`` matrix ``g gᵀ`` is
+  never formed; cheap when ``T`` is small against ``O`` and ``I``), or, when that costs more
+  (see ``KernelFactor._gram_method``), the Gram matrix of ``V`` materialised a block of output
+  channels at a time, upper block triangle only. The ``[K, N, O, I]`` factor is never stored.
 
 Row index of every ``[KN, ·]`` matrix: ``i = k·N' + n`` (column-major in ``k``), ``N'`` the
 number of samples kept by the sub-sampling.
@@ -139,16 +139,36 @@ class DenseFactor(GramFactor):
 
 class KernelFactor(GramFactor):
     r"""Weight factor ``Vₖₙ = Σₜ gₖₙₜ xₙₜᵀ`` kept as ``x`` (``[N', T, I]``) and ``g``
-    (``[K, N', T, O]``); ``shape`` is the weight's shape (``O·I`` elements)."""
+    (``[K, N', T, O]``, or a list of chunks of it along ``K``, as the columns arrive); ``shape``
+    is the weight's shape (``O·I`` elements).
+
+    Chunks are concatenated at most once, and only by the computations that need ``g`` in one
+    piece; building ``V`` column by column and the kernel form read them as they are."""
 
     def __init__(
-        self, x: Tensor, g: Tensor, shape: Sequence[int], batch_size: int, source: Any = None
+        self,
+        x: Tensor,
+        g: Tensor | Sequence[Tensor],
+        shape: Sequence[int],
+        batch_size: int,
+        source: Any = None,
     ) -> None:
-        self.x, self.g = x, g
-        self.num_cols, self.num_samples = g.shape[0], g.shape[1]
+        self.x = x
+        self._chunks = [g] if isinstance(g, Tensor) else list(g)
+        first = self._chunks[0]
+        self.num_cols = sum(c.shape[0] for c in self._chunks)
+        self.num_samples = first.shape[1]
+        self._dims = (self.num_cols, *first.shape[1:])  # (K, N', T, O)
         self.batch_size = batch_size
         self.shape = torch.Size(shape)
         self.source = source  # the call the factor came from (to concatenate chunks)
+
+    @property
+    def g(self) -> Tensor:
+        """The columns ``[K, N', T, O]`` in one tensor."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks, 0)]
+        return self._chunks[0]
 
     # -- costs ---------------------------------------------------------------------------
     def _gram_method(self) -> str:
@@ -165,7 +185,7 @@ class KernelFactor(GramFactor):
         The kernel form wins where ``T`` is small against ``O`` and ``I`` (deep convolutions on
         small feature maps), the materialised one for large feature maps.
         """
-        k, n, t, o = self.g.shape
+        k, n, t, o = self._dims
         i = self.x.shape[-1]
         if t == 1:
             return "kernel"
@@ -178,7 +198,7 @@ class KernelFactor(GramFactor):
     def gram_tmatmul(self, w: Tensor) -> tuple[Tensor, Tensor]:
         """``(VᵀV, Vᵀ w)``; when ``V`` is materialised for the Gram matrix, ``Vᵀw`` is taken from
         the same blocks (``KN'·M·O·I`` multiply-adds instead of ``N'·M·T·O·I``)."""
-        if self.g.shape[2] == 1 or self._gram_method() == "kernel":
+        if self._dims[2] == 1 or self._gram_method() == "kernel":
             return self.gram(), self.tmatmul(w)
         vtw: list[Tensor] = []
         gram = self._gram_materialised(w, vtw)
@@ -189,7 +209,7 @@ class KernelFactor(GramFactor):
         of output channels at a time (:meth:`_gram_materialised`); ``method`` defaults to the
         cheaper (:meth:`_gram_method`)."""
         method = method or self._gram_method()
-        k, n, t, o = self.g.shape
+        k, n, t, o = self._dims
         if t == 1:
             gg = self.g[:, :, 0].reshape(k * n, o)
             xx = self.x[:, 0] @ self.x[:, 0].t()
@@ -210,9 +230,9 @@ class KernelFactor(GramFactor):
         and the row of ``G`` one matrix product with it. Neither ``V`` nor ``g gᵀ``
         (``[KNT, KNT]``) is formed.
         """
-        k, n, t, o = self.g.shape
+        k, n, t, o = self._dims
         xf = self.x.reshape(n * t, -1)
-        gp = self.g.permute(1, 0, 3, 2).contiguous()  # [N', K, O, T]
+        gp = torch.cat([c.permute(1, 0, 3, 2) for c in self._chunks], 1).contiguous()  # [N',K,O,T]
         out = gp.new_empty(n, k, n, k)  # (n, k, n', l)
         # about eight row blocks: X Xᵀ restricted to n' ≥ the block's first row costs ~9/16 of
         # the full product
@@ -239,20 +259,23 @@ class KernelFactor(GramFactor):
         at least :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched
         product of ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``),
         which needs a copy of ``g``'s block."""
-        k, n, t, o = self.g.shape
-        x, g = self.x, self.g
+        k, n, t, o = self._dims
+        x, chunks = self.x, self._chunks
         i = x.shape[-1]
         step = max(1, BLOCK_ELEMENTS // max(1, k * n * i))
         per_column = step >= min(o, MIN_BLOCK_CHANNELS)
-        gk = g.transpose(2, 3) if per_column else g.permute(1, 0, 3, 2)  # [K,N',O,T] / [N',K,O,T]
         for start in range(0, o, step):
             stop = min(o, start + step)
             if per_column:
-                v = g.new_empty(k, n, stop - start, i)
-                for c in range(k):
-                    torch.bmm(gk[c, :, start:stop], x, out=v[c])
-            else:
-                v = torch.bmm(gk[:, :, start:stop].reshape(n, k * (stop - start), t), x)
+                v = x.new_empty(k, n, stop - start, i)
+                row = 0
+                for chunk in chunks:
+                    for gc in chunk.transpose(2, 3)[:, :, start:stop]:  # [N', c, T] per column
+                        torch.bmm(gc, x, out=v[row])
+                        row += 1
+            else:  # [N', K, c, T] copied to one batched product's rows
+                gs = torch.cat([ch.permute(1, 0, 3, 2)[:, :, start:stop] for ch in chunks], 1)
+                v = torch.bmm(gs.reshape(n, k * (stop - start), t), x)
             yield slice(start, stop), v.reshape(k * n, -1), per_column
 
     def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
@@ -260,13 +283,13 @@ class KernelFactor(GramFactor):
         (:meth:`_v_blocks`); only the upper block triangle of the symmetric ``V Vᵀ`` is computed
         (:func:`_syrk_upper_`). With ``w`` (``[M, O, I]``), ``Vᵀ w`` (``[KN', M]``) is appended
         to ``vtw``."""
-        k, n, _, o = self.g.shape
+        k, n, _, o = self._dims
         i = self.x.shape[-1]
-        out = self.g.new_zeros(k * n, k * n)
+        out = self.x.new_zeros(k * n, k * n)
         prod = None
         if w is not None:
-            w = w.reshape(w.shape[0], o, i).to(self.g.dtype)
-            prod = self.g.new_zeros(k * n, w.shape[0])
+            w = w.reshape(w.shape[0], o, i).to(self.x.dtype)
+            prod = self.x.new_zeros(k * n, w.shape[0])
         k_major = True
         for channels, v, major in self._v_blocks():
             k_major = major
@@ -291,7 +314,7 @@ class KernelFactor(GramFactor):
         * ``"materialise"``: ``V``'s blocks (:meth:`_v_blocks`, ``K·T·I``), then ``uᵀ V``
           (``K·D·I``); it avoids the ``D·N'·T·O`` intermediate for large feature maps.
         """
-        k, n, t, o = self.g.shape
+        k, n, t, o = self._dims
         i = self.x.shape[-1]
         d = u.shape[1]
         if method is None:
@@ -327,19 +350,31 @@ class KernelFactor(GramFactor):
             and self.source is not None
             and other.source is self.source
         ):
-            return KernelFactor(
-                self.x, torch.cat([self.g, other.g], 0), self.shape, self.batch_size, self.source
-            )
+            chunks = self._chunks + other._chunks
+            return KernelFactor(self.x, chunks, self.shape, self.batch_size, self.source)
         return super().cat(other)
 
 
 # -- building factors from a call ----------------------------------------------------------
 
 
+def _kernel_form_applies(module: nn.Module) -> bool:
+    """Whether :func:`factors_from_call` keeps ``module``'s weight as a :class:`KernelFactor`
+    (Linear; Conv1d/Conv2d with ``groups = 1``, zero padding and numeric padding)."""
+    if type(module) is nn.Linear:
+        return True
+    return (
+        type(module) in (nn.Conv1d, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
+
+
 def _conv_unfold(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor] | None:
     """``x`` unfolded to ``[N, T, I·k]`` and ``g`` as ``[K, N, T, O]`` for Conv1d/Conv2d with
     ``groups = 1``, zero padding and numeric padding; ``None`` when not applicable."""
-    if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+    if not _kernel_form_applies(module):
         return None
     if isinstance(module, nn.Conv1d):
         if x.dim() != 3:
@@ -426,6 +461,9 @@ class SpectralFactorExtension(SecondOrderExtension):
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return factors_from_call(rule, call, g, self._index(call.batch_size))
+
+    def builds_per_sample(self, rule: Rule, call: Call) -> bool:
+        return not _kernel_form_applies(call.module) and rule.builds_per_sample(call)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> GramFactor:
         idx = self._index(call.batch_size)
