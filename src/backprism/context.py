@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -90,6 +90,9 @@ class _BackwardState:
         # second pass over inputs and output gradients)
         self.partials: dict[int, list[tuple[Extension, Any, nn.Module, Callable[[], Tensor]]]] = {}
         self.module_call: dict[int, Call] = {}
+        #: caches extensions keep for the length of this pass (e.g. unfolded inputs shared by
+        #: the column chunks of a call), dropped with it
+        self.scratch: dict[Hashable, Any] = {}
 
 
 class collect:

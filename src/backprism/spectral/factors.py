@@ -27,13 +27,14 @@ number of samples kept by the sub-sampling.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backprism import context
 from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
 from backprism.rules.base import Call, Rule
 
@@ -180,7 +181,7 @@ class KernelFactor(GramFactor):
           :data:`KERNEL_BMM_WEIGHT`) and ``N²/2·K²·O·T`` for the final contraction, which
           streams an ``[N', K, O, T]`` intermediate per row (weight :data:`KERNEL_FINAL_WEIGHT`);
         * materialise: ``KN·T·O·I`` to build ``V`` (weight :data:`BUILD_WEIGHT`) and
-          ``(5/8)·(KN)²·O·I`` for the block-triangular ``V Vᵀ``.
+          ``(9/16)·(KN)²·O·I`` for the block-triangular ``V Vᵀ`` (:func:`_syrk_upper_`).
 
         The kernel form wins where ``T`` is small against ``O`` and ``I`` (deep convolutions on
         small feature maps), the materialised one for large feature maps.
@@ -192,7 +193,7 @@ class KernelFactor(GramFactor):
         kernel = n * n / 2 * (
             t * t * i + KERNEL_BMM_WEIGHT * k * o * t * t + KERNEL_FINAL_WEIGHT * k * k * o * t
         )
-        materialise = BUILD_WEIGHT * k * n * t * o * i + 5 / 8 * (k * n) ** 2 * o * i
+        materialise = BUILD_WEIGHT * k * n * t * o * i + 9 / 16 * (k * n) ** 2 * o * i
         return "kernel" if kernel < materialise else "materialise"
 
     def gram_tmatmul(self, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -371,9 +372,12 @@ def _kernel_form_applies(module: nn.Module) -> bool:
     )
 
 
-def _conv_unfold(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tensor] | None:
-    """``x`` unfolded to ``[N, T, I·k]`` and ``g`` as ``[K, N, T, O]`` for Conv1d/Conv2d with
-    ``groups = 1``, zero padding and numeric padding; ``None`` when not applicable."""
+def _conv_unfold(
+    module: nn.Module, x: Tensor, g: Tensor, xu: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """``x`` unfolded to ``[N, T, I·k]`` (or ``xu``, unfolded before) and ``g`` as
+    ``[K, N, T, O]`` for Conv1d/Conv2d with ``groups = 1``, zero padding and numeric padding;
+    ``None`` when not applicable."""
     if not _kernel_form_applies(module):
         return None
     if isinstance(module, nn.Conv1d):
@@ -389,19 +393,27 @@ def _conv_unfold(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, Tenso
         pad, stride = module.padding, module.stride
     else:
         return None
-    xu = F.unfold(x, kernel, dilation=dil, padding=pad, stride=stride)  # [N, I·k, T]
+    if xu is None:
+        xu = F.unfold(x, kernel, dilation=dil, padding=pad, stride=stride).transpose(1, 2)
     k, n = g.shape[0], g.shape[1]
     gt = g.reshape(k, n, g.shape[2], -1)  # [K, N, O, T]
-    if gt.shape[-1] != xu.shape[-1]:
+    if gt.shape[-1] != xu.shape[1]:
         return None
-    return xu.transpose(1, 2), gt.transpose(2, 3)
+    return xu, gt.transpose(2, 3)
 
 
 def factors_from_call(
-    rule: Rule, call: Call, g: Any, index: Tensor | None
+    rule: Rule,
+    call: Call,
+    g: Any,
+    index: Tensor | None,
+    inputs: MutableMapping[Call, Tensor] | None = None,
 ) -> dict[str, GramFactor]:
     """Factors for the parameters of ``call`` from its backpropagated columns ``g``
-    (``[K, N, *out.shape]``), restricted to the samples ``index`` (all if ``None``)."""
+    (``[K, N, *out.shape]``), restricted to the samples ``index`` (all if ``None``).
+
+    ``inputs`` caches the unfolded convolution inputs by call, so that the column chunks of
+    one call unfold them once."""
     module = call.module
     n = call.batch_size
     names = set(call.params)
@@ -417,7 +429,9 @@ def factors_from_call(
                 gs.reshape(gs.shape[0], gs.shape[1], -1, gs.shape[-1]),
             )
         else:
-            kernel = _conv_unfold(module, x, gs)
+            kernel = _conv_unfold(module, x, gs, None if inputs is None else inputs.get(call))
+            if kernel is not None and inputs is not None:
+                inputs[call] = kernel[0]
     if kernel is not None:
         xk, gk = kernel
         out: dict[str, GramFactor] = {}
@@ -460,7 +474,10 @@ class SpectralFactorExtension(SecondOrderExtension):
         return subsample_index(self.subsampling, n, "spectral GGN sub-sampling")
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
-        return factors_from_call(rule, call, g, self._index(call.batch_size))
+        ctx = context.active()  # unfolded inputs are shared by a call's column chunks
+        key = ("unfolded", id(self))
+        inputs = None if ctx is None else ctx._state().scratch.setdefault(key, {})
+        return factors_from_call(rule, call, g, self._index(call.batch_size), inputs)
 
     def builds_per_sample(self, rule: Rule, call: Call) -> bool:
         return not _kernel_form_applies(call.module) and rule.builds_per_sample(call)
