@@ -288,6 +288,22 @@ def cuda_peak_memory(problem: str, config: str, n: int, mc: int, device: str) ->
     return (extra - base) / 2**20
 
 
+def _vivit_bytes(problem: str, n: int, mc: int) -> int:
+    """Bytes of the ``[K, N, P]`` GGN square root ViViT materialises (float32)."""
+    model, _, X, _ = build(problem, 1)
+    with torch.no_grad():
+        classes = model(X).shape[-1]
+    params = sum(p.numel() for p in model.parameters())
+    return 4 * (mc or classes) * n * params
+
+
+def _memory_bytes(device: str) -> int:
+    """Physical memory of the host (CPU) or the GPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b| / max |b|`` (aligned at the largest eigenvalues)."""
     m = min(a.numel(), b.numel())
@@ -300,7 +316,15 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
     ours = args.configs or OURS
     configs = ["plain", *ours]
     if HAVE_VIVIT and not args.no_vivit:
-        configs += [f"vivit_{c}" for c in ours]
+        need, have = _vivit_bytes(problem, n, mc), _memory_bytes(device)
+        if need < have / 2:
+            configs += [f"vivit_{c}" for c in ours]
+        else:
+            print(
+                f"# {problem} N={n}: ViViT skipped (its square-root factor V alone needs "
+                f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB)",
+                file=sys.stderr,
+            )
     if mc == 0:
         configs += [f"power_top{k}" for k in args.power_k]
     runners = {}

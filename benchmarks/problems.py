@@ -81,7 +81,9 @@ def mnist_2c2d(n: int = 128):
 
 
 def cifar100_allcnnc(n: int = 128):
-    """All-CNN-C (DeepOBS), C = 100, input 3×32×32, dropout removed (per-sample work)."""
+    """All-CNN-C (DeepOBS), C = 100, input 3×32×32, dropout removed (per-sample work); the
+    global average is DeepOBS's 6×6 ``AvgPool2d``, which BackPACK/ViViT support (unlike
+    ``AdaptiveAvgPool2d``)."""
     model = nn.Sequential(
         nn.Conv2d(3, 96, 3, padding=1),
         nn.ReLU(),
@@ -101,7 +103,7 @@ def cifar100_allcnnc(n: int = 128):
         nn.ReLU(),
         nn.Conv2d(192, 100, 1),
         nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
+        nn.AvgPool2d(6),
         nn.Flatten(),
     )
     return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 100, (n,))
