@@ -247,6 +247,11 @@ def residual_extensions() -> list:
 
 
 # -- error hooks -------------------------------------------------------------------------------
+def _names(exts: list) -> str:
+    """The extensions' class names, for error messages."""
+    return ", ".join(sorted({type(e).__name__ for e in exts}))
+
+
 def _error_hook(
     what: str, nll_output: weakref.ref | None = None
 ) -> Callable[[Tensor], None]:
@@ -258,7 +263,7 @@ def _error_hook(
             return
         if nll_output is not None and _feeds_nll(nll_output):
             return
-        names = ", ".join(sorted({type(e).__name__ for e in residual_extensions()}))
+        names = _names(residual_extensions())
         raise NonlinearityError(
             f"backprism {names}: {what} lies between the parameters and the loss; its Hessian "
             f"term is not an elementwise residual, so the exact Hessian diagonal/blocks cannot be "
@@ -337,7 +342,7 @@ def check_linear_in_params(call: Any, exts: list) -> None:
 
     check_recording(exts)
     if getattr(call, "unrecorded", False):
-        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        names = _names(exts)
         raise RuntimeError(
             f"backprism {names}: the forward pass of this backward ran inside a collect() "
             "without a DiagHessian-family extension, so its nonlinearities were not recorded "
@@ -345,7 +350,7 @@ def check_linear_in_params(call: Any, exts: list) -> None:
             f"collect() that holds {names}, or outside any collect()."
         )
     if not get_rule(call.module).linear_in_params:
-        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {type(call.module).__name__} enter its output "
             f"nonlinearly, so its own Hessian term is missing from the column construction. "
@@ -421,7 +426,7 @@ def record_nonlinearities(enabled: bool = True) -> bool:
 def check_recording(exts: list) -> None:
     """Raise if nonlinearities are not being recorded (see :func:`record_nonlinearities`)."""
     if not _RECORDING[0]:
-        names = ", ".join(sorted({type(e).__name__ for e in exts}))
+        names = _names(exts)
         raise RuntimeError(
             f"backprism {names}: recording of nonlinearities is switched off "
             "(backprism.hessian_residual.record_nonlinearities(False)), so the Hessian residual "
