@@ -40,14 +40,15 @@ from backprism.rules.base import Call, Rule
 
 __all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
 
-#: elements allowed for one temporary block in Gram/contraction computations (16 Mi)
+#: elements allowed for one temporary block in Gram/contraction computations (4 Mi: 16 MiB in
+#: float32, below glibc's largest mmap threshold, so freed blocks are reused without page faults)
 BLOCK_ELEMENTS = 2**22
 #: relative cost per multiply-add (against a large matrix product) of the kernel form's batched
 #: product with inner dimension ``T``, of its final memory-bound contraction and of building ``V``
 #: (see ``KernelFactor._gram_method``)
 KERNEL_BMM_WEIGHT, KERNEL_FINAL_WEIGHT, BUILD_WEIGHT = 1.6, 3.3, 1.5
 #: fewest output channels per block for building ``V`` column by column (see
-#: ``KernelFactor._gram_materialised``)
+#: ``KernelFactor._v_blocks``)
 MIN_BLOCK_CHANNELS = 32
 
 
@@ -251,20 +252,26 @@ class KernelFactor(GramFactor):
                 out[r + 1 :, :, r] = blk[:, 1:].permute(1, 2, 0)
         return out.permute(1, 0, 3, 2).reshape(k * n, k * n)
 
-    def _v_blocks(self) -> Iterator[tuple[slice, Tensor, bool]]:
-        """``V`` a block of ``c`` output channels at a time (:data:`BLOCK_ELEMENTS`), as
-        ``(channels, v, k_major)`` with ``v`` of shape ``[K·N', c·I]``.
+    def _block_layout(self) -> tuple[int, bool]:
+        """Output channels per block of ``V`` (:data:`BLOCK_ELEMENTS`) and whether the blocks
+        are built column by column (rows ``k·N' + n``, *k-major*; see :meth:`_v_blocks`)."""
+        k, n, _, o = self._dims
+        step = max(1, BLOCK_ELEMENTS // max(1, k * n * self.x.shape[-1]))
+        return step, step >= min(o, MIN_BLOCK_CHANNELS)
+
+    def _v_blocks(self) -> Iterator[tuple[slice, Tensor]]:
+        """``V`` a block of ``c`` output channels at a time, as ``(channels, v)`` with ``v`` of
+        shape ``[K·N', c·I]``.
 
         A block is built with one batched product (over samples) per column ``k``, reading
-        ``g``'s ``[K, N', O, T]`` memory in place (rows ``k·N' + n``, ``k_major``), when it holds
-        at least :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched
-        product of ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``),
-        which needs a copy of ``g``'s block."""
+        ``g``'s ``[K, N', O, T]`` memory in place (rows ``k·N' + n``), when it holds at least
+        :data:`MIN_BLOCK_CHANNELS` channels; otherwise (large ``I``) with one batched product of
+        ``K·c`` channel rows per sample, rows in sample-major order (``n·K + k``), which needs a
+        copy of ``g``'s block (:meth:`_block_layout` says which)."""
         k, n, t, o = self._dims
         x, chunks = self.x, self._chunks
         i = x.shape[-1]
-        step = max(1, BLOCK_ELEMENTS // max(1, k * n * i))
-        per_column = step >= min(o, MIN_BLOCK_CHANNELS)
+        step, per_column = self._block_layout()
         for start in range(0, o, step):
             stop = min(o, start + step)
             if per_column:
@@ -277,7 +284,7 @@ class KernelFactor(GramFactor):
             else:  # [N', K, c, T] copied to one batched product's rows
                 gs = torch.cat([ch.permute(1, 0, 3, 2)[:, :, start:stop] for ch in chunks], 1)
                 v = torch.bmm(gs.reshape(n, k * (stop - start), t), x)
-            yield slice(start, stop), v.reshape(k * n, -1), per_column
+            yield slice(start, stop), v.reshape(k * n, -1)
 
     def _gram_materialised(self, w: Tensor | None = None, vtw: list | None = None) -> Tensor:
         """Gram matrix from ``V`` materialised a block of output channels at a time
@@ -291,14 +298,12 @@ class KernelFactor(GramFactor):
         if w is not None:
             w = w.reshape(w.shape[0], o, i).to(self.x.dtype)
             prod = self.x.new_zeros(k * n, w.shape[0])
-        k_major = True
-        for channels, v, major in self._v_blocks():
-            k_major = major
+        for channels, v in self._v_blocks():
             _syrk_upper_(out, v)
             if prod is not None and w is not None:
                 prod.addmm_(v, w[:, channels].reshape(w.shape[0], -1).t())
         out = _mirror_upper(out)
-        if not k_major:
+        if not self._block_layout()[1]:  # sample-major rows
             out = out.reshape(n, k, n, k).permute(1, 0, 3, 2).reshape(k * n, k * n)
             if prod is not None:
                 prod = prod.reshape(n, k, -1).transpose(0, 1).reshape(k * n, -1)
@@ -322,9 +327,10 @@ class KernelFactor(GramFactor):
             method = "materialise" if t > 1 and k * i * (t + d) < d * t * (k + i) else "contract"
         if method == "materialise":
             out = u.new_empty(d, o, i)
-            u_n = u.reshape(k, n, d).transpose(0, 1).reshape(n * k, d)  # sample-major rows
-            for channels, v, k_major in self._v_blocks():
-                out[:, channels] = ((u if k_major else u_n).t() @ v).view(d, -1, i)
+            if not self._block_layout()[1]:  # sample-major rows
+                u = u.reshape(k, n, d).transpose(0, 1).reshape(n * k, d)
+            for channels, v in self._v_blocks():
+                out[:, channels] = (u.t() @ v).view(d, -1, i)
             return out.reshape(d, *self.shape)
         w = torch.einsum("knd,knto->ntdo", u.reshape(k, n, d), self.g)
         return (w.reshape(n * t, d * o).t() @ self.x.reshape(n * t, i)).reshape(d, *self.shape)
