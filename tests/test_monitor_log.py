@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from torch import nn
 
 import backprism
 from backprism.monitor import Monitor, configuration, read_log, schedules
+from backprism.monitor.log import LogWriter, TruncatedLogWarning
+from backprism.plot.logdata import read_log as read_runlog
 
 TRAIN = textwrap.dedent(
     """
@@ -145,7 +148,8 @@ def test_read_log_errors_and_truncation(tmp_path) -> None:
     text = path.read_text()
     cut = tmp_path / "cut.jsonl"
     cut.write_text(text[: len(text) - 40])  # last line truncated mid-record
-    frame = read_log(cut)
+    with pytest.warns(TruncatedLogWarning, match=re.escape(str(cut))):
+        frame = read_log(cut)
     assert len(frame) >= 3
 
 
@@ -163,9 +167,183 @@ def test_crash_safety_sigkill(tmp_path) -> None:
     finally:
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    frame = read_log(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TruncatedLogWarning)  # killed mid-line or not
+        frame = read_log(path)
     assert len(frame) >= 5
     steps = list(frame["step"])
     assert steps == list(range(len(steps)))
     done = frame.dropna(subset=["Loss"])
     assert len(done) >= 5 and np.isfinite(done["Loss"].to_numpy(dtype=float)).all()
+
+
+# ---------------------------------------------------------------- cut-off lines, append repair
+QUANTITIES = ["Loss", "GradNorm"]
+
+
+def write_steps(path, steps, mode: str = "w", quantities=QUANTITIES) -> None:
+    """A small log through :class:`LogWriter`: one step line per step, a log line every
+    second step (none at odd steps, so that the last line of ``range(0, 6)`` is a step line)."""
+    writer = LogWriter(path, quantities, mode=mode)
+    for s in steps:
+        writer.step(s, {"Loss": 1.0 / (s + 1), "GradNorm": [0.1 * s, 0.2]})
+        if s % 2 == 0:
+            writer.write({"kind": "log", "step": s, "epoch": 0, "train_loss": 0.5 + s})
+        writer.step(s, {"Alpha": -0.5})  # a second line for the same step, merged on reading
+    writer.close()
+
+
+def read_both(path, n_warnings: int = 0):
+    """Read ``path`` with both readers; assert each emits ``n_warnings`` warnings, all
+    :class:`TruncatedLogWarning` naming the file."""
+    out = []
+    for reader in (lambda p: read_log(p, as_frame=False), read_runlog):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out.append(reader(path))
+        assert len(caught) == n_warnings, [str(w.message) for w in caught]
+        for w in caught:
+            assert issubclass(w.category, TruncatedLogWarning)
+            assert issubclass(w.category, UserWarning) and str(path) in str(w.message)
+    return out
+
+
+def same_records(path, reference) -> None:
+    """``path`` and ``reference`` hold the same records for both readers."""
+    (data, log), (ref_data, ref_log) = read_both(path), read_both(reference)
+    assert data == ref_data
+    assert (log.quantities, log.steps, log.records) == (
+        ref_log.quantities, ref_log.steps, ref_log.records)
+
+
+def cut_last_line(path, keep: int) -> int:
+    """Cut the last line of ``path`` after ``keep`` of its characters; returns the number of
+    characters of the fragment left in the file."""
+    text = path.read_text()
+    start = text.rstrip("\n").rfind("\n") + 1
+    assert 0 < keep < len(text) - start - 1
+    path.write_text(text[: start + keep])
+    return keep
+
+
+@pytest.mark.parametrize("keep", [1, 20, -2])
+def test_cut_off_last_line_same_records_and_warning_in_both_readers(tmp_path, keep) -> None:
+    path, reference = tmp_path / "cut.jsonl", tmp_path / "ref.jsonl"
+    write_steps(path, range(6))
+    last = path.read_text().splitlines()[-1]
+    cut_last_line(path, keep % len(last))
+    # the reference: the same log without its last line (the second line of step 5)
+    text = path.read_text()
+    reference.write_text(text[: text.rfind("\n") + 1])
+    (data, log) = read_both(path, n_warnings=1)
+    (ref_data, ref_log) = read_both(reference)
+    assert data == ref_data
+    assert (log.quantities, log.steps, log.records) == (
+        ref_log.quantities, ref_log.steps, ref_log.records)
+    assert log.truncated and not ref_log.truncated
+    with pytest.warns(TruncatedLogWarning, match=re.escape(str(path))):
+        frame = read_log(path)
+    assert list(frame["step"]) == list(range(6))
+    assert frame["Alpha"].isna().tolist() == [False] * 5 + [True]
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path) -> None:
+    path, reference = tmp_path / "run.jsonl", tmp_path / "ref.jsonl"
+    write_steps(reference, range(4))
+    path.write_text(reference.read_text().rstrip("\n"))
+    same_records(path, reference)
+    write_steps(path, range(4, 6), mode="a")  # only the newline is added: no warning
+    write_steps(reference, range(4, 6), mode="a")
+    assert path.read_text() == reference.read_text()
+
+
+def test_corrupt_middle_line_raises_with_file_and_line(tmp_path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_steps(path, range(4))
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = lines[2][:15] + "\n"  # line 3 cut off, more lines follow
+    path.write_text("".join(lines))
+    message = rf"{re.escape(str(path))}: line 3 is not valid JSON"
+    with pytest.raises(ValueError, match=message) as info:
+        read_log(path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        read_runlog(path)
+    lines[2] = "[1, 2]\n"  # valid JSON, but not a record
+    path.write_text("".join(lines))
+    for reader in (read_log, read_runlog):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: line 3 is not a JSON"):
+            reader(path)
+    lines[2] = '{"kind": "step", "values": {}}\n'  # a step line without its step
+    path.write_text("".join(lines))
+    for reader in (read_log, read_runlog):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: line 3 is not a valid"):
+            reader(path)
+
+
+def test_append_after_crash_drops_the_fragment(tmp_path) -> None:
+    path, reference = tmp_path / "crashed.jsonl", tmp_path / "ref.jsonl"
+    write_steps(path, range(6))
+    # the crash cut the second line of step 5 ({"kind":"step","step":5,"values":{"Alpha":..}})
+    dropped = cut_last_line(path, 25)
+    message = rf"{re.escape(str(path))}.* {dropped} bytes"
+    with pytest.warns(TruncatedLogWarning, match=message) as caught:
+        write_steps(path, range(6, 9), mode="a")
+    assert len(caught) == 1
+    # the complete earlier records plus the new ones, as if the run had stopped cleanly
+    # before the record that was cut off
+    write_steps(reference, range(6))
+    lines = reference.read_text().splitlines(keepends=True)
+    reference.write_text("".join(lines[:-1]))
+    write_steps(reference, range(6, 9), mode="a")
+    assert path.read_text() == reference.read_text()
+    for line in path.read_text().splitlines():
+        json.loads(line)
+    same_records(path, reference)
+    frame = read_log(path)
+    assert list(frame["step"]) == list(range(9))
+    assert math.isnan(frame.loc[5, "Alpha"]) and frame.loc[6, "Alpha"] == -0.5
+    assert frame.loc[8, "train_loss"] == 8.5
+
+
+def test_append_after_crash_with_corrupt_last_line_and_newline(tmp_path) -> None:
+    """Garbage with a newline (power loss without fsync): the readers skip it as a cut-off
+    last line, so appending drops it too instead of burying it mid-file."""
+    path = tmp_path / "run.jsonl"
+    write_steps(path, range(3))
+    with open(path, "ab") as f:
+        f.write(b"\x00\x00\x00\n")
+    read_both(path, n_warnings=1)
+    with pytest.warns(TruncatedLogWarning, match="4 bytes"):
+        write_steps(path, range(3, 5), mode="a")
+    data, log = read_both(path)
+    assert [e["step"] for e in data["steps"]] == list(range(5)) and not log.truncated
+
+
+def test_append_to_a_complete_log_does_not_warn(tmp_path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_steps(path, range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_steps(path, range(3, 5), mode="a", quantities=[*QUANTITIES, "Alpha"])
+        data, log = read_both(path)
+    assert [e["step"] for e in data["steps"]] == list(range(5))
+    assert data["meta"]["quantities"] == log.quantities == [*QUANTITIES, "Alpha"]
+    assert sum('"kind":"meta"' in line for line in path.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("header", ['{"kind":"meta","vers', "{"])
+def test_file_ending_inside_its_header(tmp_path, header) -> None:
+    path = tmp_path / "run.jsonl"
+    path.write_text(header)
+    for reader in (read_log, read_runlog):
+        with pytest.raises(ValueError, match="truncated inside its header") as info:
+            reader(path)
+        assert str(path) in str(info.value)
+    message = rf"{re.escape(str(path))} ends inside its header.* {len(header)} bytes.*afresh"
+    with pytest.warns(TruncatedLogWarning, match=message):
+        write_steps(path, range(2), mode="a")
+    reference = tmp_path / "ref.jsonl"
+    write_steps(reference, range(2))
+    assert path.read_text() == reference.read_text()
+    same_records(path, reference)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -106,10 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read(path: str):  # -> RunLog
+    """Read the log at ``path``; a cut-off last line gives one ``backprism: warning: ...`` line
+    on stderr (the reader's own :class:`~backprism.monitor.log.TruncatedLogWarning` is
+    silenced so that it is not reported twice), bad input a :class:`_UserError`."""
+    from backprism.monitor.log import TruncatedLogWarning
     from backprism.plot.logdata import read_log
 
     try:
-        log = read_log(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncatedLogWarning)
+            log = read_log(path)
     except ValueError as err:
         raise _UserError(str(err)) from None
     if log.truncated:
@@ -140,9 +147,13 @@ def _cmd_plot(args: argparse.Namespace) -> None:
     if args.watch:
         if not Path(args.log).exists():
             print(f"backprism: waiting for {args.log} to appear ...", file=sys.stderr)
-        n = dash.watch(args.log, interval=args.interval, out=out, timeout=args.timeout,
-                       on_update=lambda log: print(
-                           f"redrawn: {log.num_steps} steps -> {out}", file=sys.stderr))
+        from backprism.monitor.log import TruncatedLogWarning
+
+        with warnings.catch_warnings():  # a live run's last line is cut off now and then
+            warnings.simplefilter("ignore", TruncatedLogWarning)
+            n = dash.watch(args.log, interval=args.interval, out=out, timeout=args.timeout,
+                           on_update=lambda log: print(
+                               f"redrawn: {log.num_steps} steps -> {out}", file=sys.stderr))
         print(f"{n} redraws; dashboard {out}")
         return
     log = _read(args.log)

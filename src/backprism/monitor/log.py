@@ -52,6 +52,13 @@ so the file is readable during training and intact up to the last completed step
 
 :func:`read_log` turns a file back into a :class:`pandas.DataFrame` (one row per step, a
 ``step`` column, a column per key, the ``log`` fields merged into the same row) or a dict.
+
+A crashed run can leave its last line cut off (no trailing newline). Both readers,
+:func:`read_log` here and :func:`backprism.plot.logdata.read_log`, skip such a last line with a
+:class:`TruncatedLogWarning` (a :class:`UserWarning`); a line that is not valid JSON anywhere
+else raises a :class:`ValueError` naming the file and the line number. :class:`LogWriter` in
+append mode drops a cut-off last line before it writes (with a warning), so that the new lines
+do not merge with the fragment.
 """
 
 from __future__ import annotations
@@ -60,15 +67,22 @@ import contextlib
 import json
 import math
 import os
+import re
+import warnings
 from collections.abc import Iterable, Mapping
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["LOG_VERSION", "LogWriter", "read_log", "to_jsonable"]
+__all__ = ["LOG_VERSION", "LogWriter", "TruncatedLogWarning", "read_log", "to_jsonable"]
 
 LOG_VERSION = 1
+
+
+class TruncatedLogWarning(UserWarning):
+    """A monitor log ends in a cut-off line (a run that is still writing or that crashed):
+    the readers skipped it, or :class:`LogWriter` dropped it before appending."""
 
 
 def to_jsonable(value: Any) -> Any:
@@ -107,6 +121,12 @@ class LogWriter:
         path: file to write.
         quantities: output keys for the meta line.
         mode: ``"w"`` starts a new file (default), ``"a"`` appends (a new meta line is written).
+            Before appending, a last line left unfinished by a crashed run (one that is not
+            valid JSON, typically without its trailing newline) is cut off the file, so that
+            it cannot merge with the new meta line into one unreadable line; a
+            :class:`TruncatedLogWarning` names the file and the number of bytes dropped. A file
+            without a single complete line (it ends inside its header) is started afresh, also
+            with a warning. A complete last record that only lacks its newline is kept.
         fsync: also ``os.fsync`` after every line (survives power loss, not only a crash).
     """
 
@@ -124,6 +144,8 @@ class LogWriter:
         if folder:
             os.makedirs(folder, exist_ok=True)
         self._fsync = fsync
+        if mode == "a" and os.path.isfile(self.path):
+            _repair_tail(self.path)
         self._file: IO[str] | None = open(self.path, mode, encoding="utf-8")  # noqa: SIM115
         self.write({"kind": "meta", "version": LOG_VERSION, "quantities": list(quantities)})
 
@@ -149,60 +171,188 @@ class LogWriter:
             self.close()
 
 
-def _parse(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise ValueError(f"read_log: no such file: {path}")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
-    # a complete file ends with "\n": the last element is then empty
-    complete, last = lines[:-1], lines[-1]
-    if not any(line.strip() for line in lines):
-        raise ValueError(f"read_log: {path} is empty")
-    records = []
-    for i, line in enumerate(complete):
-        if not line.strip():
-            continue
+_BLANK = b" \t\r\n"
+
+
+def _line_start(f: IO[bytes], end: int) -> int:
+    """Offset just after the last newline before offset ``end`` of ``f`` (0 if there is none)."""
+    pos = end
+    while pos > 0:
+        size = min(1 << 16, pos)
+        f.seek(pos - size)
+        i = f.read(size).rfind(b"\n")
+        if i >= 0:
+            return pos - size + i + 1
+        pos -= size
+    return 0
+
+
+def _repair_tail(path: str) -> None:
+    """Make ``path`` end in a complete line before :class:`LogWriter` appends to it.
+
+    The last non-blank line is kept if it is valid JSON (a missing newline is added); otherwise
+    it is what a crashed run left half-written, and the file is truncated to just before it
+    (to empty if it is the only line: the file ended inside its header), with a
+    :class:`TruncatedLogWarning` naming the file and the number of bytes dropped.
+    """
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while True:  # the last non-blank line is f[start:end]
+            start = _line_start(f, end)
+            f.seek(start)
+            line = f.read(end - start)
+            if line.strip(_BLANK) or start == 0:
+                break
+            end = start - 1  # before that line's newline
+        if not line.strip(_BLANK):
+            return  # empty or blank file: nothing to repair
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(complete) - 1 and not last.strip():
-                break  # truncated last line followed by nothing: tolerate
-            raise ValueError(
-                f"read_log: {path} line {i + 1} is not valid JSON; not a backprism monitor log"
-            ) from None
-    if last.strip():  # last line without newline: written partially when the run died
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(last))
-    if not records or not isinstance(records[0], dict) or records[0].get("kind") != "meta":
-        raise ValueError(f"read_log: {path} is not a backprism monitor log (no meta line first)")
-    meta = dict(records[0])
-    if meta.get("version") != LOG_VERSION:
-        raise ValueError(
-            f"read_log: {path} has log version {meta.get('version')!r}, expected {LOG_VERSION}"
-        )
-    keys = list(meta.get("quantities", []))
-    steps: dict[int, dict[str, Any]] = {}
-    logs = []
-    for rec in records[1:]:
-        if not isinstance(rec, dict):
-            continue
-        kind = rec.get("kind")
+            json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError: a cut-off line
+            f.truncate(start)
+            if start == 0:
+                msg = (
+                    f"monitor log {path} ends inside its header (no complete first line): "
+                    f"dropped its {size} bytes and started it afresh"
+                )
+            else:
+                msg = (
+                    f"monitor log {path} ends in a cut-off line (left by an interrupted run): "
+                    f"dropped its last {size - start} bytes before appending"
+                )
+            warnings.warn(msg, TruncatedLogWarning, stacklevel=3)
+            return
+        f.seek(size - 1)
+        if f.read(1) != b"\n":
+            f.write(b"\n")  # a complete record that only lacks its newline
+
+
+class _Records(NamedTuple):
+    """A monitor log as parsed by :func:`_read_records`."""
+
+    meta: dict[str, Any]
+    """The first line (the ``meta`` record, version checked)."""
+    records: list[tuple[int, dict[str, Any]]]
+    """``(line number, record)`` of every later record, in file order."""
+    truncated: bool
+    """Whether a cut-off last line was skipped."""
+
+
+class _NotJSONLines(ValueError):
+    """The first line of a file is not JSON. ``data`` holds the file's bytes, so that a caller
+    can try another format (:func:`backprism.plot.logdata.read_log` accepts the one-object
+    JSON of ``Monitor.write``)."""
+
+    def __init__(self, message: str, data: bytes) -> None:
+        super().__init__(message)
+        self.data = data
+
+
+_META_START = '{"kind":"meta"'
+
+
+def _header_error(path: str, line: bytes, alone: bool) -> str:
+    """Message for a first line that is not JSON (``alone``: no other line follows)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"not a backprism monitor log (binary file): {path}"
+    compact = re.sub(r"\s+", "", text[:200])
+    if _META_START[1:] in compact or (alone and _META_START.startswith(compact)):
+        return f"log file is truncated inside its header: {path}"
+    return f"not a backprism monitor log (first line is not JSON): {path}"
+
+
+def _valid(rec: Mapping[str, Any]) -> bool:
+    """Whether a record has the fields its ``kind`` needs (unknown kinds are accepted)."""
+    kind = rec.get("kind")
+    try:
         if kind == "meta":
-            keys += [k for k in rec.get("quantities", []) if k not in keys]
-        elif kind == "step":
-            steps.setdefault(int(rec["step"]), {}).update(rec.get("values", {}))
-        elif kind == "log":
-            logs.append(rec)
-    meta["quantities"] = keys
-    return {
-        "meta": meta,
-        "steps": [{"step": s, "values": steps[s]} for s in sorted(steps)],
-        "logs": logs,
-    }
+            return isinstance(rec.get("quantities", []), list)
+        if kind == "step":
+            int(rec["step"])
+            return rec.get("values") is None or isinstance(rec["values"], dict)
+        if kind == "log" and rec.get("step") is not None:
+            int(rec["step"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _read_records(path: str | os.PathLike) -> _Records:
+    """Parse a monitor log into its records; shared by both ``read_log`` functions.
+
+    A last line that is not valid JSON (cut off by a run that is still writing or crashed) is
+    skipped with a :class:`TruncatedLogWarning` naming the file.
+
+    Raises:
+        ValueError: one-line message naming the file if it is missing, a directory, empty, not
+            a monitor log (:class:`_NotJSONLines` if its first line is not JSON), cut off inside
+            its header, of an unsupported version, or if a line other than the last is not a
+            valid JSON record (the message gives its line number).
+    """
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise ValueError(f"log file not found (no such file): {p}")
+    if os.path.isdir(p):
+        raise ValueError(f"log path is a directory, not a file: {p}")
+    with open(p, "rb") as f:
+        data = f.read()
+    lines = [(n, line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip(_BLANK)]
+    if not lines:
+        raise ValueError(f"log file is empty: {p}")
+    last = lines[-1][0]
+    meta: dict[str, Any] | None = None
+    records: list[tuple[int, dict[str, Any]]] = []
+    truncated = False
+    for n, line in lines:
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            if meta is None:
+                raise _NotJSONLines(_header_error(p, line, alone=n == last), data) from None
+            if n == last:
+                truncated = True
+                break
+            raise ValueError(f"corrupt log {p}: line {n} is not valid JSON") from None
+        if meta is None:
+            if not isinstance(rec, dict) or rec.get("kind") != "meta":
+                raise ValueError(
+                    f"not a backprism monitor log (first line is not a meta record): {p}"
+                )
+            version = rec.get("version")
+            if version != LOG_VERSION:
+                raise ValueError(
+                    f"unsupported monitor log version {version!r} in {p} "
+                    f"(this backprism reads version {LOG_VERSION})"
+                )
+            if not _valid(rec):
+                raise ValueError(f"corrupt log {p}: line {n} is not a valid record")
+            meta = rec
+            continue
+        if not isinstance(rec, dict):
+            raise ValueError(f"corrupt log {p}: line {n} is not a JSON object")
+        if not _valid(rec):
+            raise ValueError(f"corrupt log {p}: line {n} is not a valid record")
+        records.append((n, rec))
+    assert meta is not None
+    if truncated:
+        warnings.warn(
+            f"monitor log {p}: the last line is cut off (run still writing or crashed); "
+            "it was skipped",
+            TruncatedLogWarning,
+            stacklevel=3,
+        )
+    return _Records(meta, records, truncated)
 
 
 def read_log(path: str | os.PathLike, as_frame: bool = True) -> Any:
-    """Read a monitor log written by :class:`LogWriter` (tolerates a truncated last line).
+    """Read a monitor log written by :class:`LogWriter`.
+
+    A cut-off last line (the run is still writing, or crashed mid-line) is skipped with a
+    :class:`TruncatedLogWarning` naming the file, exactly as
+    :func:`backprism.plot.logdata.read_log` does (both use the same parser).
 
     Args:
         path: the ``.jsonl`` file.
@@ -213,9 +363,32 @@ def read_log(path: str | os.PathLike, as_frame: bool = True) -> Any:
             "logs": [...]}`` with the ``step`` lines of one step merged.
 
     Raises:
-        ValueError: the file is missing, empty or not a backprism monitor log.
+        ValueError: one-line message naming the file if it is missing, empty, not a backprism
+            monitor log, cut off inside its header, of an unsupported version, or if a line
+            before the last is not a valid JSON record (the message gives the line number).
     """
-    data = _parse(os.fspath(path))
+    try:
+        parsed = _read_records(path)
+    except _NotJSONLines as err:
+        raise ValueError(str(err)) from None
+    keys = list(parsed.meta.get("quantities", []))
+    steps: dict[int, dict[str, Any]] = {}
+    logs = []
+    for _, rec in parsed.records:
+        kind = rec.get("kind")
+        if kind == "meta":
+            keys += [k for k in rec.get("quantities", []) if k not in keys]
+        elif kind == "step":
+            steps.setdefault(int(rec["step"]), {}).update(rec.get("values") or {})
+        elif kind == "log":
+            logs.append(rec)
+    meta = dict(parsed.meta)
+    meta["quantities"] = keys
+    data = {
+        "meta": meta,
+        "steps": [{"step": s, "values": steps[s]} for s in sorted(steps)],
+        "logs": logs,
+    }
     if not as_frame:
         return data
     import pandas as pd
@@ -224,6 +397,8 @@ def read_log(path: str | os.PathLike, as_frame: bool = True) -> Any:
     for entry in data["steps"]:
         rows.setdefault(entry["step"], {}).update(entry["values"])
     for rec in data["logs"]:
+        if rec.get("step") is None:
+            continue  # a log record without a step has no row
         fields = {k: v for k, v in rec.items() if k not in ("kind", "step")}
         rows.setdefault(int(rec["step"]), {}).update(fields)
     columns = ["step", *data["meta"]["quantities"]]

@@ -11,8 +11,11 @@ The log written by :mod:`backprism.monitor` is one JSON object per line:
 * ``{"kind": "log", "step": int, "epoch": int | null, "train_loss": ..., ...}`` from
   ``monitor.log`` (absent values omitted).
 
-The reader is robust to a cut last line (a crashed run loses only its last record) and raises a
-one-line :class:`ValueError` for missing, empty or foreign files.
+The file is parsed by the same code as :func:`backprism.monitor.read_log`: a cut-off last line
+(a crashed run loses only its last record) is skipped with a
+:class:`~backprism.monitor.log.TruncatedLogWarning` (a :class:`UserWarning`) naming the file, and
+:attr:`RunLog.truncated` is set; a one-line :class:`ValueError` is raised for missing, empty or
+foreign files and for a corrupt line before the last (naming the file and the line number).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from backprism.monitor.log import LOG_VERSION, _NotJSONLines, _read_records, to_jsonable
+
 __all__ = [
     "LOG_METRICS",
     "SUPPORTED_VERSION",
@@ -39,7 +44,7 @@ __all__ = [
     "read_log",
 ]
 
-SUPPORTED_VERSION = 1
+SUPPORTED_VERSION = LOG_VERSION
 
 #: Keys of ``{"kind": "log"}`` records, in display order.
 LOG_METRICS = (
@@ -128,7 +133,7 @@ class RunLog:
         steps: ``{key: {step: value}}`` raw logged values (:meth:`series` sorts them).
         records: the ``monitor.log`` records (dicts with ``step``, ``epoch`` and metrics).
         source: file the log came from, if any.
-        truncated: whether a cut last line was dropped.
+        truncated: whether a cut-off last line was skipped (see :func:`read_log`).
     """
 
     quantities: list[str] = field(default_factory=list)
@@ -248,65 +253,38 @@ class RunLog:
 
 
 def read_log(path: str | os.PathLike[str]) -> RunLog:
-    """Read a monitor JSONL log.
+    """Read a monitor JSONL log (or the one-object JSON file of ``Monitor.write``).
+
+    Parsing is shared with :func:`backprism.monitor.read_log`: a cut-off last line (the run is
+    still writing, or crashed mid-line) is skipped with a
+    :class:`~backprism.monitor.log.TruncatedLogWarning` naming the file, and the returned log
+    has ``truncated=True``.
 
     Raises:
-        ValueError: one-line message if the file is missing, empty, not a monitor log, of an
-            unsupported version, or corrupt before its last line.
+        ValueError: one-line message naming the file if it is missing, empty, not a monitor
+            log, cut off inside its header, of an unsupported version, or if a line before
+            the last is not a valid JSON record (the message gives the line number).
     """
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"log file not found: {p}")
-    if p.is_dir():
-        raise ValueError(f"log path is a directory, not a file: {p}")
     try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"not a backprism monitor log (binary file): {p}") from None
-    lines = text.splitlines()
-    while lines and not lines[-1].strip():
-        lines.pop()
-    if not lines:
-        raise ValueError(f"log file is empty: {p}")
-    log = RunLog(source=str(p))
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+        parsed = _read_records(p)
+    except _NotJSONLines as err:
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if i == 0:
-                whole = _whole_json(text)
-                if whole is not None:
-                    out = _from_output(whole)
-                    out.source = str(p)
-                    return out
-                if line.lstrip().startswith('{"kind": "meta"') or '"kind":"meta"' in line:
-                    raise ValueError(f"log file is truncated inside its header: {p}") from None
-                raise ValueError(
-                    f"not a backprism monitor log (first line is not JSON): {p}"
-                ) from None
-            if i == len(lines) - 1:
-                log.truncated = True
-                break
-            raise ValueError(f"corrupt log {p}: line {i + 1} is not valid JSON") from None
-        if i == 0:
-            if not isinstance(rec, dict) or rec.get("kind") != "meta":
-                raise ValueError(
-                    f"not a backprism monitor log (first line is not a meta record): {p}"
-                )
-            version = rec.get("version")
-            if version != SUPPORTED_VERSION:
-                raise ValueError(
-                    f"unsupported monitor log version {version!r} in {p} "
-                    f"(this backprism reads version {SUPPORTED_VERSION})"
-                )
-        if not isinstance(rec, dict):
-            raise ValueError(f"corrupt log {p}: line {i + 1} is not a JSON object")
+            whole = _whole_json(err.data.decode("utf-8"))
+        except UnicodeDecodeError:
+            whole = None
+        if whole is None:
+            raise ValueError(str(err)) from None
+        out = _from_output(whole)
+        out.source = str(p)
+        return out
+    log = RunLog(source=str(p), truncated=parsed.truncated)
+    log.add(parsed.meta)
+    for n, rec in parsed.records:
         try:
             log.add(rec)
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"corrupt log {p}: line {i + 1} is not a valid record") from None
+            raise ValueError(f"corrupt log {p}: line {n} is not a valid record") from None
     return log
 
 
@@ -400,12 +378,6 @@ def load(source: Any) -> RunLog:
     if isinstance(source, (str, os.PathLike)):
         return read_log(source)
     if hasattr(source, "get_output") and callable(source.get_output):
-        output = source.get_output()
-        try:  # tensors / arrays / NaN → plain JSON values, as in the streamed log
-            from backprism.monitor.log import to_jsonable
-
-            output = to_jsonable(output)
-        except ImportError:  # pragma: no cover - monitor not installed
-            pass
-        return _from_output(output)
+        # tensors / arrays / NaN → plain JSON values, as in the streamed log
+        return _from_output(to_jsonable(source.get_output()))
     return _from_output(source)
