@@ -93,6 +93,21 @@ class Siamese(nn.Module):
         return self.head(torch.cat([a, b], 1))
 
 
+class TiedDecoder(nn.Module):
+    """Token embedding, a Linear+tanh block, and the embedding reused *functionally* as the
+    output layer: ``logits = h @ emb.weight.T`` inside the forward (no module call for the
+    second use). Input ``[N, T]`` token ids, logits ``[N, V, T]``."""
+
+    def __init__(self, vocab: int = 5, d: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = torch.tanh(self.lin(self.emb(idx)))  # [N, T, d]
+        return (h @ self.emb.weight.T).transpose(1, 2)  # [N, V, T]
+
+
 def first_order_expected(gb: Tensor) -> dict[str, Tensor]:
     """What each first-order extension stores, from per-sample gradients ``gb = [N, *p]``."""
     f = gb.flatten(1)

@@ -129,3 +129,64 @@ def hist2d_ref(G: np.ndarray, theta: np.ndarray, bins, rng) -> np.ndarray:
     x = np.clip(G, xlo + xw / 2, xhi - xw / 2).reshape(-1)
     y = np.clip(np.broadcast_to(theta, G.shape), ylo + yw / 2, yhi - yw / 2).reshape(-1)
     return np.histogram2d(x, y, bins=bins, range=rng)[0]
+
+
+def per_sample_grads_multi(
+    model: nn.Module, loss_of_outputs: Callable[..., Tensor], inputs: list
+) -> dict[str, Tensor]:
+    """``{name: [N, *p]}`` for a loss of several forward passes of ``model`` on batches of the
+    same size ``N``: sample ``n`` of every batch uses the same parameter copy ``θₙ`` (a sample
+    index is one sample however often the model sees it), so the result is ``∂L/∂θₙ`` with
+    ``L = loss_of_outputs(*outputs)``."""
+    first = inputs[0]
+    n = (first[0] if isinstance(first, tuple) else first).shape[0]
+    params = {
+        k: v.unsqueeze(0).expand(n, *v.shape).clone().requires_grad_(True)
+        for k, v in trainable(model).items()
+    }
+    outs = [_per_sample_forward(model, X, params) for X in inputs]
+    loss = loss_of_outputs(*outs)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return {
+        k: (g if g is not None else torch.zeros_like(p)) for (k, p), g in zip(params.items(), grads)
+    }
+
+
+def per_sample_grads_loop(
+    model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], X, y
+) -> dict[str, Tensor]:
+    """Same definition as :func:`per_sample_grads` (``∂L/∂θₙ`` with one parameter copy per
+    sample) evaluated by a Python loop over samples, for modules ``vmap`` cannot run (RNNs,
+    EmbeddingBag). Inputs are sliced along axis 0; the outputs are concatenated along axis 0."""
+    xs = X if isinstance(X, tuple) else (X,)
+    n = xs[0].shape[0]
+    params = trainable(model)
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+    buffers = dict(model.named_buffers())
+    copies = [{k: v.clone().requires_grad_(True) for k, v in params.items()} for _ in range(n)]
+    outs = [
+        functional_call(model, {**c, **frozen, **buffers}, tuple(x[i : i + 1] for x in xs))
+        for i, c in enumerate(copies)
+    ]
+    loss = loss_fn(torch.cat(outs), y)
+    leaves = [c[k] for c in copies for k in params]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
+    k = len(params)
+    return {
+        name: torch.stack([grads[i * k + j] for i in range(n)]) for j, name in enumerate(params)
+    }
+
+
+def diag_ggn(model: nn.Module, loss_fn, X, y) -> dict[str, Tensor]:
+    """``{name: p-shaped}`` diagonal of the dense GGN :func:`ggn`."""
+    return split(torch.diagonal(ggn(model, loss_fn, X, y)), model)
+
+
+def param_blocks(model: nn.Module, M: Tensor) -> dict[str, Tensor]:
+    """``{name: [p, p]}`` diagonal blocks of a dense ``[P, P]`` matrix (model order)."""
+    out, i = {}, 0
+    for k, v in trainable(model).items():
+        out[k] = M[i : i + v.numel(), i : i + v.numel()]
+        i += v.numel()
+    return out

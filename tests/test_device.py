@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backprism import collect, extend
-from backprism.extend import suspended
+from backprism.engine.state import suspended
 from backprism.extensions import (
     KFAC,
     KFLR,

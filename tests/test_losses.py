@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.func import hessian
 
-from backprism.losses import loss_hessian_sqrt
+from backprism.engine.loss_hessian import loss_hessian_sqrt
 
 DT = torch.float64
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)

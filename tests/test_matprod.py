@@ -18,9 +18,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 from backprism import collect, extend
+from backprism.engine.residual import NonlinearityError
 from backprism.extensions.hessian import DiagHessian
 from backprism.extensions.matprod import GGNMP, HMP, PCHMP
-from backprism.hessian_residual import NonlinearityError
 from common import Siamese
 
 from reference import ggn, loss_hessian, trainable

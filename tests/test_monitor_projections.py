@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import backprism
-from backprism.extend import suspended
+from backprism.engine.state import suspended
 from backprism.extensions import BatchDotWith, BatchGrad, GradHist
 from backprism.monitor import Monitor, configuration, quantities, schedules
 

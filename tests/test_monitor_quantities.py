@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import backprism
-from backprism.extend import suspended
+from backprism.engine.state import suspended
 from backprism.monitor import Monitor, quantities, schedules
 
 import reference

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 
 import backprism
+from backprism.engine.rule import Call
 from backprism.extensions import (
     BatchDiagGGNExact,
     BatchDotGrad,
@@ -28,7 +29,6 @@ from backprism.extensions import (
     Variance,
 )
 from backprism.rules import get_rule
-from backprism.rules.base import Call
 
 from reference import ggn_blocks, per_sample_grads
 

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
 import backprism
+from backprism.engine.rule import Call, get_rule
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
-from backprism.rules.base import Call, get_rule
 
 from reference import per_sample_grads
 
@@ -452,8 +452,9 @@ def _diag_ggn_models() -> list[tuple[nn.Module, Tensor, Tensor]]:
 
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["embedding-layernorm", "groupnorm", "batchnorm"])
 def test_diag_ggn_end_to_end(which):
-    """Second order through the engine (needs the loss square roots from ``backprism.losses``)."""
-    pytest.importorskip("backprism.losses")
+    """Second order through the engine (loss square roots from
+    ``backprism.engine.loss_hessian``)."""
+    pytest.importorskip("backprism.engine.loss_hessian")
     from backprism.extensions import BatchDiagGGNExact, DiagGGNExact
 
     torch.manual_seed(which)

@@ -25,9 +25,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from backprism import collect, extend
+from backprism.engine.rule import Call, get_rule
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from backprism.rules import generic
-from backprism.rules.base import Call, get_rule
 from common import first_order_expected
 
 from reference import per_sample_grads

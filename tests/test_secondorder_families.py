@@ -477,11 +477,11 @@ def test_memory_budget_counts_per_sample_gradients(monkeypatch):
     """The column chunk leaves room for the per-sample gradients the rules build from it: with
     tied embeddings every column carries an ``[N, V, d]`` gradient of the shared matrix (a
     2048-token decoder overran a 512 MiB budget 23-fold before). Chunked results are equal."""
-    from backprism import columns
+    from backprism.engine import backward as engine_backward
     from common import TinyGPT
 
     chunks: list[int] = []
-    real = columns.backprop_columns
+    real = engine_backward.backprop_columns
 
     def spy(origins, cols, outputs, chunk):
         chunks.append(chunk)
@@ -497,7 +497,7 @@ def test_memory_budget_counts_per_sample_gradients(monkeypatch):
     backward(model, lossfunc, X, y, DiagGGNExact())
     full = gather(model, "diag_ggn_exact", 0)
     budget = 2**16
-    monkeypatch.setattr(columns, "backprop_columns", spy)
+    monkeypatch.setattr(engine_backward, "backprop_columns", spy)
     backward(model, lossfunc, X, y, DiagGGNExact(), memory_budget=budget)
     assert chunks and max(chunks) * n * vocab * d * 8 <= budget  # the tied matrix's share
     assert max(chunks) < vocab * t  # K = C·T columns per sample: several chunks

@@ -18,7 +18,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import backprism
-from backprism.extend import suspended
+from backprism.engine.state import suspended
 from backprism.spectral import (
     DampedNewton,
     DirectionalDampedNewtonComputation,
@@ -290,7 +290,7 @@ def _jacobian_sqrt(model, X, cols):
 def test_mc_eigenpairs_of_sampled_factor(mc):
     """With a fixed seed, the MC eigenpairs are those of ``Ṽ Ṽᵀ`` built from reference
     Jacobians and the same sampled loss columns."""
-    from backprism.losses import loss_hessian_sqrt
+    from backprism.engine.loss_hessian import loss_hessian_sqrt
 
     model, lossf, X, y = make("mlp")
     sub = [0, 2, 3]

@@ -6,9 +6,8 @@
 """
 
 from backprism import extensions, rules  # noqa: F401  (registers the layer rules)
-from backprism.context import collect
 from backprism.cpu_memory import retain_freed_memory
-from backprism.extend import extend
+from backprism.engine import collect, extend
 
 __version__ = "0.1.0"
 

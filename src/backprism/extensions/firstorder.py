@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
+from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import FirstOrderExtension, check_subsampling, subsample_index
-from backprism.rules.base import Call, Rule
 
 __all__ = ["BatchDotGrad", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
 

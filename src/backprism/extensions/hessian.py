@@ -2,7 +2,7 @@ r"""Exact Hessian diagonals and a Hutchinson estimator.
 
 With ``L = (1/N) Σₙ ℓₙ`` (``"sum"`` drops the ``1/N``), the Hessian of ``L`` w.r.t. the parameters
 is the GGN plus one residual term per elementwise nonlinearity ``a = σ(z)`` between parameters
-and loss (see :mod:`backprism.hessian_residual`):
+and loss (see :mod:`backprism.engine.residual`):
 
 .. math::
 
@@ -36,11 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backprism.double_backward import explain_double_backward
-from backprism.extend import CAPTURE, suspended
+from backprism.engine.backward import current_pass
+from backprism.engine.double_backward import explain_double_backward
+from backprism.engine.residual import NonlinearityError, check_linear_in_params
+from backprism.engine.rule import Call, Rule
+from backprism.engine.state import suspended
 from backprism.extensions.base import SecondOrderExtension
-from backprism.hessian_residual import NonlinearityError, check_linear_in_params
-from backprism.rules.base import Call, Rule
 
 __all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
 
@@ -50,23 +51,20 @@ def _nested_uses(call: Call) -> bool:
     (RNN unrolling, ``lin(lin(x))``, tied input/output embeddings). Parallel uses (siamese
     branches) are not nested. Decided by walking the autograd graph upstream from each user's
     outputs to the outputs of the other users."""
-    from backprism import context
-    from backprism.hessian_residual import loss_calls
-
-    ctx = context.active()
-    if ctx is None:
+    bp = current_pass()
+    if bp is None:
         return True
     pids = {id(p) for p in call.params.values()}
     users = [
-        outs
-        for c, outs in loss_calls(ctx._state())
+        edges
+        for c, edges in bp.loss_calls()
         if any(id(p) in pids for p in c.params.values())
     ]
     # node wrappers are held while their ids are compared (torch may free and re-create them)
-    nodes = [(o.grad_fn, i) for i, outs in enumerate(users) for o in outs if o.grad_fn]
+    nodes = [(e[0], i) for i, edges in enumerate(users) for e in edges if e is not None]
     owner = {id(fn): i for fn, i in nodes}
-    for i, outs in enumerate(users):
-        stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    for i, edges in enumerate(users):
+        stack = [e[0] for e in edges if e is not None]
         seen: dict[int, Any] = {}
         while stack:
             fn = stack.pop()
@@ -170,14 +168,21 @@ class HutchinsonDiagHessian(SecondOrderExtension):
         # no columns: the work is done in handle_loss
         return ("hutchinson", self.samples)
 
+    handles_loss = True
+
     def handle_loss(
-        self, ctx: Any, bs: Any, record: Any, calls: list, n_samples: int, scale: float
+        self, bp: Any, record: Any, calls: list, n_samples: int, scale: float
     ) -> None:
         """Engine hook at the loss (start of the backward pass): estimate and store."""
-        for p, est in self.estimate(record, scale).items():
-            ctx._store(bs, p, self, est)
+        bp.in_columns += 1  # the double backward below must not reach the call hooks
+        try:
+            estimates = self.estimate(record, [c for c, _ in calls], scale)
+        finally:
+            bp.in_columns -= 1
+        for p, est in estimates.items():
+            bp.store(p, self, est)
         for c, _ in calls:
-            bs.touched[id(c.module)] = c.module
+            bp.touched[id(c.module)] = c.module
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         raise RuntimeError("HutchinsonDiagHessian is computed at the loss (handle_loss)")
@@ -185,38 +190,36 @@ class HutchinsonDiagHessian(SecondOrderExtension):
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
         raise RuntimeError("HutchinsonDiagHessian is computed at the loss (handle_loss)")
 
-    def estimate(self, record: Any, scale: float = 1.0) -> dict[nn.Parameter, Tensor]:
-        """``(scale/S) Σₛ vₛ ⊙ ∇²L vₛ`` for the parameters of the calls ``record`` took.
+    def estimate(
+        self, record: Any, calls: list[Call], scale: float = 1.0
+    ) -> dict[nn.Parameter, Tensor]:
+        """``(scale/S) Σₛ vₛ ⊙ ∇²L vₛ`` for the parameters of ``calls`` (upstream of the loss).
 
         The loss is recomputed from ``record.inputs`` (without being captured); ``scale`` is
         the gradient the backward pass feeds into it (``(c·L).backward()`` → ``c``)."""
         params: dict[int, nn.Parameter] = {}
-        for c, _ in record.taken:
+        for c in calls:
             for p in c.params.values():
                 params.setdefault(id(p), p)
         plist = list(params.values())
         if not plist:
             return {}
-        CAPTURE.in_column_backprop += 1
-        try:
-            with torch.enable_grad(), suspended():
-                loss = record.module(*record.inputs)
-                grads = torch.autograd.grad(
-                    loss, plist, create_graph=True, allow_unused=True
-                )
-                pairs = [(p, g) for p, g in zip(plist, grads) if g is not None and g.requires_grad]
-                est = {p: torch.zeros_like(p).detach() for p in plist}
-                if pairs:
-                    ps, gs = zip(*pairs)
-                    for _ in range(self.samples):
-                        vs = [torch.randint_like(p, 2).mul_(2).sub_(1).detach() for p in ps]
-                        with explain_double_backward("HutchinsonDiagHessian"):
-                            hvs = torch.autograd.grad(
-                                gs, ps, grad_outputs=vs, retain_graph=True, allow_unused=True
-                            )
-                        for p, v, hv in zip(ps, vs, hvs):
-                            if hv is not None:
-                                est[p] += v * hv.detach()
-        finally:
-            CAPTURE.in_column_backprop -= 1
+        with torch.enable_grad(), suspended():
+            loss = record.module(*record.inputs)
+            grads = torch.autograd.grad(
+                loss, plist, create_graph=True, allow_unused=True
+            )
+            pairs = [(p, g) for p, g in zip(plist, grads) if g is not None and g.requires_grad]
+            est = {p: torch.zeros_like(p).detach() for p in plist}
+            if pairs:
+                ps, gs = zip(*pairs)
+                for _ in range(self.samples):
+                    vs = [torch.randint_like(p, 2).mul_(2).sub_(1).detach() for p in ps]
+                    with explain_double_backward("HutchinsonDiagHessian"):
+                        hvs = torch.autograd.grad(
+                            gs, ps, grad_outputs=vs, retain_graph=True, allow_unused=True
+                        )
+                    for p, v, hv in zip(ps, vs, hvs):
+                        if hv is not None:
+                            est[p] += v * hv.detach()
         return {p: e * (scale / self.samples) for p, e in est.items()}

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backprism.engine.loss_hessian import loss_hessian_sqrt
+from backprism.engine.rule import Call, Rule, get_rule
+from backprism.engine.state import suspended
 from backprism.extensions.base import SecondOrderExtension
 from backprism.extensions.secondorder import _check_mc
-from backprism.rules.base import Call, Rule
 
 __all__ = ["KFAC", "KFLR", "KFRA"]
 
@@ -160,16 +162,17 @@ class KFRA(SecondOrderExtension):
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         raise RuntimeError("KFRA is computed by its own recursion (handle_loss)")
 
-    def handle_loss(self, ctx: Any, bs: Any, record: Any, calls: list, n: int, scale: float):
-        from backprism.extend import CAPTURE, suspended
-        from backprism.losses import loss_hessian_sqrt
+    handles_loss = True
 
+    def handle_loss(self, bp: Any, record: Any, calls: list, n: int, scale: float) -> None:
         modules = {id(c.module) for c, _ in calls}
-        roots = [
-            (m, args)
-            for m, args in CAPTURE.root_inputs.values()
-            if any(id(sub) in modules for sub in m.modules())
-        ]
+        roots = list(
+            {
+                id(r.module): (r.module, r.args)
+                for r in bp.roots
+                if any(id(sub) in modules for sub in r.module.modules())
+            }.values()
+        )
         if len(roots) != 1 or not isinstance(roots[0][0], nn.Sequential):
             raise NotImplementedError(
                 "KFRA needs the extended model to be an nn.Sequential chain; use KFLR or KFAC "
@@ -201,16 +204,14 @@ class KFRA(SecondOrderExtension):
         for i in reversed(range(first_param, len(chain))):
             m, x = chain[i], xs[i]
             if _trainable(m):
-                self._store_factors(ctx, bs, by_call.get(id(m)), m, G, xs[i + 1])
+                self._store_factors(bp, by_call.get(id(m)), m, G, xs[i + 1])
             if i > first_param:
                 G = self._backprop(m, x, G)
         return None
 
-    def _store_factors(self, ctx, bs, call, m, G, out) -> None:
+    def _store_factors(self, bp, call, m, G, out) -> None:
         if call is None:
             return
-        from backprism.rules.base import get_rule
-
         a = get_rule(m).kfac_input(call)
         positions = out[0].numel() // out.shape[1] if out.dim() > 2 else 1
         c = out.shape[1]
@@ -221,8 +222,8 @@ class KFRA(SecondOrderExtension):
                 {id(call)},
                 [True, False][: 2 if name in a else 1],
             )
-            ctx._store(bs, p, self, value)
-        bs.touched[id(m)] = m
+            bp.store(p, self, value)
+        bp.touched[id(m)] = m
 
     def accumulate(self, old: KroneckerFactors, new: KroneckerFactors) -> KroneckerFactors:
         return _Kronecker.accumulate(self, old, new)  # type: ignore[arg-type]

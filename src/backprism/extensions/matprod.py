@@ -8,7 +8,7 @@ parameter's diagonal block of a curvature matrix with ``V`` stacked vectors::
 Each block is assembled from the per-sample, per-column parameter gradients ``Vₖₙ = Jₙᵀ cₖ[n]``
 of the columns the engine pushes back (exact loss-Hessian square root ``S/√N`` with weight ``+1``
 and, for HMP/PCHMP, the signed residual columns ``√|r| eⱼ`` of the elementwise nonlinearities,
-weight ``sign(r)``, see :mod:`backprism.hessian_residual`):
+weight ``sign(r)``, see :mod:`backprism.engine.residual`):
 
 .. math::
 
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from backprism.engine.residual import check_linear_in_params
+from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import SecondOrderExtension
 from backprism.extensions.hessian import check_shared
-from backprism.hessian_residual import check_linear_in_params
-from backprism.rules.base import Call, Rule
 
 __all__ = ["GGNMP", "HMP", "PCHMP", "BlockProduct"]
 

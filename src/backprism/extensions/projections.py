@@ -14,7 +14,7 @@ GradHist(...)      ``grad_hist``        ``dict``: histograms of the elements of 
 
 Neither materialises ``grad_batch`` for a whole layer:
 
-* ``BatchDotWith`` uses the rules' :meth:`~backprism.rules.base.Rule.batch_dot_with`
+* ``BatchDotWith`` uses the rules' :meth:`~backprism.engine.rule.Rule.batch_dot_with`
   (Linear: ``δₙᵀ V xₙ``; convolutions: ``⟨δₙ, conv(xₙ, V)⟩``; other layers: from
   ``per_sample``). It is linear in the per-sample gradients, so calls of a shared parameter are
   summed directly.
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import FirstOrderExtension
-from backprism.rules.base import Call, Rule
 from backprism.rules.linear import LinearRule
 
 __all__ = ["BatchDotWith", "BatchProjGrad", "GradHist"]
@@ -114,7 +114,7 @@ class BatchProjGrad(FirstOrderExtension):
     Linear layers without middle axes take the row sums of their ``batch_dot``
     (``(δδᵀ ∘ xxᵀ)·1``, cost ``N²(O + I)``, shared with ``BatchDotGrad``); other layers wait for
     the parameter's gradient ``G`` of the same backward pass and use
-    :meth:`~backprism.rules.base.Rule.batch_dot_with` (convolutions: ``⟨δₙ, conv(xₙ, G)⟩``, the
+    :meth:`~backprism.engine.rule.Rule.batch_dot_with` (convolutions: ``⟨δₙ, conv(xₙ, G)⟩``, the
     cost of a forward convolution, instead of ``[N, O, I]`` per-sample gradients and ``N²·D``).
     """
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
 from backprism.extensions.firstorder import _subset_call, subset_columns
-from backprism.rules.base import Call, Rule
 
 __all__ = [
     "BatchDiagGGNExact",

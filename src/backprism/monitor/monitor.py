@@ -64,7 +64,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from backprism.context import active, collect
+from backprism.engine.backward import current_pass
+from backprism.engine.collect import collect
 from backprism.extensions import BatchGrad, GradHist
 from backprism.extensions.base import Extension
 from backprism.monitor.log import LogWriter, to_jsonable
@@ -416,10 +417,10 @@ class _StepContext:
         if self.checked_reduction or not self.needs_mean:
             return
         self.checked_reduction = True
-        ctx = active()
-        if ctx is None:
+        bp = current_pass()
+        if bp is None:
             return
-        for record in ctx._state().loss_records:
+        for record in bp.loss_records:
             reduction = getattr(record.module, "reduction", "mean")
             if reduction != "mean":
                 names = ", ".join(

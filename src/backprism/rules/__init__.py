@@ -2,7 +2,7 @@
 
 import importlib
 
-from backprism.rules.base import Call, Rule, get_rule, register_rule
+from backprism.engine.rule import Call, Rule, get_rule, register_rule
 
 for _name in ("linear", "conv", "convtranspose", "embedding", "norm", "generic"):
     try:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, register_rule
+from backprism.engine.rule import Call, register_rule
 from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv
 
 __all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]

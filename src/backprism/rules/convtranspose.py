@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, register_rule
+from backprism.engine.rule import Call, register_rule
 from backprism.rules.unfold import UnfoldRule, unfold_conv_transpose
 
 __all__ = ["ConvTranspose1dRule", "ConvTranspose2dRule", "ConvTranspose3dRule"]

@@ -44,7 +44,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, Rule, register_rule
+from backprism.engine.rule import Call, Rule, register_rule
 
 __all__ = ["EmbeddingRule"]
 

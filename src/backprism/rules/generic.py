@@ -1,7 +1,7 @@
 r"""Generic rule for any parameter-owning module without a registered rule, via ``torch.func``.
 
 For a call ``out = f(θ, x)`` of a module with parameters ``θ`` (its own, plus those of
-descendants used functionally, see :attr:`~backprism.rules.base.Call.params`) and columns ``g``
+descendants used functionally, see :attr:`~backprism.engine.rule.Call.params`) and columns ``g``
 of shape ``[M, *out.shape]`` (one per tensor output for multi-output modules), the per-sample,
 per-column gradients are the vector-Jacobian products of the module's *own* forward, run on one
 sample at a time (with a batch axis of size 1 kept inside, so modules that need batched input
@@ -21,7 +21,7 @@ with a one-time warning, to plain autograd in a loop over samples — same numbe
 (whose fused kernels have no batching rule) take the loop directly.
 
 All statistics (``summed``, ``sum_squared``, ``batch_l2``, ``batch_dot``, …) are the
-:class:`~backprism.rules.base.Rule` defaults built from the materialised ``V``; the result of one
+:class:`~backprism.engine.rule.Rule` defaults built from the materialised ``V``; the result of one
 ``(call, g)`` is cached while ``g`` is alive, so several extensions share one recomputation.
 
 Which inputs are per-sample:
@@ -56,7 +56,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from backprism.rules.base import Call, Rule, set_generic_rule
+from backprism.engine.backward import current_pass
+from backprism.engine.rule import Call, Rule, set_generic_rule
+from backprism.engine.state import suspended
 
 __all__ = ["GenericRule"]
 
@@ -253,10 +255,8 @@ def _batch_axis(module: nn.Module, i: int, real: torch.Size, one: torch.Size, n:
 
 
 def _memory_budget() -> int:
-    from backprism import context
-
-    ctx = context.active()
-    return ctx.memory_budget if ctx is not None else 2**30
+    bp = current_pass()
+    return bp.ctx.memory_budget if bp is not None else 2**30
 
 
 class GenericRule(Rule):
@@ -306,8 +306,6 @@ class GenericRule(Rule):
         return result
 
     def _compute(self, call: Call, g: Any) -> dict[str, Tensor]:
-        from backprism.extend import suspended
-
         module, n = call.module, call.batch_size
         _check_randomness(module, call.training)
         gs = list(g) if isinstance(g, tuple) else [g]

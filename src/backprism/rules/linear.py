@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, Rule, register_rule
+from backprism.engine.rule import Call, Rule, register_rule
 
 
 def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:

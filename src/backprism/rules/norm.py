@@ -21,7 +21,7 @@ input and the module's hyper-parameters exactly as PyTorch computes it:
   ``track_running_stats=False``) mixes the samples and is refused.
 
 The parameters are small, so statistics are reduced from the materialised ``[M, N, *p.shape]``
-per-sample gradients (the :class:`~backprism.rules.base.Rule` defaults). ``x̂`` is computed once
+per-sample gradients (the :class:`~backprism.engine.rule.Rule` defaults). ``x̂`` is computed once
 per call: the last one is cached (keyed on the call and its input's version counter) and
 dropped at the end of the backward pass.
 """
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, Rule, register_rule
+from backprism.engine.rule import Call, Rule, register_rule
 
 __all__ = ["BatchNormRule", "GroupNormRule", "LayerNormRule", "RMSNormRule"]
 

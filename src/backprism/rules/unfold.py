@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backprism.rules.base import Call, Rule
+from backprism.engine.rule import Call, Rule
 
 __all__ = ["UnfoldRule", "unfold_conv", "unfold_conv_transpose"]
 

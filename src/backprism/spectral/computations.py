@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backprism import context
+from backprism.engine.backward import current_pass
 from backprism.extensions.base import Extension, check_subsampling
 from backprism.extensions.firstorder import BatchGrad
 from backprism.spectral.factors import GramFactor, SpectralFactorExtension
@@ -207,10 +207,9 @@ class _SpectralComputation:
         savefield = self._factor_ext.savefield
 
         def extension_hook(module: nn.Module) -> None:
-            ctx = context.active()
-            if ctx is None:
+            bs = current_pass()
+            if bs is None:
                 return
-            bs = ctx._state()
             if state["bs"] is None or state["bs"]() is not bs:
                 state["bs"] = weakref.ref(bs)
                 self._new_pass(groups, bs)

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backprism import context
+from backprism.engine.backward import current_pass
+from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
-from backprism.rules.base import Call, Rule
 
 __all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
 
@@ -480,9 +480,9 @@ class SpectralFactorExtension(SecondOrderExtension):
         return subsample_index(self.subsampling, n, "spectral GGN sub-sampling")
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
-        ctx = context.active()  # unfolded inputs are shared by a call's column chunks
+        bp = current_pass()  # unfolded inputs are shared by a call's column chunks
         key = ("unfolded", id(self))
-        inputs = None if ctx is None else ctx._state().scratch.setdefault(key, {})
+        inputs = None if bp is None else bp.scratch.setdefault(key, {})
         return factors_from_call(rule, call, g, self._index(call.batch_size), inputs)
 
     def builds_per_sample(self, rule: Rule, call: Call) -> bool:

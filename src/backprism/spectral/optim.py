@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backprism.context import collect as _collect
+from backprism.engine.collect import collect as _collect
 from backprism.spectral.computations import DirectionalDampedNewtonComputation
 
 __all__ = ["ConstantDamping", "DampedNewton", "positive_eigenvalues"]

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from torch import nn
 
 from backprism.compat.backpack import extensions
-from backprism.context import collect
-from backprism.extend import extend as _extend
+from backprism.engine.collect import collect
+from backprism.engine.extend import extend as _extend
 from backprism.extensions.base import Extension
 
 __all__ = ["backpack", "extend", "extensions"]

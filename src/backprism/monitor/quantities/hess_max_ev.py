@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from backprism.double_backward import explain_double_backward
+from backprism.engine.double_backward import explain_double_backward
 from backprism.monitor.hessmaxev import lanczos_max_eig
 from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData
 

@@ -4,18 +4,21 @@
 ``columns`` (each ``[K, *origin.shape]``), the vector-Jacobian products
 ``(∂origins/∂outputs)ᵀ columns[k]`` for all ``outputs`` at once, with
 ``torch.autograd.grad(..., is_grads_batched=True)`` (vmap over the backward graph), ``chunk``
-columns at a time. The graph is retained, so the surrounding backward pass continues unchanged;
-module hooks ignore the gradients of this inner pass.
+columns at a time. ``outputs`` may be tensors or gradient edges
+(``torch.autograd.graph.get_gradient_edge``): the engine passes the edges captured at forward
+time, so an output modified in place afterwards (``ReLU(inplace=True)``) still gets the
+gradient with respect to the value the module produced. The graph is retained, so the
+surrounding backward pass continues unchanged; the caller makes its hooks ignore this inner
+pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
-
-from backprism.extend import CAPTURE
 
 __all__ = ["Columns", "backprop_columns"]
 
@@ -54,7 +57,7 @@ class Columns:
 
 
 def _loop(
-    origins: list[Tensor], outputs: list[Tensor], cols: list[Tensor]
+    origins: list[Tensor], outputs: list[Any], cols: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
     """One ordinary backward per column, stacked."""
     per_col = [
@@ -74,7 +77,7 @@ def _loop(
 
 
 def _grad(
-    origins: list[Tensor], outputs: list[Tensor], cols: list[Tensor]
+    origins: list[Tensor], outputs: list[Any], cols: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
     if cols[0].shape[0] == 1:  # a single column (e.g. one MC sample): no vmap overhead
         return _loop(origins, outputs, cols)
@@ -95,14 +98,9 @@ def _grad(
 
 
 def backprop_columns(
-    origins: list[Tensor], columns: Columns, outputs: list[Tensor], chunk: int
+    origins: list[Tensor], columns: Columns, outputs: list[Any], chunk: int
 ) -> Iterator[tuple[int, tuple[Tensor | None, ...]]]:
     """Yield ``(start, grads)`` per chunk; ``grads[i]`` is ``[k, *outputs[i].shape]`` or None."""
     for start in range(0, columns.num, chunk):
         cols = columns.chunk(start, start + chunk)
-        CAPTURE.in_column_backprop += 1
-        try:
-            grads = _grad(origins, outputs, cols)
-        finally:
-            CAPTURE.in_column_backprop -= 1
-        yield start, grads
+        yield start, _grad(origins, outputs, cols)

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backprism.columns import Columns
+from backprism.engine.columns import Columns
 
 __all__ = ["SUPPORTED_LOSSES", "loss_hessian_sqrt"]
 
@@ -93,7 +93,7 @@ def loss_hessian_sqrt(
             into ``N`` samples of ``rows / N`` rows each.
 
     Returns:
-        :class:`~backprism.columns.Columns` whose ``chunk(start, stop)`` gives one
+        :class:`~backprism.engine.columns.Columns` whose ``chunk(start, stop)`` gives one
         ``[stop − start, *input.shape]`` tensor per differentiable loss input listed in
         ``.inputs`` (indices into ``inputs``). See the module docstring for every loss's formulas.
     """

@@ -28,12 +28,13 @@ How the nonlinearities are found
 * :data:`FORWARD_LISTENERS` entry: a :class:`torch.overrides.TorchFunctionMode` is active during
   every top-level forward of an extended model. It sees functional calls (``torch.tanh``,
   ``F.gelu``, ``x.sigmoid()``, and the calls made inside ``nn.Tanh``, ``nn.GELU``, …) and, for each
-  smooth elementwise nonlinearity whose input ``z`` requires grad, registers a hook on its output
-  ``a``. The hook's closure holds ``z`` (upstream of ``a``: no reference cycle through autograd
-  nodes) and the function; nothing is computed unless a DiagHessian-family extension is active
-  when the gradient ``∂L/∂a`` arrives during the backward pass.
-* Non-elementwise nonlinear operations between parameters and loss get a hook that raises a clear
-  error — only when a DiagHessian-family extension is active (``needs_residual``).
+  smooth elementwise nonlinearity whose input ``z`` requires grad, stores a
+  :class:`ResidualSite` (holding ``z`` and the function, upstream of ``a``: no reference cycle
+  through autograd nodes) in the metadata of ``a``'s node and registers a hook on ``a``; nothing
+  is computed unless a DiagHessian-family backward pass reaches the site and marks it.
+* Non-elementwise nonlinear operations between parameters and loss leave an
+  :class:`ErrorSite`; a DiagHessian-family pass that reaches one refuses before anything is
+  written (:func:`check_pass`).
 * :func:`activation_forward_hook` is the fallback for activation modules called while the mode is
   not active (e.g. a sub-module called by hand).
 
@@ -45,15 +46,15 @@ operation, one closure per smooth nonlinearity (holding ``z``, usually kept aliv
 output of a captured layer), and a cheap early return in its backward hook.
 ``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
 
-Only the forward of an extended model is watched: nonlinearities applied to its output outside
-it (``loss(torch.tanh(model(X)), y)``) are not seen — put them inside the model.
+Only the forward of an extended model is watched: a nonlinearity applied to its output outside
+it (``loss(torch.tanh(model(X)), y)``) is found in the graph by :func:`check_pass` and refused
+with a clear error — put it inside the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -61,18 +62,20 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from backprism.columns import Columns
-from backprism.extend import CAPTURE, FORWARD_LISTENERS
+from backprism.engine import backward as _backward
+from backprism.engine.columns import Columns
+from backprism.engine.rule import get_rule
+from backprism.engine.state import CALLS, FORWARD, FORWARD_LISTENERS, ROOT, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
     "NonlinearityError",
     "activation_forward_hook",
     "check_linear_in_params",
+    "check_pass",
     "check_recording",
-    "loss_calls",
+    "push_residual",
     "record_nonlinearities",
-    "residual_extensions",
 ]
 
 #: activation modules with a non-zero second derivative (hooked by ``extend``)
@@ -188,7 +191,16 @@ def _classify(func: Any) -> tuple[int, str]:
         return _KIND_CACHE[func]
     except (KeyError, TypeError):
         pass
-    name = _op_name(func)
+    kind, name = _classify_name(_op_name(func))
+    if len(_KIND_CACHE) > 4096:  # bounded even if callables are created on the fly
+        _KIND_CACHE.clear()
+    with contextlib.suppress(TypeError):  # unhashable callable: not cached
+        _KIND_CACHE[func] = (kind, name)
+    return kind, name
+
+
+def _classify_name(name: str) -> tuple[int, str]:
+    """The kind of an operation by its name (``tanh``, ``addmm``, ``log_softmax``, ...)."""
     base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
     if base in _SMOOTH:
         kind = _SMOOTH_KIND
@@ -202,10 +214,6 @@ def _classify(func: Any) -> tuple[int, str]:
         kind = _LINEAR
     else:
         kind = _UNKNOWN
-    if len(_KIND_CACHE) > 4096:  # bounded even if callables are created on the fly
-        _KIND_CACHE.clear()
-    with contextlib.suppress(TypeError):  # unhashable callable: not cached
-        _KIND_CACHE[func] = (kind, name)
     return kind, name
 
 
@@ -222,68 +230,68 @@ def _grad_tensors(args: Any, kwargs: dict) -> list[Tensor]:
     return found
 
 
-def _uses_parameter(args: tuple, kwargs: dict) -> bool:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, nn.Parameter):
-            if a.requires_grad:
-                return True
-        elif isinstance(a, (list, tuple)) and any(
-            isinstance(t, nn.Parameter) and t.requires_grad for t in a
-        ):
-            return True
-    return False
-
-
-def residual_extensions() -> list:
-    """The active DiagHessian-family extensions (``needs_residual``), or ``[]``."""
-    if CAPTURE.in_column_backprop:
-        return []
-    from backprism import context
-
-    ctx = context.active()
-    if ctx is None:
-        return []
-    return [e for e in ctx.second if getattr(e, "needs_residual", False)]
-
-
-# -- error hooks -------------------------------------------------------------------------------
+# -- sites: records of nonlinearities in node metadata ------------------------------------------
 def _names(exts: list) -> str:
     """The extensions' class names, for error messages."""
     return ", ".join(sorted({type(e).__name__ for e in exts}))
 
 
-def _error_hook(
-    what: str, nll_output: weakref.ref | None = None
-) -> Callable[[Tensor], None]:
-    """Hook raising for the DiagHessian family; holds a string and at most a weak reference
-    (no tensors)."""
+class ErrorSite:
+    """An operation whose Hessian term the DiagHessian family cannot build; a backward pass with
+    such an extension that reaches it refuses before anything is written. Holds a string and at
+    most a weak reference (no tensors)."""
 
-    def hook(grad: Tensor) -> None:
-        if not residual_extensions():
+    __slots__ = ("nll_output", "pass_", "what")
+
+    def __init__(self, what: str, nll_output: weakref.ref | None = None) -> None:
+        self.what = what
+        self.nll_output = nll_output
+        self.pass_: Any = None
+
+
+class ResidualSite:
+    """``a = fn(z)`` for a smooth elementwise ``fn``; holds ``z`` (upstream of ``a``), never
+    ``a``. A hook on ``a`` pushes the residual columns when a DiagHessian-family pass marked
+    the site (``pass_``)."""
+
+    __slots__ = ("fn", "name", "pass_", "z")
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
+        self.fn = fn
+        self.z = z
+        self.name = name
+        self.pass_: Any = None
+
+
+def _add_site(out: Tensor, site: Any) -> None:
+    if out.grad_fn is not None:
+        out.grad_fn.metadata.setdefault(SITES, []).append(site)
+
+
+def _add_error(out: Tensor, what: str, nll_output: weakref.ref | None = None) -> None:
+    _add_site(out, ErrorSite(what, nll_output))
+
+
+def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
+    site = ResidualSite(fn, z, name)
+    _add_site(out, site)
+
+    def hook(grad_a: Tensor) -> None:
+        bp = site.pass_
+        if bp is None or bp.in_columns:
             return
-        if nll_output is not None and _feeds_nll(nll_output):
-            return
-        names = _names(residual_extensions())
-        raise NonlinearityError(
-            f"backprism {names}: {what} lies between the parameters and the loss; its Hessian "
-            f"term is not an elementwise residual, so the exact Hessian diagonal/blocks cannot be "
-            f"built from columns. {_WAY_OUT}"
-        )
+        exts = [e for e in bp.second if e.needs_residual]
+        if exts:
+            push_residual(bp, exts, site.fn, site.z, grad_a)
 
-    return hook
+    with contextlib.suppress(RuntimeError):  # e.g. inside a functorch transform
+        out.register_hook(hook)
 
 
-def _feeds_nll(output: weakref.ref) -> bool:
+def _feeds_nll(bp: Any, output: weakref.ref) -> bool:
     """Whether the ``log_softmax`` output (weakly referenced) is the input of an ``NLLLoss`` of
-    this backward pass (then it is part of the loss). Compared by tensor identity: ``grad_fn``
-    wrappers are not kept alive between forward and backward on every torch version, so their
-    ``id`` may be reused."""
-    from backprism import context
-
-    ctx = context.active()
-    if ctx is None:
-        return False
-    for rec in ctx._state().loss_records:
+    this backward pass (then it is part of the loss). Compared by tensor identity."""
+    for rec in bp.loss_records:
         if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
             x = rec.inputs[0]
             if isinstance(x, Tensor) and x is output():
@@ -291,23 +299,71 @@ def _feeds_nll(output: weakref.ref) -> bool:
     return False
 
 
-def _add_hook(out: Tensor, hook: Callable[[Tensor], None]) -> None:
-    with contextlib.suppress(RuntimeError):  # e.g. inside a functorch transform
-        out.register_hook(hook)
+def _snake(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and not name[i - 1].isupper():
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out)
 
 
-# -- residual hooks ----------------------------------------------------------------------------
-def _residual_hook(
-    fn: Callable[[Tensor], Tensor], z: Tensor, name: str
-) -> Callable[[Tensor], None]:
-    """Hook for ``a = fn(z)``. Holds ``z`` (upstream of ``a``) and ``fn``, never ``a``."""
+def _node_op(node: Any) -> str:
+    name = type(node).__name__
+    cut = name.find("Backward")
+    return _snake(name[:cut] if cut > 0 else name)
 
-    def hook(grad_a: Tensor) -> None:
-        exts = residual_extensions()
-        if exts:
-            push_residual(exts, fn, z, grad_a, name)
 
-    return hook
+def _outside_model_nonlinearity(bp: Any) -> str | None:
+    """A nonlinear operation between an extended loss and the outputs of the extended models
+    (outside every recorded forward), if any: its residual term would be missing."""
+    stop = (ROOT, CALLS)
+    for rec, _ in bp.view.losses:
+        stack = [
+            x.grad_fn for x in rec.inputs if isinstance(x, Tensor) and x.grad_fn is not None
+        ]
+        seen: dict[int, Any] = {}
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen or getattr(fn, "variable", None) is not None:
+                continue
+            seen[id(fn)] = fn
+            md = fn.metadata
+            if any(k in md for k in stop):
+                continue
+            op = _node_op(fn)
+            kind, _ = _classify_name(op)
+            nexts = [f for f, _ in fn.next_functions if f is not None]
+            product = kind in (_PRODUCT, _QUOTIENT) and len(nexts) > 1
+            if kind in (_SMOOTH_KIND, _NONLIN) or product:
+                return op
+            stack.extend(nexts)
+    return None
+
+
+def check_pass(bp: Any, exts: list) -> None:
+    """The DiagHessian-family checks of a backward pass, before anything is written."""
+    check_recording(exts)
+    names = _names(exts)
+    for call, _ in bp.loss_calls():
+        check_linear_in_params(call, exts)
+    for site in bp.view.sites:
+        if isinstance(site, ErrorSite):
+            if site.nll_output is not None and _feeds_nll(bp, site.nll_output):
+                continue
+            raise NonlinearityError(
+                f"backprism {names}: {site.what} lies between the parameters and the loss; its "
+                "Hessian term is not an elementwise residual, so the exact Hessian "
+                f"diagonal/blocks cannot be built from columns. {_WAY_OUT}"
+            )
+    op = _outside_model_nonlinearity(bp)
+    if op is not None:
+        raise NonlinearityError(
+            f"backprism {names}: the nonlinear operation '{op}' lies between the extended "
+            "model's outputs and the loss, outside the model's forward, so its Hessian "
+            "residual term is not recorded. Apply it inside the model's forward (or as part of "
+            f"an extended loss). {_WAY_OUT}"
+        )
 
 
 def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
@@ -322,26 +378,11 @@ def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
     return torch.zeros_like(z) if d2 is None else d2.detach()
 
 
-def loss_calls(bs: Any) -> list:
-    """Distinct captured calls (with parameters) of the loss records of this backward pass."""
-    seen: set[int] = set()
-    calls = []
-    for rec in bs.loss_records:
-        for call, outs in rec.taken:
-            if id(call) in seen or not call.params:
-                continue
-            seen.add(id(call))
-            calls.append((call, outs))
-    return calls
-
-
 def check_linear_in_params(call: Any, exts: list) -> None:
     """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
     if recording is switched off."""
-    from backprism.rules.base import get_rule
-
     check_recording(exts)
-    if getattr(call, "unrecorded", False):
+    if call.unrecorded:
         names = _names(exts)
         raise RuntimeError(
             f"backprism {names}: the forward pass of this backward ran inside a collect() "
@@ -352,16 +393,16 @@ def check_linear_in_params(call: Any, exts: list) -> None:
     if not get_rule(call.module).linear_in_params:
         names = _names(exts)
         raise NonlinearityError(
-            f"backprism {names}: the parameters of {type(call.module).__name__} enter its output "
+            f"backprism {names}: the parameters of {call.name} enter its output "
             f"nonlinearly, so its own Hessian term is missing from the column construction. "
             f"{_WAY_OUT}"
         )
 
 
 def push_residual(
-    exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor, name: str
+    bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor
 ) -> None:
-    r"""Push the signed residual columns of ``a = fn(z)`` back from ``z``.
+    r"""Push the signed residual columns of ``a = fn(z)`` back from ``z`` (pass ``bp``).
 
     ``r = ∂L/∂a ⊙ σ''(z)``; for every element ``j`` of one sample's ``z``, column
     ``cⱼ[n] = √|rₙⱼ| eⱼ`` with weight ``wⱼₙ = sign(rₙⱼ)`` (``K`` = elements per sample). If
@@ -369,19 +410,11 @@ def push_residual(
     its own column instead (``K = z.numel()``), which is exact whatever the layout. Columns whose
     weights are all zero are skipped; chunks follow the context's memory budget.
     """
-    from backprism import context
-
-    ctx = context.active()
-    if ctx is None:
-        return
-    bs = ctx._state()
-    calls = loss_calls(bs)
+    calls = bp.loss_calls()
     if not calls:
         return
-    for call, _ in calls:
-        check_linear_in_params(call, exts)
     r = grad_a.detach() * second_derivative(fn, z)
-    n_calls = Counter(c.batch_size for c, _ in calls).most_common(1)[0][0]
+    n_calls = bp.n_samples
     # one column per element of a sample, covering all samples at once, needs z's first axis to
     # be the batch axis of the calls; otherwise one column per element of z (always exact)
     batched = r.dim() > 0 and r.shape[0] == n_calls
@@ -403,7 +436,7 @@ def push_residual(
         cols[torch.arange(k, device=flat.device), :, idx] = sqrt_abs[:, start:stop].t()
         return [cols.reshape(k, *shape)]
 
-    ctx.process_columns(bs, calls, [z], Columns(active.numel(), make), exts, weights)
+    bp.process_columns(calls, [z], Columns(active.numel(), make), exts, weights)
 
 
 # -- recording during forward ------------------------------------------------------------------
@@ -429,7 +462,7 @@ def check_recording(exts: list) -> None:
         names = _names(exts)
         raise RuntimeError(
             f"backprism {names}: recording of nonlinearities is switched off "
-            "(backprism.hessian_residual.record_nonlinearities(False)), so the Hessian residual "
+            "(backprism.engine.residual.record_nonlinearities(False)), so the Hessian residual "
             "terms would be missing. Call record_nonlinearities(True) before the forward pass."
         )
 
@@ -451,43 +484,37 @@ def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     if not isinstance(out, Tensor) or not out.requires_grad or not out.is_floating_point():
         return
     kind, name = _classify(func)
-    inside_module = bool(CAPTURE.call_stack)
-    if not inside_module and _uses_parameter(args, kwargs):
-        # a parameter used outside the forward of a module that owns it is not captured:
-        # its contributions would be missing
-        what = f"a parameter used by {name or func!r} outside the forward of the module owning it"
-        _add_hook(out, _error_hook(what))
-        return
+    inside_module = bool(FORWARD.call_stack)
     if kind == _LINEAR:
         return
     if kind == _SMOOTH_KIND:
         z = args[0] if args else None
         others = _grad_tensors(args[1:], kwargs)
         if others:
-            _add_hook(out, _error_hook(f"{name} with a parameter-dependent second operand"))
+            _add_error(out, f"{name} with a parameter-dependent second operand")
             return
         if not isinstance(z, Tensor) or not z.requires_grad:
             return
         if out is z:
-            _add_hook(out, _error_hook(f"the in-place nonlinearity {name}"))
+            _add_error(out, f"the in-place nonlinearity {name}")
             return
         if out.shape != z.shape:
-            _add_hook(out, _error_hook(f"{name} (broadcasting its input)"))
+            _add_error(out, f"{name} (broadcasting its input)")
             return
-        _add_hook(out, _residual_hook(_unary(func, args, kwargs), z, name))
+        _add_residual(out, _unary(func, args, kwargs), z, name)
         return
     grads = _grad_tensors(args, kwargs)
     if kind == _PRODUCT:
         if inside_module or len(grads) < 2:
             return  # a module with a rule is linear in input and parameters (checked later)
-        _add_hook(out, _error_hook(f"{name} (a product of two parameter-dependent tensors)"))
+        _add_error(out, f"{name} (a product of two parameter-dependent tensors)")
         return
     if kind == _QUOTIENT:
         denom = args[1] if len(args) > 1 else kwargs.get("other")
         if name in ("__rtruediv__", "__rdiv__"):
             denom = args[0]
         if isinstance(denom, Tensor) and denom.requires_grad:
-            _add_hook(out, _error_hook(f"{name} (division by a parameter-dependent tensor)"))
+            _add_error(out, f"{name} (division by a parameter-dependent tensor)")
         return
     inputs = [t for t in grads if not isinstance(t, nn.Parameter)]
     if not inputs:
@@ -496,13 +523,13 @@ def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if name == "batch_norm" and not _bn_training(args, kwargs):
             return  # eval-mode batch norm is affine in its input
         if name == "log_softmax":
-            _add_hook(out, _error_hook("log_softmax", weakref.ref(out)))
+            _add_error(out, "log_softmax", weakref.ref(out))
             return
-        _add_hook(out, _error_hook(f"the non-elementwise nonlinear operation {name}"))
+        _add_error(out, f"the non-elementwise nonlinear operation {name}")
         return
     if inside_module:
         return  # the module's rule accounts for its internals
-    _add_hook(out, _error_hook(f"the operation {name or func!r} (not known to be linear)"))
+    _add_error(out, f"the operation {name or func!r} (not known to be linear)")
 
 
 def _bn_training(args: tuple, kwargs: dict) -> bool:
@@ -517,7 +544,7 @@ class _RecordMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() and not CAPTURE.suspended:
+        if torch.is_grad_enabled() and not FORWARD.suspended:
             _record(func, args, kwargs, out)
         return out
 
@@ -531,9 +558,7 @@ _SKIPPED = "skipped"  # _MODES entry of a forward deliberately not recorded
 def _wanted() -> bool:
     """Whether this top-level forward must be recorded: outside any ``collect()`` (its backward
     may ask for DiagHessian) or inside one that holds a DiagHessian-family extension."""
-    from backprism import context
-
-    ctx = context.active()
+    ctx = active()
     return ctx is None or any(getattr(e, "needs_residual", False) for e in ctx.second)
 
 
@@ -543,7 +568,7 @@ def _enter(root: nn.Module) -> None:
         return
     if not _wanted():
         _MODES.append(_SKIPPED)
-        CAPTURE.unrecorded += 1
+        FORWARD.unrecorded += 1
         return
     mode = _RecordMode()
     mode.__enter__()
@@ -555,7 +580,7 @@ def _exit(root: nn.Module) -> None:
     if _MODES:
         mode = _MODES.pop()
         if mode is _SKIPPED:
-            CAPTURE.unrecorded -= 1
+            FORWARD.unrecorded -= 1
         elif mode is not None:
             _MODE_DEPTH[0] -= 1
             mode.__exit__(None, None, None)
@@ -564,9 +589,9 @@ def _exit(root: nn.Module) -> None:
 def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
     """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
     not active (a sub-module called on its own); otherwise the mode saw its functional call."""
-    if _MODE_DEPTH[0] or not _RECORDING[0] or CAPTURE.suspended or not torch.is_grad_enabled():
+    if _MODE_DEPTH[0] or not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
         return
-    if CAPTURE.unrecorded:  # inside a forward deliberately not recorded
+    if FORWARD.unrecorded:  # inside a forward deliberately not recorded
         return
     if not args or not isinstance(args[0], Tensor) or not isinstance(output, Tensor):
         return
@@ -574,10 +599,12 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
     if not z.requires_grad or not output.requires_grad:
         return
     if output is z:
-        _add_hook(output, _error_hook(f"the in-place {type(module).__name__}"))
+        _add_error(output, f"the in-place {type(module).__name__}")
         return
-    _add_hook(output, _residual_hook(module.forward, z, type(module).__name__))
+    _add_residual(output, module.forward, z, type(module).__name__)
 
+
+_backward.RESIDUAL_CHECK[0] = check_pass
 
 if (_enter, _exit) not in FORWARD_LISTENERS:
     FORWARD_LISTENERS.append((_enter, _exit))

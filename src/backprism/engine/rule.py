@@ -18,57 +18,14 @@ the signs of the Hessian residual terms used by ``DiagHessian``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Call", "Rule", "get_rule", "register_rule"]
+from backprism.engine.state import Call
 
-
-@dataclass(eq=False)
-class Call:
-    """What the engine keeps of one forward call of an extended module.
-
-    Attributes:
-        module: the module that was called.
-        args: the positional arguments, tensors detached (they share storage with the originals).
-        kwargs: the keyword arguments, tensors detached.
-        out_shapes: shapes of the tensor outputs, flattened in ``tree_flatten`` order.
-        batch_size: ``N``, the size of the batch axis of the first tensor input.
-        training: ``module.training`` at call time.
-    """
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    out_shapes: list[torch.Size]
-    batch_size: int
-    training: bool
-    versions: list[tuple[Tensor, int]] = field(default_factory=list)
-    #: parameters this call is responsible for, by name relative to ``module``
-    #: (``"weight"``, or ``"out_proj.weight"`` for a descendant used functionally)
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
-
-    @property
-    def input(self) -> Tensor:
-        """The first positional tensor argument (the input of single-input layers)."""
-        for a in self.args:
-            if isinstance(a, Tensor):
-                return a
-        raise RuntimeError(f"{type(self.module).__name__} was called without a tensor input")
-
-    def check_unmodified(self) -> None:
-        """Raise if an input was modified in place between forward and backward."""
-        for t, v in self.versions:
-            if t._version != v:
-                raise RuntimeError(
-                    f"backprism: an input of {type(self.module).__name__} was modified in place "
-                    "after the forward pass; the quantities would be computed from the modified "
-                    "values. Avoid in-place operations on tensors fed to extended modules "
-                    "(e.g. use nn.ReLU(inplace=False) before them)."
-                )
+__all__ = ["Call", "Rule", "get_rule", "params_of", "register_rule", "set_generic_rule"]
 
 
 class Rule:
@@ -190,9 +147,7 @@ def get_rule(module: nn.Module) -> Rule:
     rule = _REGISTRY.get(type(module))
     if rule is not None:
         return rule
-    if not _GENERIC:
-        from backprism.rules import generic  # noqa: F401  (registers itself)
-    if not _GENERIC:
+    if not _GENERIC:  # backprism.rules installs it; a bare engine has no fallback
         raise NotImplementedError(f"no rule for {type(module).__name__}")
     return _GENERIC[0]
 

@@ -1,0 +1,671 @@
+"""One backward pass inside :func:`~backprism.engine.collect.collect`: checks, then results.
+
+A :class:`BackwardPass` is created by ``collect`` right before the autograd engine runs, from
+the :class:`~backprism.engine.graph.GraphView` of the graph it is about to run through:
+
+1. :meth:`BackwardPass.check` refuses, with a clear error, everything the extensions cannot
+   compute correctly — before any result or ``.grad`` is written;
+2. :meth:`BackwardPass.start` deletes the extensions' attributes left by earlier passes on the
+   parameters of the models involved (a parameter that gets no result keeps no stale one) and
+   marks the records of this graph, so that their hooks (which may run on autograd's device
+   threads) reach this pass and no other;
+3. during the pass, the extended loss's output hook fires first (:meth:`on_loss_grad`): if
+   second-order extensions are active it builds the loss-Hessian square-root columns and
+   pushes them, in chunks, to every captured call output upstream of that loss with one batched
+   vector-Jacobian product (:mod:`backprism.engine.columns`); each call's rule reduces them;
+   then every call output's hook receives ``∂L/∂out`` (:meth:`on_output_grad`) and its rule
+   computes the first-order statistics; once a module is done, ``extension_hook(module)`` runs;
+4. :meth:`end` finishes parameters used by several calls, runs the hooks still due and
+   unmarks the records.
+
+**Several forwards, one backward.** The pass covers every call its graph contains, whatever
+forward produced it. A sample index ``n`` that appears in several forwards is one sample: its
+contributions add (``grad_batch[n] = ∇(Σ_f ℓ_{f,n})/N``) and statistics are taken of the sum. A
+parameter used by several calls of the pass takes the dense path (per-sample gradients summed
+over calls before squaring). Forwards with different batch sizes are refused for per-sample
+extensions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
+
+from backprism.engine.columns import Columns, backprop_columns
+from backprism.engine.extension import Extension, SecondOrderExtension
+from backprism.engine.graph import GraphView
+from backprism.engine.loss_hessian import loss_hessian_sqrt
+from backprism.engine.rule import get_rule
+from backprism.engine.state import Call, LossRecord
+
+__all__ = ["BackwardPass", "current_pass"]
+
+
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.pass_: BackwardPass | None = None
+
+
+_CURRENT = _Current()
+
+
+def current_pass() -> BackwardPass | None:
+    """The backward pass whose engine code runs on this thread right now (inside rules,
+    extensions and ``extension_hook`` callbacks), else ``None``."""
+    return _CURRENT.pass_
+
+
+class _Memo:
+    """Caches rule results within one call's processing (e.g. SumGradSquared and Variance).
+
+    Entries keep their arguments alive, so an id can't be reused by another tensor while the
+    memo exists (extensions may call the rule on temporary sample chunks)."""
+
+    def __init__(self, rule: Any) -> None:
+        self._rule = rule
+        self._cache: dict[tuple, tuple[tuple, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._rule, name)
+        if not callable(fn):
+            return fn
+
+        def cached(call: Call, *args: Any, **kwargs: Any) -> Any:
+            held = (call, *args, *kwargs.values())
+            key = _Memo._key(name, tuple(kwargs), held)
+            hit = self._cache.get(key)
+            if hit is None or any(a is not b for a, b in zip(hit[0], held)):
+                hit = (held, fn(call, *args, **kwargs))
+                self._cache[key] = hit
+            return hit[1]
+
+        return cached
+
+    def provide(self, name: str, call: Call, *args: Any, value: Any) -> None:
+        """Record ``value`` as the result of ``rule.<name>(call, *args)`` (an extension that
+        derived it on the way, e.g. GradHist's per-sample chunks giving ``batch_l2``)."""
+        held = (call, *args)
+        self._cache.setdefault(_Memo._key(name, (), held), (held, value))
+
+    @staticmethod
+    def _key(name: str, kwnames: tuple, held: tuple) -> tuple:
+        return (name, kwnames, *(id(a) for a in held))
+
+
+class _Running:
+    """Context making ``bp`` the current pass of this thread (re-entrant)."""
+
+    __slots__ = ("bp", "prev")
+
+    def __init__(self, bp: BackwardPass) -> None:
+        self.bp = bp
+
+    def __enter__(self) -> None:
+        self.prev = _CURRENT.pass_
+        _CURRENT.pass_ = self.bp
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.pass_ = self.prev
+
+
+def _names(exts: list[Extension]) -> str:
+    return ", ".join(sorted({type(e).__name__ for e in exts}))
+
+
+class BackwardPass:
+    """State and processing of one backward pass (see the module docstring)."""
+
+    def __init__(self, ctx: Any, view: GraphView) -> None:
+        self.ctx = ctx
+        self.view = view
+        self.extensions: list[Extension] = ctx.extensions
+        self.first: list[Extension] = ctx.first
+        self.second: list[SecondOrderExtension] = ctx.second
+        self.calls: dict[Call, list[Any]] = view.calls
+        self.loss_records: list[LossRecord] = [rec for rec, _ in view.losses]
+        self.roots = view.roots
+        self.param_count: Counter[int] = Counter()
+        self.module_count: Counter[int] = Counter()
+        for call in self.calls:
+            for p in call.params.values():
+                self.param_count[id(p)] += 1
+            self.module_count[id(call.module)] += 1
+        self.n_samples = 0
+        self.fired: Counter[int] = Counter()
+        self.module_fired: Counter[int] = Counter()
+        # param id -> [param, call, dense [1, N, *p]] (parameters used by several calls)
+        self.dense: dict[int, list] = {}
+        self.seen: set[tuple[int, str]] = set()
+        self.touched: dict[int, nn.Module] = {}
+        self.hooked: set[int] = set()
+        # param id -> [(extension, partial result, module, fallback)] awaiting the parameter's
+        # gradient of this pass
+        self.partials: dict[int, list[tuple[Extension, Any, nn.Module, Callable[[], Tensor]]]] = {}
+        self.module_call: dict[int, Call] = {}
+        #: caches extensions keep for the length of this pass (e.g. unfolded inputs shared by
+        #: the column chunks of a call), dropped with it
+        self.scratch: dict[Hashable, Any] = {}
+        #: > 0 while columns are pushed through the graph (hooks ignore that inner pass)
+        self.in_columns = 0
+        self._handles: list[Any] = []
+        self._marked: list[Any] = []
+
+    # -- before the engine runs --------------------------------------------------------------
+    def check(self) -> None:
+        """Refuse what cannot be computed, before anything is written (module docstring)."""
+        view, exts = self.view, self.extensions
+        if not self.calls:
+            if view.losses:
+                raise RuntimeError(
+                    "backprism.collect: the backward pass reaches an extended loss but no "
+                    "extended module: call backprism.extend(model) before the forward pass "
+                    "(extend(lossfunc) alone captures nothing of the model)"
+                )
+            return
+        for rec, _ in view.losses:
+            reduction = getattr(rec.module, "reduction", "mean")
+            if reduction not in ("mean", "sum"):
+                raise ValueError(
+                    f"backprism: {type(rec.module).__name__}(reduction={reduction!r}) gives no "
+                    "per-sample scaling; use reduction='mean' or 'sum'"
+                )
+        per_sample = [e for e in exts if e.per_sample]
+        sizes = sorted({c.batch_size for c in self.calls if c.params})
+        if 0 in sizes:
+            raise ValueError(
+                "backprism: the batch is empty (N = 0); per-sample quantities and curvature of "
+                "an empty batch are undefined. Skip empty batches before the forward pass"
+            )
+        if sizes:
+            counts = Counter(c.batch_size for c in self.calls if c.params)
+            self.n_samples = counts.most_common(1)[0][0]
+        if per_sample and len(sizes) > 1:
+            self._check_batch_sizes(sizes, per_sample)
+        for call in self.calls:
+            call.check_unmodified()
+            if per_sample and call.training and isinstance(
+                call.module, nn.modules.batchnorm._BatchNorm
+            ):
+                raise RuntimeError(
+                    f"backprism: {call.name} in train mode mixes the samples of a batch, so "
+                    f"per-sample quantities ({_names(per_sample)}) are undefined. Call "
+                    "model.eval() for the backward pass, or replace BatchNorm by "
+                    "GroupNorm/LayerNorm"
+                )
+        if view.unattributed:
+            p, node = view.unattributed[0]
+            raise RuntimeError(
+                f"backprism: the parameter {self._param_name(p)} is used by "
+                f"{_node_name(node)} outside the forward of every extended module that owns it "
+                "(for example in code after the model's forward, or in a term added to the loss)"
+                f"; {_names(exts)} would miss that use. Move the use into the forward of the "
+                "extended model (functional uses there are attributed), or compute it in a "
+                "separate backward pass"
+            )
+        if self.second:
+            self._check_second_order(view)
+
+    def _check_batch_sizes(self, sizes: list[int], exts: list[Extension]) -> None:
+        shown = " and ".join(str(s) for s in sizes)
+        by_size: dict[int, list[str]] = {}
+        for c in self.calls:
+            if c.params:
+                by_size.setdefault(c.batch_size, []).append(c.name)
+        detail = "; ".join(f"N = {s}: {', '.join(sorted(set(v)))}" for s, v in by_size.items())
+        raise RuntimeError(
+            f"backprism: the backward pass combines calls with batch sizes {shown} ({detail}), "
+            f"so the samples of {_names(exts)} do not match one to one. A sample index that "
+            "appears in several forwards is one sample; run forwards of equal batch size, "
+            "concatenate the inputs into one forward, or use separate backward passes. (A "
+            "module called on a batch of 1 and broadcast over the samples, e.g. position "
+            "embeddings of shape [1, T], needs its input expanded to [N, T].)"
+        )
+
+    def _check_second_order(self, view: GraphView) -> None:
+        names = _names(list(self.second))
+        if view.outside_losses:
+            raise RuntimeError(
+                f"backprism {names}: the objective of this backward pass has terms that no "
+                f"extended loss accounts for (they reach {view.outside_losses[0]} without "
+                "passing through an extended loss, e.g. a penalty on the model outputs), so its "
+                "curvature is not the GGN of the extended losses. Add such terms as an extended "
+                "loss module, or compute them in a separate backward pass"
+            )
+        if not view.losses:
+            raise RuntimeError(
+                f"backprism: {names} need the loss module to be extended too: use "
+                "lossfunc = backprism.extend(nn.CrossEntropyLoss()) (or MSELoss, ...) instead "
+                "of a functional loss"
+            )
+        residual = [e for e in self.second if e.needs_residual]
+        if residual:
+            from_residual = _residual_checks()
+            from_residual(self, residual)
+
+    def _param_name(self, p: nn.Parameter) -> str:
+        for root in self.roots:
+            for name, q in root.module.named_parameters(remove_duplicate=False):
+                if q is p:
+                    return f"'{name}' of {type(root.module).__name__}"
+        for call in self.calls:
+            for name, q in call.params.items():
+                if q is p:
+                    return f"'{name}' of {call.name}"
+        return f"of shape {tuple(p.shape)}"
+
+    def start(self) -> None:
+        """Drop earlier passes' results and mark this graph's records (after :meth:`check`)."""
+        fields = [e.savefield for e in self.extensions]
+        params: dict[int, nn.Parameter] = {}
+        for root in self.roots:
+            for p in root.module.parameters():
+                params[id(p)] = p
+        for call in self.calls:
+            for p in call.params.values():
+                params[id(p)] = p
+        for p in params.values():
+            for f in fields:
+                if f in p.__dict__:
+                    delattr(p, f)
+        for call in self.calls:
+            if call.dtype is not None:  # ran under autocast: rules work in the parameter dtype
+                dt = _param_dtype(call)
+                if dt is not None:
+                    call.args = tuple(
+                        a.to(dt) if isinstance(a, Tensor) and a.is_floating_point() else a
+                        for a in call.args
+                    )
+        for record in list(self.calls) + self.loss_records + self.view.sites:
+            other = record.pass_
+            if other is not None and other is not self:
+                raise RuntimeError(
+                    "backprism: two backward passes run through the same captured forward at "
+                    "once (the same model's graph backpropagated from two threads); run them "
+                    "one after the other"
+                )
+            record.pass_ = self
+            self._marked.append(record)
+        if any(e.needs_param_grad for e in self.first):
+            for pid, (p, _) in self.view.params.items():
+                if self.param_count[pid]:
+                    self._handles.append(p.register_hook(self._param_hook(p)))
+
+    def _param_hook(self, p: nn.Parameter) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            if not self.in_columns:
+                self.on_param_grad(p, grad)
+
+        return hook
+
+    def end(self, ok: bool) -> None:
+        """Finish (when the engine succeeded) and unmark; always called."""
+        try:
+            if ok:
+                with _Running(self):
+                    self._finish()
+        finally:
+            for h in self._handles:
+                h.remove()
+            for record in self._marked:
+                if record.pass_ is self:
+                    record.pass_ = None
+            self._handles.clear()
+            self._marked.clear()
+
+    def _finish(self) -> None:
+        for key in list(self.dense):
+            param, call, dense = self.dense.pop(key)
+            self._finalize_dense(param, call, dense)
+        for pid in list(self.partials):  # the parameter got no gradient (autograd.grad w.r.t. x)
+            for ext, partial, module, fallback in self.partials.pop(pid):
+                p = next(q for q in module.parameters() if id(q) == pid)
+                self.store(p, ext, ext.finish(partial, fallback()))
+        hook = self.ctx.extension_hook
+        if hook is not None:
+            for mid, module in self.touched.items():
+                if mid not in self.hooked:
+                    self.hooked.add(mid)
+                    hook(module)
+
+    # -- storing -----------------------------------------------------------------------------
+    def store(self, param: nn.Parameter, ext: Extension, value: Any) -> None:
+        """Set ``param.<ext.savefield>``; a second contribution within this pass is combined
+        with ``ext.accumulate``."""
+        key = (id(param), ext.savefield)
+        if key in self.seen:
+            setattr(param, ext.savefield, ext.accumulate(getattr(param, ext.savefield), value))
+        else:
+            self.seen.add(key)
+            setattr(param, ext.savefield, value)
+
+    def _finalize_dense(self, param: nn.Parameter, call: Call, dense: Tensor) -> None:
+        for ext in self.first:
+            if not ext.additive:
+                self.store(param, ext, ext.from_dense(dense, call, None))
+
+    # -- first order -------------------------------------------------------------------------
+    def on_output_grad(self, call: Call, grads: tuple[Tensor | None, ...]) -> None:
+        with _Running(self):
+            self._on_output_grad(call, grads)
+
+    def _on_output_grad(self, call: Call, grads: tuple[Tensor | None, ...]) -> None:
+        module = call.module
+        params = call.params
+        if self.first and params and any(g is not None for g in grads):
+            rule = _Memo(get_rule(module))
+            g = _with_column_axis(grads, call)
+            single, multi = {}, {}
+            for name, p in params.items():
+                self.fired[id(p)] += 1
+                (single if self.param_count[id(p)] <= 1 else multi)[name] = p
+            for ext in self.first:
+                names = params if ext.additive else single
+                if not names:
+                    continue
+                out = ext.from_rule(rule, call, g, None)
+                for name in names:
+                    value = _to_param_dtype(out[name], params[name])
+                    if ext.needs_param_grad:
+                        fallback = _summed_fallback(rule, call, g, name)
+                        item = (ext, value, module, fallback)
+                        self.partials.setdefault(id(params[name]), []).append(item)
+                    else:
+                        self.store(params[name], ext, value)
+            if multi and any(not e.additive for e in self.first):
+                dense = rule.per_sample(call, g)
+                for name, p in multi.items():
+                    d = _to_param_dtype(dense[name], p)
+                    entry = self.dense.get(id(p))
+                    if entry is not None:
+                        entry[2] = entry[2] + d
+                    else:
+                        self.dense[id(p)] = [p, call, d]
+                    if self.fired[id(p)] >= self.param_count[id(p)]:
+                        p_, c_, d_ = self.dense.pop(id(p))
+                        self._finalize_dense(p_, c_, d_)
+            self.touched[id(module)] = module
+        self.module_fired[id(module)] += 1
+        self.module_call[id(module)] = call
+        self._maybe_run_hook(call)
+
+    def _maybe_run_hook(self, call: Call) -> None:
+        """Run ``extension_hook`` once the module's last call in this pass is done."""
+        module = call.module
+        hook = self.ctx.extension_hook
+        if hook is None or id(module) not in self.touched or id(module) in self.hooked:
+            return
+        if self.module_fired[id(module)] < self.module_count[id(module)]:
+            return
+        # a parameter shared with another call (tied weights) is done only when all fired
+        if any(
+            self.fired[id(p)] < self.param_count[id(p)]
+            or id(p) in self.partials
+            or id(p) in self.dense
+            for p in call.params.values()
+        ):
+            return
+        self.hooked.add(id(module))
+        hook(module)
+
+    def on_param_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+        """The parameter's gradient of this backward pass arrived (leaf tensor hook)."""
+        items = self.partials.pop(id(param), None)
+        if not items:
+            return
+        with _Running(self):
+            for ext, partial, _, _ in items:
+                self.store(param, ext, ext.finish(partial, grad.detach().to(param.dtype)))
+            for module in {id(m): m for _, _, m, _ in items}.values():
+                call = self.module_call.get(id(module))
+                if call is not None:
+                    self._maybe_run_hook(call)
+
+    # -- second order ------------------------------------------------------------------------
+    def loss_calls(self, record: LossRecord | None = None) -> list[tuple[Call, list[Any]]]:
+        """Calls with parameters upstream of ``record`` (of any extended loss of this pass if
+        ``None``), with their output edges."""
+        if record is None:
+            seen: dict[Call, list[Any]] = {}
+            for rec in self.loss_records:
+                for call, edges in self.loss_calls(rec):
+                    seen.setdefault(call, edges)
+            return list(seen.items())
+        key = ("loss_calls", id(record))
+        hit = self.scratch.get(key)
+        if hit is None:
+            hit = [(c, e) for c, e in self.view.loss_calls(record) if c.params]
+            self.scratch[key] = hit
+        return hit
+
+    def on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
+        with _Running(self):
+            self._on_loss_grad(record, grad)
+
+    def _on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
+        module = record.module
+        if grad.numel() != 1:
+            raise ValueError(
+                "backprism: the backward pass must start from a scalar loss; got a gradient of "
+                f"shape {tuple(grad.shape)} at the output of {type(module).__name__}"
+            )
+        if not self.second:
+            return
+        scale = float(grad.detach().reshape(()))
+        if scale < 0:
+            raise ValueError(
+                f"backprism: the loss of {type(module).__name__} enters the objective with a "
+                f"negative factor ({scale}); its GGN is not positive semi-definite"
+            )
+        calls = self.loss_calls(record)
+        if not calls:
+            return
+        n_samples = self.n_samples
+        for ext in self.second:
+            if ext.handles_loss:
+                ext.handle_loss(self, record, calls, n_samples, scale)
+        column_exts = [e for e in self.second if not e.handles_loss]
+        keys = list(dict.fromkeys(e.column_key() for e in column_exts))
+        for key in keys:
+            exts = [e for e in column_exts if e.column_key() == key]
+            cols = loss_hessian_sqrt(module, record.inputs, key, n_samples)
+            origins = [record.inputs[i] for i in cols.inputs]
+            if scale != 1.0:
+                cols = cols.scaled(scale**0.5)
+            self.process_columns(calls, origins, cols, exts, None)
+
+    def process_columns(
+        self,
+        calls: list[tuple[Call, list[Any]]],
+        origins: list[Tensor],
+        cols: Columns,
+        exts: list[SecondOrderExtension],
+        weights: Tensor | None,
+    ) -> None:
+        """Push columns ``cols`` (``[K, *origin.shape]`` each, generated lazily in chunks) from
+        ``origins`` to the outputs of ``calls`` and reduce them with ``exts``.
+        ``weights`` (``[K, N]``) multiply each column's squared contributions (signs)."""
+        with _Running(self):
+            self._process_columns(calls, origins, cols, exts, weights)
+
+    def _process_columns(
+        self,
+        calls: list[tuple[Call, list[Any]]],
+        origins: list[Tensor],
+        cols: Columns,
+        exts: list[SecondOrderExtension],
+        weights: Tensor | None,
+    ) -> None:
+        outputs = [GradientEdge(*e) for _, edges in calls for e in edges if e is not None]
+        count = Counter(id(p) for c, _ in calls for p in c.params.values())
+        per_col = _column_bytes(calls, count, exts)
+        chunk = self.ctx.chunk_size or max(1, self.ctx.memory_budget // per_col)
+        chunks = backprop_columns(origins, cols, outputs, chunk)
+        while True:
+            self.in_columns += 1
+            try:
+                item = next(chunks, None)
+            finally:
+                self.in_columns -= 1
+            if item is None:
+                break
+            start, flat = item
+            w = None if weights is None else weights[start : start + _chunk_width(flat)]
+            dense: dict[int, list] = {}
+            i = 0
+            for call, edges in calls:
+                gs = []
+                for e in edges:
+                    if e is None:
+                        gs.append(None)
+                    else:
+                        gs.append(flat[i])
+                        i += 1
+                if all(x is None for x in gs):
+                    continue
+                g = (
+                    _cast_columns(gs[0], call)
+                    if len(gs) == 1
+                    else tuple(
+                        _cast_columns(x, call)
+                        if x is not None
+                        else _zeros_like_batched(gs, call, j)
+                        for j, x in enumerate(gs)
+                    )
+                )
+                rule = _Memo(get_rule(call.module))
+                params = call.params
+                single = {n: p for n, p in params.items() if count[id(p)] <= 1}
+                for ext in exts:
+                    names = params if ext.additive else single
+                    if not names:
+                        continue
+                    out = ext.from_rule(rule, call, g, w)
+                    for name in names:
+                        self.store(params[name], ext, out[name])
+                multi = {n: p for n, p in params.items() if count[id(p)] > 1}
+                if multi and any(not e.additive for e in exts):
+                    ps = rule.per_sample(call, g)
+                    for name, p in multi.items():
+                        if id(p) in dense:
+                            dense[id(p)][2] = dense[id(p)][2] + ps[name]
+                        else:
+                            dense[id(p)] = [p, call, ps[name]]
+                self.touched[id(call.module)] = call.module
+            for p, call, d in dense.values():
+                for ext in exts:
+                    if not ext.additive:
+                        self.store(p, ext, ext.from_dense(d, call, w))
+
+
+def _residual_checks() -> Callable[[BackwardPass, list[Any]], None]:
+    """The DiagHessian-family checks (kept in :mod:`backprism.engine.residual`, registered
+    there; the engine core does not depend on it)."""
+    return RESIDUAL_CHECK[0]
+
+
+def _no_residual_check(bp: BackwardPass, exts: list[Any]) -> None:
+    raise RuntimeError(
+        f"backprism {_names(exts)}: the Hessian residual machinery is not installed"
+    )
+
+
+#: set by :mod:`backprism.engine.residual` (a plug-in above the core)
+RESIDUAL_CHECK: list[Callable[[BackwardPass, list[Any]], None]] = [_no_residual_check]
+
+
+def _node_name(node: Any) -> str:
+    name = type(node).__name__
+    for suffix in ("Backward0", "Backward1", "Backward"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return f"an operation '{name}'"
+
+
+def _column_bytes(
+    calls: list[tuple[Call, list[Any]]], count: Counter[int], exts: list[Any]
+) -> int:
+    """Bytes one backpropagated column costs at its peak: the column at every captured output,
+    plus the per-sample gradients ``[N, *p]`` an extension may build from it (the largest
+    parameter of a call for which one says so, :meth:`Extension.builds_per_sample`) and, for
+    extensions that square summed per-sample gradients (not ``additive``), those of every
+    parameter shared by several calls (held until its last call).
+
+    Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
+    budget 23-fold: each column carries an ``[N, V, d]`` gradient of the tied matrix."""
+    elem = 4
+    total = 0
+    for call, edges in calls:
+        p = next(iter(call.params.values()), None)
+        if p is not None:
+            elem = p.element_size()
+        for shape, e in zip(call.out_shapes, edges):
+            if e is not None:
+                total += shape.numel() * elem
+    n = max((c.batch_size for c, _ in calls), default=1)
+    dense = any(not e.additive for e in exts)
+    built, shared, seen = 0, 0, set()
+    for call, _ in calls:
+        rule = get_rule(call.module)
+        builds = any(e.builds_per_sample(rule, call) for e in exts)
+        for p in call.params.values():
+            if builds:
+                built = max(built, p.numel())
+            if dense and count[id(p)] > 1 and id(p) not in seen:
+                seen.add(id(p))
+                shared += p.numel()
+    return max(1, total + n * elem * (built + shared))
+
+
+def _summed_fallback(rule: Any, call: Call, g: Any, name: str) -> Callable[[], Tensor]:
+    return lambda: rule.summed(call, g)[name][0]
+
+
+def _chunk_width(grads: tuple[Tensor | None, ...]) -> int:
+    for g in grads:
+        if g is not None:
+            return g.shape[0] if isinstance(g, Tensor) else g[0].shape[0]
+    return 0
+
+
+def _zeros_like_batched(gs: list, call: Call, j: int) -> Tensor:
+    ref = next(x for x in gs if x is not None)
+    return ref.new_zeros((ref.shape[0], *call.out_shapes[j]))
+
+
+def _param_dtype(call: Call) -> torch.dtype | None:
+    p = next(iter(call.params.values()), None)
+    return None if p is None else p.dtype
+
+
+def _cast_columns(g: Tensor, call: Call) -> Tensor:
+    """Columns in the parameters' dtype for a call that ran under autocast."""
+    if call.dtype is None:
+        return g
+    dt = _param_dtype(call)
+    return g if dt is None or g.dtype == dt else g.to(dt)
+
+
+def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != p.dtype:
+        return value.to(p.dtype)
+    return value
+
+
+def _with_column_axis(grads: tuple[Tensor | None, ...], call: Call) -> Any:
+    if len(grads) == 1:
+        return _cast_columns(grads[0].detach().unsqueeze(0), call)
+    ref = next(g for g in grads if g is not None)
+    return tuple(
+        _cast_columns(
+            (g.detach() if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
+            call,
+        )
+        for j, g in enumerate(grads)
+    )

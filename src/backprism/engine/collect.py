@@ -1,0 +1,177 @@
+"""``collect(*extensions)``: the context that turns a backward pass into extra quantities.
+
+Inside the context, every backward pass started on this thread (``loss.backward()``,
+``torch.autograd.backward``, ``torch.autograd.grad``) is seen before the autograd engine runs
+(a :class:`~torch.overrides.TorchFunctionMode` that intercepts exactly those three entry points
+and passes every other operation through). For each one the context
+
+1. reads the graph the pass will run through (:func:`backprism.engine.graph.analyse`): the
+   calls, losses and roots captured by *this* graph's forwards, whatever thread or model they
+   came from, and nothing else;
+2. checks it (:meth:`BackwardPass.check`) and refuses what cannot be computed correctly,
+   before any result or ``.grad`` is written;
+3. runs the backward pass with the extensions attached (:class:`BackwardPass`), then finishes.
+
+Results are stored as parameter attributes (``param.grad_batch``, ``param.diag_ggn_exact``, …);
+``.grad`` is never touched. The active context is per thread and per ``contextvars`` context,
+so threads never see each other's contexts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from backprism.engine.backward import BackwardPass
+from backprism.engine.extension import Extension, FirstOrderExtension, SecondOrderExtension
+from backprism.engine.graph import analyse
+from backprism.engine.state import active, reset_active, set_active
+
+__all__ = ["collect"]
+
+_BACKWARD_NAMES = frozenset({"backward", "grad"})
+
+
+def _roots(func: Any, args: tuple, kwargs: dict) -> list[Tensor] | None:
+    """The tensors a backward entry point starts from, or ``None`` for any other function."""
+    if getattr(func, "__name__", None) not in _BACKWARD_NAMES:
+        return None
+    if func is Tensor.backward:
+        return [args[0]]
+    if func is torch.autograd.backward:
+        tensors = args[0] if args else kwargs.get("tensors")
+    elif func is torch.autograd.grad:
+        tensors = args[0] if args else kwargs.get("outputs")
+    else:
+        return None
+    if isinstance(tensors, Tensor):
+        return [tensors]
+    return [t for t in tensors if isinstance(t, Tensor)]
+
+
+class _BackwardMode(TorchFunctionMode):
+    """Sees the backward entry points called inside a :class:`collect` (module docstring)."""
+
+    def __init__(self, ctx: collect) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        roots = _roots(func, args, kwargs)
+        if roots is None:
+            return func(*args, **kwargs)
+        return self.ctx._run_backward(roots, func, args, kwargs)
+
+
+class collect:
+    """Context manager computing ``extensions`` during ``loss.backward()`` (or ``autograd.grad``).
+
+    Args:
+        *extensions: extension *instances*, e.g. ``BatchGrad()``, ``DiagGGNExact()``.
+        extension_hook: called as ``extension_hook(module)`` once per module after its
+            extensions ran, e.g. to reduce ``param.grad_batch`` to a statistic and delete it.
+        chunk_size: number of loss-Hessian square-root columns pushed back at once (second
+            order); default: as many as fit in ``memory_budget``.
+        memory_budget: bytes allowed for one chunk of backpropagated columns, counting the
+            columns at every captured output and the per-sample gradients rules build from
+            them (default 1 GiB).
+
+    Example:
+        >>> with collect(BatchGrad(), DiagGGNExact()):
+        ...     loss.backward()
+        >>> model[0].weight.grad_batch.shape  # [N, out, in]
+    """
+
+    def __init__(
+        self,
+        *extensions: Extension,
+        extension_hook: Callable[[nn.Module], None] | None = None,
+        chunk_size: int | None = None,
+        memory_budget: int = 2**30,
+    ) -> None:
+        for ext in extensions:
+            if isinstance(ext, type) and issubclass(ext, Extension):
+                raise TypeError(
+                    f"collect() takes extension instances: pass {ext.__name__}() instead of "
+                    f"the class {ext.__name__}"
+                )
+            if not isinstance(ext, Extension):
+                raise TypeError(
+                    f"collect() takes backprism extensions, got {type(ext).__name__}: {ext!r}"
+                )
+        fields = Counter(e.savefield for e in extensions)
+        dup = [f for f, c in fields.items() if c > 1]
+        if dup:
+            raise ValueError(
+                f"two extensions would write the same attribute {dup}; pass each extension once"
+            )
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+        self.extensions = list(extensions)
+        # extensions that provide rule results to the per-call memo run first (stable order)
+        self.first = sorted(
+            (e for e in extensions if isinstance(e, FirstOrderExtension)),
+            key=lambda e: not e.provides,
+        )
+        self.second = [e for e in extensions if isinstance(e, SecondOrderExtension)]
+        self.extension_hook = extension_hook
+        self.chunk_size = chunk_size
+        self.memory_budget = memory_budget
+        self._mode: _BackwardMode | None = None
+        self._token: Any = None
+        self._saw_calls = False
+        self._running: BackwardPass | None = None
+
+    # -- context protocol -------------------------------------------------------------------
+    def __enter__(self) -> collect:
+        if active() is not None:
+            raise RuntimeError("backprism.collect contexts cannot be nested")
+        self._token = set_active(self)
+        self._saw_calls = False
+        self._mode = _BackwardMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(exc_type, exc, tb)
+        finally:
+            self._mode = None
+            reset_active(self._token)
+        if exc_type is None and self.extensions and not self._saw_calls:
+            raise RuntimeError(
+                "backprism.collect saw no extended module during the backward pass: call "
+                "backprism.extend(model) (and extend(lossfunc)) before the forward pass, and "
+                "call loss.backward() (or torch.autograd.grad) inside the context"
+            )
+
+    # -- a backward pass ---------------------------------------------------------------------
+    def _run_backward(self, roots: list[Tensor], func: Any, args: tuple, kwargs: dict) -> Any:
+        if self._running is not None:  # a backward started by our own code: plain
+            return func(*args, **kwargs)
+        bp = BackwardPass(self, analyse(roots))
+        if bp.calls:
+            self._saw_calls = True
+        bp.check()
+        bp.start()
+        self._running = bp
+        ok = False
+        try:
+            out = func(*args, **kwargs)
+            ok = True
+        finally:
+            self._running = None
+            bp.end(ok)
+        return out
+
+    @property
+    def current(self) -> BackwardPass | None:
+        """The backward pass running inside this context, if any."""
+        return self._running

@@ -1,0 +1,70 @@
+"""``extend()``: register the forward hooks of :mod:`backprism.engine.forward` on a model or a
+loss module."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from backprism.engine.forward import (
+    loss_forward_hook,
+    module_forward_hook,
+    module_pre_hook,
+    root_post_hook,
+    root_pre_hook,
+)
+from backprism.engine.residual import ACTIVATION_TYPES, activation_forward_hook
+
+__all__ = ["extend"]
+
+_LOSS_TYPES = (nn.modules.loss._Loss,)
+_EXTENDED_ATTR = "_backprism_handles"
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def _owns_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def extend(module: nn.Module) -> nn.Module:
+    """Prepare ``module`` (a model or a loss module) for :func:`backprism.collect`.
+
+    Registers forward hooks on every sub-module that owns parameters, on loss modules and on
+    BatchNorm layers, and marks the trainable parameters as extended. Idempotent; returns
+    ``module`` itself. What the hooks capture lives in the autograd graph and is freed with it.
+
+    Example:
+        >>> model = extend(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)))
+        >>> lossfunc = extend(nn.CrossEntropyLoss())
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"extend() takes an nn.Module, got {type(module).__name__}")
+    handles: list = getattr(module, _EXTENDED_ATTR, None) or []
+    if isinstance(module, _LOSS_TYPES):
+        if not handles:
+            handles.append(module.register_forward_hook(loss_forward_hook, with_kwargs=True))
+            object.__setattr__(module, _EXTENDED_ATTR, handles)
+        return module
+    if not handles:
+        handles.append(module.register_forward_pre_hook(root_pre_hook))
+        handles.append(module.register_forward_hook(root_post_hook, always_call=True))
+        object.__setattr__(module, _EXTENDED_ATTR, handles)
+    for sub in module.modules():
+        if getattr(sub, "_backprism_hooked", False):
+            continue
+        if isinstance(sub, _LOSS_TYPES):
+            extend(sub)
+        elif _owns_params(sub) or _is_batchnorm(sub):
+            sub.register_forward_pre_hook(module_pre_hook)
+            sub.register_forward_hook(module_forward_hook, with_kwargs=True)
+        elif isinstance(sub, ACTIVATION_TYPES):
+            sub.register_forward_hook(activation_forward_hook)
+        else:
+            continue
+        object.__setattr__(sub, "_backprism_hooked", True)
+    for p in module.parameters():
+        if p.requires_grad:
+            p._backprism_hooked = True  # type: ignore[attr-defined]
+    return module

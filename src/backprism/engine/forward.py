@@ -1,0 +1,247 @@
+"""Forward recording: what the hooks that :func:`~backprism.engine.extend.extend` registers
+capture during a forward pass.
+
+Only modules that *own* parameters (and loss modules, and BatchNorm for its train-mode check)
+are hooked; everything between them — residual additions, attention, functional code — is left
+to autograd. For each call of a hooked module under ``torch.enable_grad()`` the hook
+
+* builds a :class:`~backprism.engine.state.Call` (detached inputs, their gradient edges, the
+  parameters the call is responsible for) and stores it in the metadata of the autograd node
+  that produced each output, together with the output's index (:func:`capture`);
+* registers a hook on each output that hands ``∂L/∂out`` to the backward pass that marked the
+  call (``call.pass_``), if any.
+
+The loss hook stores a :class:`~backprism.engine.state.LossRecord` on the loss output's node; the
+root hooks store a :class:`~backprism.engine.state.RootRecord` on the outputs of every top-level
+forward of an extended model and run the :data:`~backprism.engine.state.FORWARD_LISTENERS`
+around it (the mode that records nonlinearities and functional parameter uses).
+
+Reference structure: a node holds the records of the calls that produced its outputs; a call
+holds only what is upstream of that node. Records are freed with the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_map
+
+from backprism.engine.state import (
+    CALLS,
+    FORWARD,
+    FORWARD_LISTENERS,
+    LOSS,
+    ROOT,
+    Call,
+    LossRecord,
+    RootRecord,
+)
+
+__all__ = ["call_params", "capture", "loss_forward_hook", "module_forward_hook"]
+
+
+def _detach(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
+
+
+def root_pre_hook(module: nn.Module, args: Any) -> None:
+    if FORWARD.suspended:
+        return
+    FORWARD.root_stack.append(module)
+    if len(FORWARD.root_stack) > 1:  # nested root: belongs to the outer one
+        return
+    FORWARD.call_stack.clear()
+    for enter, _ in FORWARD_LISTENERS:
+        enter(module)
+
+
+def root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
+    if FORWARD.suspended or not FORWARD.root_stack:
+        return
+    FORWARD.root_stack.pop()
+    if FORWARD.root_stack:
+        return
+    for _, exit_ in reversed(FORWARD_LISTENERS):
+        exit_(module)
+    if not torch.is_grad_enabled():
+        return
+    outs = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
+    record = None
+    for o in outs:
+        if isinstance(o, Tensor) and o.grad_fn is not None:
+            if record is None:
+                record = RootRecord(module, tuple(tree_map(_detach, a) for a in args))
+            o.grad_fn.metadata[ROOT] = record
+
+
+def module_pre_hook(module: nn.Module, args: Any) -> None:
+    FORWARD.call_stack.append([module, set()])
+
+
+def call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
+    """Parameters a call of ``module`` is responsible for: its own, plus those of descendants
+    whose forward did not run during the call (e.g. ``MultiheadAttention.out_proj``, used
+    functionally), which therefore have no call of their own."""
+    params: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for n, p in module._parameters.items():  # named_parameters(recurse=False), cheaper
+        if p is not None and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params[n] = p
+    if not module._modules:  # a leaf (Linear, Conv, ...): nothing else to look at
+        return params
+    for name, sub in module.named_modules():
+        if sub is module or id(sub) in ran:
+            continue
+        for n, p in sub.named_parameters(recurse=False):
+            if p.requires_grad:
+                params[f"{name}.{n}"] = p
+    return params
+
+
+def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    frame = FORWARD.call_stack.pop() if FORWARD.call_stack else [module, set()]
+    ran = frame[1]
+    if FORWARD.call_stack:
+        parent = FORWARD.call_stack[-1][1]
+        parent.add(id(module))
+        parent.update(ran)
+    if not torch.is_grad_enabled() or FORWARD.suspended:
+        return
+    if isinstance(output, Tensor):  # the common case, without pytree traversals
+        if not output.requires_grad:
+            return
+        outs = [output]
+    else:
+        outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
+        if not any(o.requires_grad for o in outs):
+            return
+    if not kwargs and all(isinstance(a, Tensor) for a in args):
+        arg_tensors: list[Tensor] = list(args)
+        call_args: tuple = tuple(a.detach() for a in args)
+        call_kwargs: dict[str, Any] = {}
+    else:
+        arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
+        call_args = tuple(tree_map(_detach, a) for a in args)
+        call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
+    if not arg_tensors:
+        return
+    capture(module, call_args, call_kwargs, arg_tensors, outs, call_params(module, ran))
+
+
+def capture(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    arg_tensors: list[Tensor],
+    outs: list[Tensor],
+    params: dict[str, nn.Parameter],
+    batch_size: int | None = None,
+) -> Call | None:
+    """Record one call (of a module, or a functional use of parameters with a stand-in
+    ``module``) whose outputs ``outs`` were computed from ``arg_tensors``."""
+    first = arg_tensors[0]
+    if batch_size is None:
+        batch_size = first.shape[0] if first.dim() > 0 else 1
+    call = Call(
+        module=module,
+        args=args,
+        kwargs=kwargs,
+        out_shapes=[o.shape for o in outs],
+        batch_size=batch_size,
+        training=module.training,
+        versions=[(a, a._version) for a in arg_tensors],
+        params=params,
+        input_edges=[get_gradient_edge(a) for a in arg_tensors if a.requires_grad],
+        dtype=_autocast_dtype(first),
+        unrecorded=FORWARD.unrecorded > 0,
+    )
+    grad_outs = []
+    for i, o in enumerate(outs):
+        if o.requires_grad and o.grad_fn is not None:
+            o.grad_fn.metadata.setdefault(CALLS, []).append((call, i, o.output_nr))
+            grad_outs.append((i, o))
+    if not grad_outs:
+        return None
+    # the hook holds the call, never the outputs (that would be a cycle through the node)
+    if len(outs) == 1:
+
+        def hook(grad: Tensor) -> None:
+            bp = call.pass_
+            if bp is not None and not bp.in_columns:
+                bp.on_output_grad(call, (grad,))
+
+        grad_outs[0][1].register_hook(hook)
+    else:
+        index = [i for i, _ in grad_outs]
+        n_out = len(outs)
+
+        def multi_hook(grads: Any) -> None:
+            bp = call.pass_
+            if bp is None or bp.in_columns:
+                return
+            full: list[Tensor | None] = [None] * n_out
+            for i, gr in zip(index, grads):
+                full[i] = gr
+            bp.on_output_grad(call, tuple(full))
+
+        torch.autograd.graph.register_multi_grad_hook([o for _, o in grad_outs], multi_hook)
+    return call
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The autocast dtype of ``x``'s device if autocast is on there (results are then computed
+    in the parameters' dtype)."""
+    dev = x.device.type
+    with contextlib.suppress(Exception):
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    return None
+
+
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature(module: nn.Module) -> inspect.Signature:
+    """``inspect.signature(module.forward)``, cached per forward function."""
+    fwd = module.forward
+    key = getattr(fwd, "__func__", fwd)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = _SIGNATURES[key] = inspect.signature(fwd)
+    return sig
+
+
+def loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if (
+        not torch.is_grad_enabled()
+        or FORWARD.suspended
+        or not isinstance(output, Tensor)
+        or output.grad_fn is None
+    ):
+        return
+    try:  # the loss's inputs in the order of its forward's parameters
+        if kwargs:
+            sig = _signature(module)
+            inputs = list(sig.bind(*args, **kwargs).arguments.values())
+        else:
+            inputs = list(args)
+    except TypeError:
+        inputs = list(args) + list(kwargs.values())
+    record = LossRecord(
+        module=module,
+        inputs=[a if isinstance(a, Tensor) and a.requires_grad else _detach(a) for a in inputs],
+    )
+    output.grad_fn.metadata[LOSS] = record
+
+    def hook(grad: Tensor) -> None:
+        bp = record.pass_
+        if bp is not None and not bp.in_columns:
+            bp.on_loss_grad(record, grad)
+
+    output.register_hook(hook)

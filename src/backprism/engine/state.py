@@ -1,0 +1,194 @@
+"""Shared engine state and the records that travel with the autograd graph.
+
+This module is the bottom of the engine: it imports nothing else of backprism. Two kinds of
+state exist, and neither is global:
+
+* **Forward-time state, per thread** (:data:`FORWARD`): the stack of hooked modules currently
+  in their forward, the nesting of extended root models, ``suspended()`` and the "forward not
+  recorded" marker. Forward passes run on the caller's thread, so a ``threading.local`` is the
+  right owner; two threads running two models never see each other's stacks.
+* **Records owned by the autograd graph.** What a forward captures — a :class:`Call` per call
+  of a parameter-owning module or per functional use of a parameter, a :class:`LossRecord`
+  per call of an extended loss, a :class:`RootRecord` per top-level forward of an extended
+  model — is stored in the ``metadata`` dict of the autograd node that produced the call's
+  output (:data:`CALLS`, :data:`LOSS`, :data:`ROOT`). The graph owns them, so they are freed
+  with it: a dropped model, an abandoned forward or a finished backward leaves nothing behind.
+  A backward pass finds exactly the records of its own graph by walking it from its roots
+  (:mod:`backprism.engine.graph`).
+
+Records never hold a tensor that is downstream of the node that owns them (that would be a
+reference cycle through a C++ object, which Python's collector cannot break): a call keeps its
+detached inputs and the gradient edges of its inputs, both upstream of its output.
+
+The active :class:`~backprism.engine.collect.collect` is per thread and per context
+(``contextvars``): it decides, at forward time, whether nonlinearities must be recorded, and is
+the context a backward pass started on this thread reports to. Hooks that fire during a
+backward pass (possibly on autograd's device threads) never look it up: they reach their pass
+through the record they hold (``call.pass_``), which the pass sets when it starts and clears
+when it ends.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "CALLS",
+    "FORWARD",
+    "FORWARD_LISTENERS",
+    "LOSS",
+    "ROOT",
+    "SITES",
+    "Call",
+    "LossRecord",
+    "RootRecord",
+    "active",
+    "set_active",
+    "suspended",
+]
+
+#: node-metadata keys (values: lists of records produced by that node)
+CALLS = "backprism.calls"  # [(Call, output index, output_nr)]
+LOSS = "backprism.loss"  # LossRecord
+ROOT = "backprism.root"  # RootRecord
+SITES = "backprism.sites"  # [Site] (Hessian residual sites and refusals, see engine.residual)
+
+
+@dataclass(eq=False)
+class Call:
+    """What the engine keeps of one forward call of an extended module (or of one functional
+    use of a parameter, whose ``module`` is then a stand-in built by
+    :mod:`backprism.engine.functional`).
+
+    Attributes:
+        module: the module that was called.
+        args: the positional arguments, tensors detached (they share storage with the originals).
+        kwargs: the keyword arguments, tensors detached.
+        out_shapes: shapes of the tensor outputs, flattened in ``tree_flatten`` order.
+        batch_size: ``N``, the size of the batch axis of the first tensor input.
+        training: ``module.training`` at call time.
+        versions: ``(tensor, version)`` of the inputs at call time (in-place checks).
+        params: parameters this call is responsible for, by name relative to ``module``
+            (``"weight"``, or ``"out_proj.weight"`` for a descendant used functionally).
+        input_edges: gradient edges of the inputs that require grad (where the call's part of
+            the graph ends, for attributing parameter uses).
+        dtype: the autocast dtype the call ran under, or ``None``.
+        unrecorded: the forward ran without recording nonlinearities (DiagHessian refuses it).
+        pass_: the backward pass processing this call right now (set and cleared by it).
+    """
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out_shapes: list[torch.Size]
+    batch_size: int
+    training: bool
+    versions: list[tuple[Tensor, int]] = field(default_factory=list)
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    input_edges: list[Any] = field(default_factory=list)
+    dtype: torch.dtype | None = None
+    unrecorded: bool = False
+    pass_: Any = None
+
+    @property
+    def input(self) -> Tensor:
+        """The first positional tensor argument (the input of single-input layers)."""
+        for a in self.args:
+            if isinstance(a, Tensor):
+                return a
+        raise RuntimeError(f"{type(self.module).__name__} was called without a tensor input")
+
+    @property
+    def name(self) -> str:
+        """The module's type name (or the functional op it stands for)."""
+        return getattr(self.module, "_backprism_name", None) or type(self.module).__name__
+
+    def check_unmodified(self) -> None:
+        """Raise if an input was modified in place between forward and backward."""
+        for t, v in self.versions:
+            if t._version != v:
+                raise RuntimeError(
+                    f"backprism: an input of {self.name} was modified in place after the forward "
+                    "pass; the quantities would be computed from the modified values. Avoid "
+                    "in-place operations on tensors fed to extended modules (e.g. use "
+                    "nn.ReLU(inplace=False) before them)."
+                )
+
+
+class LossRecord:
+    """One call of an extended loss: its inputs (the differentiable ones not detached; they are
+    upstream of the loss output whose node holds this record)."""
+
+    __slots__ = ("inputs", "module", "pass_")
+
+    def __init__(self, module: nn.Module, inputs: list[Any]) -> None:
+        self.module = module
+        self.inputs = inputs
+        self.pass_: Any = None
+
+
+class RootRecord:
+    """One top-level forward of an extended model: the model and its detached inputs (for
+    chain-wise recursions such as KFRA)."""
+
+    __slots__ = ("args", "module")
+
+    def __init__(self, module: nn.Module, args: tuple) -> None:
+        self.module = module
+        self.args = args
+
+
+class _ForwardState(threading.local):
+    """Per-thread forward-time state (see the module docstring)."""
+
+    def __init__(self) -> None:
+        #: one frame per hooked module currently in its forward: [module, ids of hooked
+        #: descendants that ran during it]
+        self.call_stack: list[list[Any]] = []
+        #: extended root models currently in their forward (outermost first)
+        self.root_stack: list[nn.Module] = []
+        self.suspended = 0
+        #: > 0 inside a top-level forward whose nonlinearities are deliberately not recorded
+        self.unrecorded = 0
+
+
+FORWARD = _ForwardState()
+
+#: ``(enter, exit)`` callables run around every top-level forward of an extended root model
+#: (e.g. the mode recording nonlinearities and functional parameter uses).
+FORWARD_LISTENERS: list[tuple[Callable[[nn.Module], None], Callable[[nn.Module], None]]] = []
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Forward passes inside this context are not captured (rules re-running a forward)."""
+    FORWARD.suspended += 1
+    try:
+        yield
+    finally:
+        FORWARD.suspended -= 1
+
+
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("backprism_collect", default=None)
+
+
+def active() -> Any:
+    """The :class:`~backprism.engine.collect.collect` active in this thread/context, if any."""
+    return _ACTIVE.get()
+
+
+def set_active(ctx: Any) -> contextvars.Token:
+    """Make ``ctx`` the active collect of this context; returns the token to reset it."""
+    return _ACTIVE.set(ctx)
+
+
+def reset_active(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
