@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from backprism.engine import functional  # noqa: F401  (registers the forward mode)
 from backprism.engine.forward import (
     loss_forward_hook,
     module_forward_hook,

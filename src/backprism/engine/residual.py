@@ -60,12 +60,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from backprism.engine import backward as _backward
 from backprism.engine.columns import Columns
 from backprism.engine.rule import get_rule
-from backprism.engine.state import CALLS, FORWARD, FORWARD_LISTENERS, ROOT, SITES, active
+from backprism.engine.state import CALLS, FORWARD, ROOT, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -440,7 +439,6 @@ def push_residual(
 
 
 # -- recording during forward ------------------------------------------------------------------
-_MODE_DEPTH = [0]
 _RECORDING = [True]
 
 
@@ -477,7 +475,7 @@ def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
     return fn
 
 
-def _record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Classify one operation and register what DiagHessian will need (cheap)."""
     if isinstance(out, (tuple, list)):
         out = next((o for o in out if isinstance(o, Tensor) and o.requires_grad), None)
@@ -538,58 +536,25 @@ def _bn_training(args: tuple, kwargs: dict) -> bool:
     return bool(args[5]) if len(args) > 5 else False
 
 
-class _RecordMode(TorchFunctionMode):
-    """Records nonlinearities during the forward of an extended model (see module doc)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if torch.is_grad_enabled() and not FORWARD.suspended:
-            _record(func, args, kwargs, out)
-        return out
+def recording_enabled() -> bool:
+    """The global setting of :func:`record_nonlinearities`."""
+    return _RECORDING[0]
 
 
-_MODES: list[_RecordMode | str | None] = []
-
-
-_SKIPPED = "skipped"  # _MODES entry of a forward deliberately not recorded
-
-
-def _wanted() -> bool:
-    """Whether this top-level forward must be recorded: outside any ``collect()`` (its backward
-    may ask for DiagHessian) or inside one that holds a DiagHessian-family extension."""
-    ctx = active()
-    return ctx is None or any(getattr(e, "needs_residual", False) for e in ctx.second)
-
-
-def _enter(root: nn.Module) -> None:
+def recording_wanted() -> bool:
+    """Whether this top-level forward must record nonlinearities: recording is on, and the
+    forward runs outside any ``collect()`` (its backward may ask for DiagHessian) or inside one
+    that holds a DiagHessian-family extension."""
     if not _RECORDING[0]:
-        _MODES.append(None)
-        return
-    if not _wanted():
-        _MODES.append(_SKIPPED)
-        FORWARD.unrecorded += 1
-        return
-    mode = _RecordMode()
-    mode.__enter__()
-    _MODES.append(mode)
-    _MODE_DEPTH[0] += 1
-
-
-def _exit(root: nn.Module) -> None:
-    if _MODES:
-        mode = _MODES.pop()
-        if mode is _SKIPPED:
-            FORWARD.unrecorded -= 1
-        elif mode is not None:
-            _MODE_DEPTH[0] -= 1
-            mode.__exit__(None, None, None)
+        return False
+    ctx = active()
+    return ctx is None or any(e.needs_residual for e in ctx.second)
 
 
 def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
     """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
     not active (a sub-module called on its own); otherwise the mode saw its functional call."""
-    if _MODE_DEPTH[0] or not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
+    if FORWARD.recording or not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
         return
     if FORWARD.unrecorded:  # inside a forward deliberately not recorded
         return
@@ -605,6 +570,3 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
 
 
 _backward.RESIDUAL_CHECK[0] = check_pass
-
-if (_enter, _exit) not in FORWARD_LISTENERS:
-    FORWARD_LISTENERS.append((_enter, _exit))

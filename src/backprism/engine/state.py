@@ -158,6 +158,10 @@ class _ForwardState(threading.local):
         self.suspended = 0
         #: > 0 inside a top-level forward whose nonlinearities are deliberately not recorded
         self.unrecorded = 0
+        #: > 0 inside a top-level forward whose nonlinearities are recorded by the mode
+        self.recording = 0
+        #: the forward modes of the top-level forwards in progress (engine.functional)
+        self.modes: list[Any] = []
 
 
 FORWARD = _ForwardState()

@@ -1,0 +1,255 @@
+r"""Parameters used outside the forward of the module that owns them, attributed as calls.
+
+During every top-level forward of an extended model a :class:`~torch.overrides.TorchFunctionMode`
+(:class:`ForwardMode`) sees each operation. When an operand is an extended parameter — or a view
+of one (``w.T``, ``w.view(...)``, ``w[None]``, ``w.to(dtype)``) — and no hooked module that owns
+the parameter is in its forward right now, the operation is a *functional use*: a decoder's
+logits ``h @ self.emb.weight.T`` (tied embeddings), ``F.linear(x, self.w)`` in a container's
+forward, ``x * self.gamma + self.beta`` in a hand-written norm. Each such operation becomes a
+:class:`~backprism.engine.state.Call` of a stand-in module, captured exactly like a module call,
+so every extension and the spectral computations see it and combine it with the parameter's
+other uses (tying):
+
+* ``F.linear(x, w, b)`` and ``x @ w.T`` (``matmul``/``mm``/``@`` with a transposed 2-d
+  parameter) → an ``nn.Linear`` stand-in: the Linear closed forms
+  (``‖gₙ‖² = ‖δₙ‖²‖xₙ‖²``, Gram form for sequences, Kronecker factors);
+* any other operation → an :class:`OpModule` stand-in whose forward re-runs the operation with
+  the parameter operands rebuilt from its parameters; the generic ``torch.func`` rule computes
+  per-sample gradients ``(∂op(θ, xₙ)/∂θ)ᵀ gₙ`` from it. Its tensors that are not parameter
+  views are the per-sample inputs (batch axis first, as for modules).
+
+Views of parameters are tracked on the view tensor (``_backprism_view``: the parameter and the
+function that rebuilds the view from it). An operation whose tensor operands are all parameter
+views has no batch axis and is not attributed; the graph check
+(:mod:`backprism.engine.graph`) then refuses the backward pass with the parameter's name.
+
+The same mode records nonlinearities for the DiagHessian family
+(:func:`backprism.engine.residual.record`) when that is wanted, so one Python dispatch per
+operation serves both.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from backprism.engine import residual
+from backprism.engine.forward import capture
+from backprism.engine.state import FORWARD, FORWARD_LISTENERS
+
+__all__ = ["ForwardMode", "OpModule"]
+
+_VIEW = "_backprism_view"
+_VIEW_OPS = frozenset(
+    {
+        "t", "T", "mT", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
+        "expand", "expand_as", "flatten", "unflatten", "view_as", "reshape_as", "__getitem__",
+        "to", "type", "float", "double", "half", "bfloat16", "contiguous", "clone",
+    }
+)
+_TRANSPOSES = frozenset({"t", "T", "mT", "transpose"})
+_MATMULS = frozenset({"matmul", "__matmul__", "mm"})
+_OWNED: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _owned_ids(module: nn.Module) -> frozenset[int]:
+    ids = _OWNED.get(module)
+    if ids is None:
+        ids = frozenset(id(p) for p in module.parameters())
+        _OWNED[module] = ids
+    return ids
+
+
+def _is_owned(p: nn.Parameter) -> bool:
+    """Whether a hooked module that (recursively) owns ``p`` is in its forward right now."""
+    pid = id(p)
+    return any(pid in _owned_ids(frame[0]) for frame in FORWARD.call_stack)
+
+
+def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
+    """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter or a view of one."""
+    if isinstance(a, nn.Parameter):
+        if getattr(a, "_backprism_hooked", False) and a.requires_grad:
+            return a, _identity, "param"
+        return None
+    if isinstance(a, Tensor):
+        return getattr(a, _VIEW, None)
+    return None
+
+
+def _identity(q: Tensor) -> Tensor:
+    return q
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", "") or ""
+    if name == "__get__":  # property access (``x.T``): name the property
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class OpModule(nn.Module):
+    """Stand-in module for one functional use: re-runs ``func`` with the parameter operands
+    rebuilt from its own parameters (``p0``, ``p1``, …) and the per-sample tensors passed to
+    :meth:`forward` in order."""
+
+    def __init__(self, func: Any, template: list[Any], kwargs: dict, params: list) -> None:
+        super().__init__()
+        self._func = func
+        self._template = template  # ("p", index, rebuild) | ("x", position) | constant
+        self._kwargs = kwargs
+        for i, p in enumerate(params):
+            self._parameters[f"p{i}"] = p
+        self._backprism_name = f"'{_op_name(func)}' (a functional use of a parameter)"
+
+    def forward(self, *xs: Tensor) -> Any:
+        args = []
+        for item in self._template:
+            if isinstance(item, tuple) and item and item[0] == "p":
+                args.append(item[2](self._parameters[f"p{item[1]}"]))
+            elif isinstance(item, tuple) and item and item[0] == "x":
+                args.append(xs[item[1]])
+            else:
+                args.append(item[1] if isinstance(item, tuple) and item[0] == "c" else item)
+        return self._func(*args, **self._kwargs)
+
+
+def _linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = weight.shape[1], weight.shape[0]
+    m._parameters["weight"] = weight
+    m._parameters["bias"] = bias
+    m._backprism_name = "linear (a functional use of a parameter)"  # type: ignore[attr-defined]
+    return m
+
+
+def _outputs(out: Any) -> list[Tensor]:
+    if isinstance(out, Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, Tensor) and o.requires_grad]
+    return []
+
+
+def attribute(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Attribute one operation's use of extended parameters (see the module docstring)."""
+    views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
+    if not views or all(_is_owned(v[0]) for _, v in views):
+        return
+    if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
+        return  # a parameter passed by keyword: left to the graph check, which refuses it
+    name = _op_name(func)
+    tensors = [
+        (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
+    ]
+    if name in _VIEW_OPS and len(views) == 1 and not tensors and isinstance(out, Tensor):
+        p, rebuild, kind = views[0][1]
+        pos = views[0][0]
+        rest, kw = list(args), dict(kwargs)
+
+        def rebuilt(q: Tensor, rebuild=rebuild, rest=rest, pos=pos, kw=kw) -> Tensor:
+            a = list(rest)
+            a[pos] = rebuild(q)
+            return func(*a, **kw)
+
+        two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
+        new_kind = "T" if kind == "param" and two_d_transpose else "view"
+        setattr(out, _VIEW, (p, rebuilt, new_kind))
+        return
+    outs = _outputs(out)
+    if not tensors or not outs:
+        return  # no per-sample operand: left to the graph check, which refuses it
+    x = tensors[0][1]
+    if x.dim() == 0:
+        return
+    # closed forms: F.linear(x, w, b) and x @ w.T
+    if name == "linear" and len(args) >= 2 and tensors[0][0] == 0:
+        w = _param_view(args[1])
+        b = _param_view(args[2]) if len(args) > 2 and args[2] is not None else None
+        if w is not None and w[2] == "param" and (b is None or b[2] == "param") and (
+            len(args) <= 2 or args[2] is None or b is not None
+        ):
+            module = _linear_stand_in(w[0], None if b is None else b[0])
+            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
+            capture(module, (x.detach(),), {}, [x], outs, params)
+            return
+    if name in _MATMULS and len(args) == 2 and tensors[0][0] == 0 and views[0][0] == 1:
+        w = views[0][1]
+        if w[2] == "T" and x.dim() >= 2:
+            module = _linear_stand_in(w[0], None)
+            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0]})
+            return
+    # everything else: the generic rule on a stand-in re-running the operation
+    params: list[nn.Parameter] = []
+    index: dict[int, int] = {}
+    template: list[Any] = []
+    xs: list[Tensor] = []
+    for a in args:
+        v = _param_view(a)
+        if v is not None:
+            if id(v[0]) not in index:
+                index[id(v[0])] = len(params)
+                params.append(v[0])
+            template.append(("p", index[id(v[0])], v[1]))
+        elif isinstance(a, Tensor):
+            template.append(("x", len(xs)))
+            xs.append(a)
+        else:
+            template.append(("c", a))
+    module = OpModule(func, template, dict(kwargs), params)
+    capture(
+        module,
+        tuple(t.detach() for t in xs),
+        {},
+        xs,
+        outs,
+        {f"p{i}": p for i, p in enumerate(params)},
+    )
+
+
+class ForwardMode(TorchFunctionMode):
+    """Active during every top-level forward of an extended model: attributes functional
+    parameter uses and, when ``record``, records nonlinearities for DiagHessian."""
+
+    def __init__(self, record: bool) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and not FORWARD.suspended:
+            if self.record:
+                residual.record(func, args, kwargs, out)
+            attribute(func, args, kwargs, out)
+        return out
+
+
+def _enter(root: nn.Module) -> None:
+    record = residual.recording_wanted()
+    mode = ForwardMode(record)
+    # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
+    # calls are marked so that such an extension in a later backward refuses them
+    mode.skipped = not record and residual.recording_enabled()  # type: ignore[attr-defined]
+    FORWARD.unrecorded += int(mode.skipped)  # type: ignore[attr-defined]
+    FORWARD.recording += int(record)
+    mode.__enter__()
+    FORWARD.modes.append(mode)
+
+
+def _exit(root: nn.Module) -> None:
+    if FORWARD.modes:
+        mode = FORWARD.modes.pop()
+        FORWARD.recording -= int(mode.record)
+        FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
+        mode.__exit__(None, None, None)
+
+
+if (_enter, _exit) not in FORWARD_LISTENERS:
+    FORWARD_LISTENERS.append((_enter, _exit))
