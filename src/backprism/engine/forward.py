@@ -145,7 +145,7 @@ def capture(
 ) -> Call | None:
     """Record one call (of a module, or a functional use of parameters with a stand-in
     ``module``) whose outputs ``outs`` were computed from ``arg_tensors``."""
-    first = arg_tensors[0]
+    first = arg_tensors[0] if arg_tensors else outs[0]
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
     call = Call(
@@ -161,13 +161,19 @@ def capture(
         dtype=_autocast_dtype(first),
         unrecorded=FORWARD.unrecorded > 0,
     )
+    return call if attach(call, outs) else None
+
+
+def attach(call: Call, outs: list[Tensor]) -> bool:
+    """Store ``call`` in the metadata of its outputs' nodes and register the hook that hands
+    ``∂L/∂out`` to the backward pass marking it; ``False`` if no output requires grad."""
     grad_outs = []
     for i, o in enumerate(outs):
         if o.requires_grad and o.grad_fn is not None:
             o.grad_fn.metadata.setdefault(CALLS, []).append((call, i, o.output_nr))
             grad_outs.append((i, o))
     if not grad_outs:
-        return None
+        return False
     # the hook holds the call, never the outputs (that would be a cycle through the node)
     if len(outs) == 1:
 
@@ -191,7 +197,7 @@ def capture(
             bp.on_output_grad(call, tuple(full))
 
         torch.autograd.graph.register_multi_grad_hook([o for _, o in grad_outs], multi_hook)
-    return call
+    return True
 
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:

@@ -30,6 +30,7 @@ operation serves both.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,10 +40,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from backprism.engine import residual
-from backprism.engine.forward import capture
-from backprism.engine.state import FORWARD, FORWARD_LISTENERS
+from backprism.engine.forward import attach, capture
+from backprism.engine.state import CALLS, FORWARD, FORWARD_LISTENERS, Call
 
-__all__ = ["ForwardMode", "OpModule"]
+__all__ = ["ForwardMode", "OpModule", "ParamBroadcast"]
 
 _VIEW = "_backprism_view"
 _VIEW_OPS = frozenset(
@@ -129,6 +130,19 @@ def _linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Line
     return m
 
 
+class ParamBroadcast(nn.Module):
+    """Stand-in for a parameter (or a view of one) of batch size 1 expanded over the samples
+    (``self.cls_token.expand(N, -1, -1)``): every sample's slice is ``source(p)[0]``, so sample
+    ``n``'s gradient is the pull-back of the output gradient's slice ``n`` through
+    ``source``. Its rule is registered in :mod:`backprism.rules.broadcast`."""
+
+    def __init__(self, p: nn.Parameter, source: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self._parameters["p0"] = p
+        self.source = source
+        self._backprism_name = "a parameter broadcast over the batch"
+
+
 def _outputs(out: Any) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out] if out.requires_grad else []
@@ -158,6 +172,11 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
             a[pos] = rebuild(q)
             return func(*a, **kw)
 
+        src = args[pos]
+        if _expands_batch(name, src, out):
+            module = ParamBroadcast(p, rebuild)
+            capture(module, (), {}, [], [out], {"p0": p}, batch_size=out.shape[0])
+            return
         two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
         new_kind = "T" if kind == "param" and two_d_transpose else "view"
         setattr(out, _VIEW, (p, rebuilt, new_kind))
@@ -213,6 +232,79 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     )
 
 
+_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+_BROADCASTING = frozenset(
+    {"add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__", "mul",
+     "__mul__", "__rmul__", "__imul__"}
+)
+
+
+def _expands_batch(name: str, src: Any, out: Tensor) -> bool:
+    """``src`` (batch axis of size 1) expanded to ``out`` with a larger leading axis, the rest
+    unchanged (``cls.expand(N, -1, -1)``)."""
+    return (
+        name in _EXPANDS
+        and isinstance(src, Tensor)
+        and src.dim() == out.dim() >= 1
+        and src.shape[0] == 1
+        and out.shape[0] > 1
+        and src.shape[1:] == out.shape[1:]
+    )
+
+
+def _batch_one_call(t: Tensor) -> Call | None:
+    """The single-output call of batch size 1 that produced ``t``, if any."""
+    fn = t.grad_fn
+    if fn is None:
+        return None
+    for call, _, nr in fn.metadata.get(CALLS, ()):
+        if call.batch_size == 1 and len(call.out_shapes) == 1 and nr == t.output_nr:
+            return call
+    return None
+
+
+def _expand_arg(a: Any, n: int) -> Any:
+    if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == 1:
+        return a.expand(n, *a.shape[1:])
+    return a
+
+
+def _broadcast_calls(name: str, args: tuple) -> tuple:
+    """Batch-1 calls broadcast over the samples by an elementwise op (position embeddings of
+    ``position_ids`` of shape ``[1, T]`` added to ``[N, T, d]`` token embeddings): the operand
+    is expanded to the batch explicitly, and its call is replaced by the same call on inputs
+    expanded to ``N`` whose output is the expanded tensor — so the per-sample gradient of its
+    parameters is each sample's slice after the broadcast."""
+    if name not in _BROADCASTING or len(args) != 2:
+        return args
+    a, b = args
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() != b.dim() or not a.dim():
+        return args
+    n = max(a.shape[0], b.shape[0])
+    if n <= 1:
+        return args
+    new = list(args)
+    for i, t in enumerate(args):
+        if t.shape[0] != 1 or not t.requires_grad:
+            continue
+        call = _batch_one_call(t)
+        if call is None:
+            continue
+        wide = t.expand(n, *t.shape[1:])
+        expanded = dataclasses.replace(
+            call,
+            args=tuple(_expand_arg(x, n) for x in call.args),
+            kwargs={k: _expand_arg(v, n) for k, v in call.kwargs.items()},
+            out_shapes=[wide.shape],
+            batch_size=n,
+            pass_=None,
+        )
+        if attach(expanded, [wide]):
+            call.superseded = True
+            new[i] = wide
+    return tuple(new)
+
+
 class ForwardMode(TorchFunctionMode):
     """Active during every top-level forward of an extended model: attributes functional
     parameter uses and, when ``record``, records nonlinearities for DiagHessian."""
@@ -223,8 +315,11 @@ class ForwardMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        active = torch.is_grad_enabled() and not FORWARD.suspended
+        if active and len(args) == 2:
+            args = _broadcast_calls(_op_name(func), args)
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() and not FORWARD.suspended:
+        if active:
             if self.record:
                 residual.record(func, args, kwargs, out)
             attribute(func, args, kwargs, out)

@@ -104,8 +104,9 @@ def analyse(roots: list[Tensor]) -> GraphView:
         if LOSS in md:
             frontier.append(fn)
             continue
-        if CALLS in md:
-            view.outside_losses.append(md[CALLS][0][0].name)
+        live = [c for c, _, _ in md.get(CALLS, ()) if not c.superseded]
+        if live:
+            view.outside_losses.append(live[0].name)
         for f, _ in fn.next_functions:
             if f is None or id(f) in outside:
                 continue
@@ -128,6 +129,8 @@ def analyse(roots: list[Tensor]) -> GraphView:
         md = fn.metadata
         if md:
             for call, index, nr in md.get(CALLS, ()):
+                if call.superseded:
+                    continue
                 edges = calls.setdefault(call, [None] * len(call.out_shapes))
                 edges[index] = (fn, nr)
             rec = md.get(LOSS)

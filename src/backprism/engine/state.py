@@ -82,6 +82,8 @@ class Call:
             the graph ends, for attributing parameter uses).
         dtype: the autocast dtype the call ran under, or ``None``.
         unrecorded: the forward ran without recording nonlinearities (DiagHessian refuses it).
+        superseded: replaced by a call expanded to the batch (a batch-1 call whose output was
+            broadcast over the samples, see :mod:`backprism.engine.functional`); ignored.
         pass_: the backward pass processing this call right now (set and cleared by it).
     """
 
@@ -96,6 +98,7 @@ class Call:
     input_edges: list[Any] = field(default_factory=list)
     dtype: torch.dtype | None = None
     unrecorded: bool = False
+    superseded: bool = False
     pass_: Any = None
 
     @property
