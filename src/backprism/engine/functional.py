@@ -55,21 +55,36 @@ _VIEW_OPS = frozenset(
 )
 _TRANSPOSES = frozenset({"t", "T", "mT", "transpose"})
 _MATMULS = frozenset({"matmul", "__matmul__", "mm"})
-_OWNED: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, dict[int, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _owned_ids(module: nn.Module) -> frozenset[int]:
-    ids = _OWNED.get(module)
-    if ids is None:
-        ids = frozenset(id(p) for p in module.parameters())
-        _OWNED[module] = ids
-    return ids
+def _owners(module: nn.Module) -> dict[int, frozenset[int]]:
+    """Parameter id → ids of the sub-modules of ``module`` (itself included) owning it
+    directly (cached per module)."""
+    table = _OWNERS.get(module)
+    if table is None:
+        found: dict[int, set[int]] = {}
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is not None:
+                    found.setdefault(id(p), set()).add(id(sub))
+        table = {pid: frozenset(subs) for pid, subs in found.items()}
+        _OWNERS[module] = table
+    return table
 
 
 def _is_owned(p: nn.Parameter) -> bool:
-    """Whether a hooked module that (recursively) owns ``p`` is in its forward right now."""
+    """Whether a hooked module in its forward right now will claim ``p`` for its call: ``p``
+    is its own, or belongs to a descendant that has not run during the call (the engine's
+    :func:`~backprism.engine.forward.call_params`)."""
     pid = id(p)
-    return any(pid in _owned_ids(frame[0]) for frame in FORWARD.call_stack)
+    for module, ran in FORWARD.call_stack:
+        subs = _owners(module).get(pid)
+        if subs is not None and (id(module) in subs or not subs <= ran):
+            return True
+    return False
 
 
 def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
@@ -127,6 +142,64 @@ def _linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Line
     m._parameters["weight"] = weight
     m._parameters["bias"] = bias
     m._backprism_name = "linear (a functional use of a parameter)"  # type: ignore[attr-defined]
+    return m
+
+
+def _embedding_stand_in(weight: nn.Parameter, kwargs: dict, rest: tuple) -> nn.Embedding:
+    names = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
+    opts = dict(zip(names, rest)) | {k: v for k, v in kwargs.items() if k in names}
+    m = nn.Embedding.__new__(nn.Embedding)
+    nn.Module.__init__(m)
+    m.num_embeddings, m.embedding_dim = weight.shape
+    pad = opts.get("padding_idx")
+    m.padding_idx = pad + weight.shape[0] if pad is not None and pad < 0 else pad
+    m.max_norm = opts.get("max_norm")
+    m.norm_type = opts.get("norm_type", 2.0)
+    m.scale_grad_by_freq = bool(opts.get("scale_grad_by_freq", False))
+    m.sparse = bool(opts.get("sparse", False))
+    m._parameters["weight"] = weight
+    m._backprism_name = "embedding (a functional use of a parameter)"  # type: ignore[attr-defined]
+    return m
+
+
+_CONV_TYPES = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
+
+
+def _conv_stand_in(
+    kind: str, weight: nn.Parameter, bias: nn.Parameter | None, kwargs: dict, rest: tuple
+) -> nn.Module:
+    cls = _CONV_TYPES[kind]
+    d = int(kind[-2])
+    names = ("stride", "padding", "dilation", "groups")
+    opts = dict(zip(names, rest)) | {k: v for k, v in kwargs.items() if k in names}
+
+    def tup(v: Any) -> tuple:
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
+
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    groups = int(opts.get("groups", 1))
+    m.in_channels, m.out_channels = weight.shape[1] * groups, weight.shape[0]
+    m.kernel_size = tuple(weight.shape[2:])
+    m.stride = tup(opts.get("stride", 1))
+    padding = opts.get("padding", 0)
+    m.padding = padding if isinstance(padding, str) else tup(padding)
+    m.dilation = tup(opts.get("dilation", 1))
+    m.transposed, m.output_padding, m.groups = False, (0,) * d, groups
+    m.padding_mode = "zeros"
+    if isinstance(m.padding, str):
+        m._reversed_padding_repeated_twice = [0, 0] * d
+        if m.padding == "same":
+            for i, (dil, k) in enumerate(zip(m.dilation, m.kernel_size)):
+                total = dil * (k - 1)
+                left = total // 2
+                j = 2 * (d - 1 - i)
+                m._reversed_padding_repeated_twice[j : j + 2] = [left, total - left]
+    else:
+        m._reversed_padding_repeated_twice = nn.modules.utils._reverse_repeat_tuple(m.padding, 2)
+    m._parameters["weight"] = weight
+    m._parameters["bias"] = bias
+    m._backprism_name = f"{kind} (a functional use of a parameter)"
     return m
 
 
@@ -197,6 +270,29 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
             module = _linear_stand_in(w[0], None if b is None else b[0])
             params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
             capture(module, (x.detach(),), {}, [x], outs, params)
+            return
+    if name == "embedding" and len(args) >= 2 and tensors[0][0] == 0:
+        w = _param_view(args[1])
+        if w is not None and w[2] == "param" and len(views) == 1:
+            module = _embedding_stand_in(w[0], kwargs, tuple(args[2:]))
+            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0]})
+            return
+    if name in _CONV_TYPES and len(args) >= 2 and tensors[0][0] == 0:
+        w = _param_view(args[1])
+        b = _param_view(args[2]) if len(args) > 2 and args[2] is not None else None
+        bias_ok = len(args) <= 2 or args[2] is None or (b is not None and b[2] == "param")
+        if w is not None and w[2] == "param" and bias_ok and "bias" not in kwargs:
+            module = _conv_stand_in(
+                name, w[0], None if b is None else b[0], kwargs, tuple(args[3:])
+            )
+            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
+            capture(module, (x.detach(),), {}, [x], outs, params)
+            return
+    if name == "addmm" and len(args) == 3 and tensors[0][0] == 1 and not kwargs:
+        b, w = _param_view(args[0]), _param_view(args[2])
+        if b is not None and w is not None and b[2] == "param" and w[2] == "T":
+            module = _linear_stand_in(w[0], b[0])
+            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0], "bias": b[0]})
             return
     if name in _MATMULS and len(args) == 2 and tensors[0][0] == 0 and views[0][0] == 1:
         w = views[0][1]
