@@ -28,7 +28,7 @@ from backprism.spectral import (
 )
 from backprism.spectral.factors import KernelFactor
 
-from reference import ggn_blocks, per_sample_grads
+from reference import ggn, ggn_blocks, per_sample_grads
 
 RTOL = 1e-4
 
@@ -516,3 +516,22 @@ def test_vivit_compat_paths():
         DirectionalDampedNewtonComputation,
     ) == (E1, E2, E3, E4)
     assert vivit.EighComputation is EighComputation
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "residual"])
+def test_eigvalsh_two_forwards_one_backward(kind):
+    """Two forwards summed into one objective: the GGN is the sum of the losses' GGNs, and its
+    eigenvalues come from the Gram matrix of both losses' columns."""
+    model, lossf, X1, y1 = make(kind, seed=0)
+    _, _, X2, y2 = make(kind, seed=1)
+    with torch.no_grad():  # make() rebuilt the model for seed 1: restore seed 0's weights
+        model0, *_ = make(kind, seed=0)
+        for p, q in zip(model.parameters(), model0.parameters()):
+            p.copy_(q)
+    G = ggn(model, lossf, X1, y1) + ggn(model, lossf, X2, y2)
+    comp = EigvalshComputation()
+    groups = groupings(model)["full"]
+    with backprism.collect(*comp.get_extensions(), extension_hook=comp.get_extension_hook(groups)):
+        (lossf(model(X1), y1) + lossf(model(X2), y2)).backward()
+    ours = comp.get_result(groups[0])
+    compare_evals(ours, torch.linalg.eigvalsh(G))
