@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from backprism.engine.backward import current_pass
 from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
+from backprism.extensions.firstorder import _subset_call, subset_columns
 
 __all__ = ["DenseFactor", "GramFactor", "KernelFactor", "SpectralFactorExtension"]
 
@@ -447,8 +448,6 @@ def factors_from_call(
             out["bias"] = DenseFactor(gk.sum(2), n)
         return out
     if index is not None:
-        from backprism.extensions.firstorder import _subset_call, subset_columns
-
         call, g = _subset_call(call, index), subset_columns(g, index, n)
     return {name: DenseFactor(v, n) for name, v in rule.per_sample(call, g).items()}
 
