@@ -120,6 +120,28 @@ def first_order_expected(gb: Tensor) -> dict[str, Tensor]:
     }
 
 
+FIRST_ORDER_FIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+
+
+def assert_first_order(model: nn.Module, ref: dict[str, Tensor], **tol: Any) -> None:
+    """Every trainable parameter's first-order fields (BatchGrad, BatchL2Grad, SumGradSquared,
+    Variance of one backward pass) equal those of the reference per-sample gradients
+    ``ref[name] = [N, *p]``, and ``Σₙ grad_batch = .grad``; a parameter without a gradient
+    has none (shared parameters are checked once, under their first name)."""
+    seen: set[int] = set()
+    for k, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        if p.grad is None:
+            assert not hasattr(p, "grad_batch") or not p.grad_batch.any(), k
+            continue
+        expected = first_order_expected(ref[k])
+        for field in FIRST_ORDER_FIELDS:
+            torch.testing.assert_close(getattr(p, field), expected[field], **tol)
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **tol)
+
+
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(k, p) for k, p in model.named_parameters() if p.requires_grad]
 

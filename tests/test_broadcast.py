@@ -17,6 +17,7 @@ from backprism.extensions import (
     SumGradSquared,
     Variance,
 )
+from common import assert_first_order
 
 from reference import diag_ggn, per_sample_grads
 
@@ -81,15 +82,7 @@ def test_first_order_matches_reference(name: str):
     extend(model), extend(lf)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lf(model(X), y).backward()
-    n = X.shape[0]
-    for k, p in model.named_parameters():
-        gb = ref[k]
-        torch.testing.assert_close(p.grad_batch, gb, **TOL)
-        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
-        torch.testing.assert_close(p.batch_l2, gb.flatten(1).square().sum(1), **TOL)
-        torch.testing.assert_close(p.sum_grad_squared, gb.square().sum(0), **TOL)
-        var = (gb.square().sum(0) / n) - (gb.sum(0) / n).square()
-        torch.testing.assert_close(p.variance, var.clamp_min(0), **TOL)
+    assert_first_order(model, ref, **TOL)
 
 
 @pytest.mark.parametrize("name", ["position_ids", "class_token"])

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from common import assert_first_order
 
 from reference import diag_ggn, per_sample_grads
 
@@ -102,17 +103,7 @@ def test_first_order(op: str):
     extend(model), extend(lf)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lf(model(X), y).backward()
-    for k, p in model.named_parameters():
-        if p.grad is None:  # not used by this op
-            assert not hasattr(p, "grad_batch")
-            continue
-        gb = ref[k]
-        torch.testing.assert_close(p.grad_batch, gb, **TOL)
-        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
-        torch.testing.assert_close(p.batch_l2, gb.flatten(1).square().sum(1), **TOL)
-        torch.testing.assert_close(p.sum_grad_squared, gb.square().sum(0), **TOL)
-        var = gb.square().sum(0) / N - (gb.sum(0) / N).square()
-        torch.testing.assert_close(p.variance, var.clamp_min(0), **TOL)
+    assert_first_order(model, ref, **TOL)
 
 
 @pytest.mark.parametrize("op", ["linear", "addmm", "scale_shift", "tied", "conv2d"])

@@ -15,6 +15,8 @@ from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSq
 
 transformers = pytest.importorskip("transformers")
 
+from common import assert_first_order  # noqa: E402
+
 from reference import diag_ggn, per_sample_grads  # noqa: E402
 
 DT = torch.float64
@@ -114,18 +116,7 @@ def test_first_order(name: str):
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         logits = model(x).logits  # as documented
         (ce(logits.transpose(1, 2), y) if kind == "lm" else ce(logits, y)).backward()
-    seen = set()
-    for k, p in Logits(model).named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        gb = ref[k]
-        torch.testing.assert_close(p.grad_batch, gb, **TOL)
-        torch.testing.assert_close(p.grad_batch.sum(0), p.grad, **TOL)
-        torch.testing.assert_close(p.batch_l2, gb.flatten(1).square().sum(1), **TOL)
-        torch.testing.assert_close(p.sum_grad_squared, gb.square().sum(0), **TOL)
-        var = gb.square().sum(0) / N - (gb.sum(0) / N).square()
-        torch.testing.assert_close(p.variance, var.clamp_min(0), **TOL)
+    assert_first_order(Logits(model), ref, **TOL)
 
 
 @pytest.mark.parametrize("name", ["bert", "vit"])
