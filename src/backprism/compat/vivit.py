@@ -11,6 +11,12 @@ ViViT                                             ``backprism.spectral``
 
 All four are also available as ``backprism.compat.vivit.<Name>`` (ViViT's top-level names).
 
+``vivit.extensions.secondorder.vivit.ViViTGGNExact(subsampling=None)`` /
+``ViViTGGNMC(mc_samples=1, subsampling=None)`` store, per parameter, ViViT's dictionary
+``param.vivit_ggn_exact`` (``vivit_ggn_mc``) of functions of the GGN square root
+``V`` (``[C, N, *p]``, as ``sqrt_ggn_exact``): ``"gram_mat"()`` → ``Vᵀ V`` ``[C, N, C, N]``,
+``"V_t_mat_prod"(mat)``: ``[M, *p] → [M, C, N]``, ``"V_mat_prod"(mat)``: ``[M, C, N] → [M, *p]``.
+
 Use with ``backprism.collect`` in place of ``backpack.backpack``::
 
     from backprism.compat.vivit.linalg.eigh import EighComputation
@@ -26,7 +32,15 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+import torch
+from torch import Tensor
+
+from backprism.compat._modules import alias_module
+from backprism.engine.rule import Call, Rule
+from backprism.extensions import secondorder as _so
 from backprism.spectral import (
     DirectionalDampedNewtonComputation,
     DirectionalDerivativesComputation,
@@ -39,6 +53,7 @@ __all__ = [
     "DirectionalDerivativesComputation",
     "EighComputation",
     "EigvalshComputation",
+    "extensions",
     "linalg",
     "optim",
 ]
@@ -77,3 +92,99 @@ optim = _module(
     DirectionalDampedNewtonComputation=DirectionalDampedNewtonComputation,
 )
 __path__: list[str] = []  # lets the import system treat this module as a package
+
+
+# -- ViViT's extensions ------------------------------------------------------------------------
+class _ViViTFactor(Mapping):
+    """ViViT's per-parameter dictionary of functions of the GGN square root ``V``
+    (``[C, N, *p]``, kept in the column chunks the engine produced)."""
+
+    def __init__(self, chunks: list[Tensor]) -> None:
+        self._chunks = chunks
+
+    def __add__(self, other: _ViViTFactor) -> _ViViTFactor:
+        return _ViViTFactor(self._chunks + other._chunks)
+
+    def __mul__(self, factor: float) -> _ViViTFactor:
+        return _ViViTFactor([c * factor for c in self._chunks])
+
+    @property
+    def V_t(self) -> Tensor:
+        """The factor ``[C, N, *p]``."""
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
+
+    def _fns(self) -> dict[str, Callable[..., Tensor]]:
+        return {"V_mat_prod": self.V_mat_prod, "V_t_mat_prod": self.V_t_mat_prod,
+                "gram_mat": self.gram_mat}
+
+    def __getitem__(self, key: str) -> Callable[..., Tensor]:
+        return self._fns()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("V_mat_prod", "V_t_mat_prod", "gram_mat"))
+
+    def __len__(self) -> int:
+        return 3
+
+    def V_mat_prod(self, mat: Tensor) -> Tensor:
+        """``V`` applied to ``mat`` ``[M, C, N]``: ``[M, *p]``."""
+        v = self.V_t
+        return torch.einsum("mcn,cn...->m...", mat.to(v.dtype), v)
+
+    def V_t_mat_prod(self, mat: Tensor) -> Tensor:
+        """``Vᵀ`` applied to ``mat`` ``[M, *p]``: ``[M, C, N]``."""
+        v = self.V_t
+        return torch.einsum("cni,mi->mcn", v.flatten(2), mat.flatten(1).to(v.dtype))
+
+    def gram_mat(self) -> Tensor:
+        """``Vᵀ V`` as ``[C, N, C, N]``."""
+        v = self.V_t.flatten(2)
+        return torch.einsum("cni,dmi->cndm", v, v)
+
+
+class _ViViTGGN:
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        out = super().from_rule(rule, call, g, weights)  # type: ignore[misc]
+        return {k: _ViViTFactor([v]) for k, v in out.items()}
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
+        return _ViViTFactor([super().from_dense(dense, call, weights)])  # type: ignore[misc]
+
+    def accumulate(self, old: _ViViTFactor, new: _ViViTFactor) -> _ViViTFactor:
+        return old + new
+
+    def builds_per_sample(self, rule: Rule, call: Call) -> bool:
+        return True
+
+
+class ViViTGGNExact(_ViViTGGN, _so.SqrtGGNExact):
+    """Functional access to the exact GGN square root: ``param.vivit_ggn_exact`` (ViViT)."""
+
+    savefield = "vivit_ggn_exact"
+
+    def get_subsampling(self) -> list[int] | None:
+        return self.subsampling
+
+
+class ViViTGGNMC(_ViViTGGN, _so.SqrtGGNMC):
+    """Functional access to the MC GGN square root: ``param.vivit_ggn_mc`` (ViViT)."""
+
+    savefield = "vivit_ggn_mc"
+
+    def get_subsampling(self) -> list[int] | None:
+        return self.subsampling
+
+    def get_num_mc_samples(self) -> int:
+        return self.mc_samples
+
+
+extensions = alias_module(f"{__name__}.extensions", "ViViT's extensions.")
+alias_module(f"{__name__}.extensions.secondorder", "ViViT's second-order extensions.")
+alias_module(
+    f"{__name__}.extensions.secondorder.vivit",
+    "ViViT's functional access to the GGN square root.",
+    ViViTGGNExact=ViViTGGNExact,
+    ViViTGGNMC=ViViTGGNMC,
+)

@@ -1,38 +1,153 @@
-"""BackPACK-compatible entry points: ``backpack`` (the context), ``extend``, ``extensions``.
+"""BackPACK-compatible entry points: ``backpack`` (the context), ``extend``, ``disable`` and the
+sub-packages ``extensions``, ``custom_module``, ``hessianfree``, ``utils``, ``core``.
 
-A script written for BackPACK runs after changing only its imports::
+A script written for BackPACK 1.7 runs after changing only its imports::
 
     from backprism.compat.backpack import backpack, extend
     from backprism.compat.backpack.extensions import BatchGrad, DiagGGNExact
+
+Differences that need no change in a script:
+
+* ``backpack(..., retain_graph=True)`` is accepted and unnecessary: backprism keeps what it
+  captured in the autograd graph, so every backward pass through a retained graph finds it;
+  ``retain_graph=False`` does not free anything early either (the graph frees it).
+* ``extend(model, use_converter=True)`` returns the model itself: backprism handles residual
+  connections, functional code and in-place operations through autograd, so no graph
+  conversion is needed (``custom_module.graph_utils.convert_module_to_backpack`` likewise).
+* ``disable()`` turns off capturing in forward passes, as BackPACK's turns off storing
+  inputs and outputs; a backward pass inside ``backpack(...)`` through such a forward then
+  raises (BackPACK fails too).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Any
 
 from torch import nn
 
 from backprism.compat.backpack import extensions
 from backprism.engine.collect import collect
 from backprism.engine.extend import extend as _extend
-from backprism.extensions.base import Extension
+from backprism.engine.extension import Extension
+from backprism.engine.state import suspended
 
-__all__ = ["backpack", "extend", "extensions"]
+__all__ = ["backpack", "disable", "extend", "extensions"]
+
+
+class InvalidExtensionError(ValueError, TypeError):
+    """An argument of ``backpack(...)`` is not an extension instance (BackPACK raises
+    ``ValueError``; backprism's ``collect`` ``TypeError``: both ``except`` clauses catch it)."""
 
 
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
-    """BackPACK's ``extend``. ``use_converter`` is accepted and unnecessary: backprism handles
-    residual connections and functional code through autograd."""
+    """BackPACK's ``extend``: make ``module`` (a model or a loss) ready for ``backpack(...)``.
+
+    ``use_converter=True`` returns the module unchanged (no conversion is needed, see the
+    module docstring); ``debug`` prints what is extended."""
+    if use_converter:
+        from backprism.compat.backpack.custom_module import convert_module_to_backpack
+
+        module = convert_module_to_backpack(module, debug)
+    if debug:
+        print(f"[DEBUG] Extending {type(module).__name__}")
     return _extend(module)
 
 
 class backpack(collect):
-    """BackPACK's context manager: ``with backpack(BatchGrad(), extension_hook=f): ...``."""
+    """BackPACK's context manager: ``with backpack(*exts, extension_hook=None, debug=False,
+    retain_graph=False): loss.backward()``.
+
+    Args:
+        *exts: extension instances (``backprism.compat.backpack.extensions`` or backprism's).
+        extension_hook: called as ``extension_hook(module)`` on each module that owns
+            parameters once its extensions ran (BackPACK also calls it on parameter-free
+            modules, where there is nothing to read).
+        debug: print the active extensions and each backward pass.
+        retain_graph: accepted for compatibility; nothing to keep (see the module docstring).
+        chunk_size, memory_budget: backprism's column chunking (see
+            :class:`backprism.collect`); not BackPACK arguments.
+
+    Raises:
+        ValueError: an argument is not an extension instance (an extension class, for
+            example); the error is also a ``TypeError``.
+    """
 
     def __init__(
         self,
         *exts: Extension,
         extension_hook: Callable[[nn.Module], None] | None = None,
         debug: bool = False,
+        retain_graph: bool = False,
+        chunk_size: int | None = None,
+        memory_budget: int = 2**30,
     ) -> None:
-        super().__init__(*exts, extension_hook=extension_hook)
+        for ext in exts:
+            if not isinstance(ext, Extension):
+                if inspect.isclass(ext) and issubclass(ext, Extension):
+                    raise InvalidExtensionError(
+                        "backpack(...) takes instances of BackPACK extensions, but received a "
+                        f"class instead [{ext}]: pass {ext.__name__}()"
+                    )
+                raise InvalidExtensionError(
+                    f"backpack(...) takes instances of BackPACK extensions, got {ext!r}"
+                )
+        self.debug = debug
+        self.retain_graph = retain_graph
+        self.exts = tuple(exts)
+        super().__init__(
+            *exts,
+            extension_hook=extension_hook,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+        )
+
+    def __enter__(self) -> backpack:
+        if self.debug:
+            print(f"[DEBUG] backpack: active extensions {list(self.exts)}")
+        super().__enter__()
+        return self
+
+    def _run_backward(self, roots: list, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.debug and self._running is None:
+            print(f"[DEBUG] backpack: backward pass with {[type(e).__name__ for e in self.exts]}")
+        return super()._run_backward(roots, func, args, kwargs)
+
+
+class disable:
+    """Turn off capturing during forward passes (BackPACK's ``disable``: no input/output is
+    stored). Useful to run an extended model without overhead when only ``.grad`` is needed."""
+
+    store_io: bool = True
+
+    def __enter__(self) -> disable:
+        self.old_store_io = disable.store_io
+        disable.store_io = False
+        self._stack = ExitStack()
+        self._stack.enter_context(suspended())
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stack.close()
+        disable.store_io = self.old_store_io
+
+    @staticmethod
+    def should_store_io() -> bool:
+        """Whether forward passes are captured (``False`` inside ``with disable()``)."""
+        return disable.store_io
+
+
+def _load_subpackages() -> None:
+    # imported for their side effect: registering BackPACK's module paths
+    from backprism.compat.backpack import core, custom_module, hessianfree, utils  # noqa: F401
+
+
+_load_subpackages()
