@@ -25,7 +25,15 @@ from torch import Tensor, nn
 
 from backprism.engine.state import Call
 
-__all__ = ["Call", "Rule", "get_rule", "params_of", "register_rule", "set_generic_rule"]
+__all__ = [
+    "Call",
+    "Rule",
+    "get_rule",
+    "has_rule",
+    "params_of",
+    "register_rule",
+    "set_generic_rule",
+]
 
 
 class Rule:
@@ -135,6 +143,11 @@ def register_rule(*module_types: type[nn.Module]):
         return cls
 
     return deco
+
+
+def has_rule(module_type: type[nn.Module]) -> bool:
+    """Whether a rule is registered for exactly ``module_type`` (the generic fallback aside)."""
+    return module_type in _REGISTRY
 
 
 def set_generic_rule(rule: Rule) -> None:

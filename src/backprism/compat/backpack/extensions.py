@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from backprism.compat._modules import alias_module
 from backprism.engine.extension import Extension, SecondOrderExtension
-from backprism.engine.rule import Call, Rule
+from backprism.engine.rule import Call, Rule, has_rule
 from backprism.engine.state import suspended
 from backprism.extensions import firstorder as _fo
 from backprism.extensions import hessian as _h
@@ -355,7 +355,7 @@ class BackpropExtension(Extension, metaclass=_BackpackMeta):
                 "set_module_extension takes a backprism.compat.backpack.extensions."
                 f"module_extension.ModuleExtension, got {type(extension).__name__}"
             )
-        if not overwrite and (module in self._module_exts or _has_builtin_rule(module)):
+        if not overwrite and (module in self._module_exts or has_rule(module)):
             raise ValueError(
                 f"{module} maps to {self._module_exts.get(module, 'a built-in rule')}! "
                 "Use overwrite = True to force replacement."
@@ -418,12 +418,6 @@ class BackpropExtension(Extension, metaclass=_BackpackMeta):
     def _custom_value(self, call: Call, value: Any) -> Any:
         """A module extension's result in the form the engine accumulates."""
         return value
-
-
-def _has_builtin_rule(module: type[nn.Module]) -> bool:
-    from backprism.engine import rule as _rule
-
-    return module in getattr(_rule, "_REGISTRY", {})
 
 
 # -- first order ------------------------------------------------------------------------------
