@@ -7,8 +7,10 @@ Sub-commands::
     backprism report LOG [-o report.html] [--smoothing S]
     backprism inspect LOG
 
-Bad input (a missing, empty, cut-off or foreign log, an unknown image format) prints one line
-``backprism: error: ...`` to stderr and exits with status 2, like argparse's usage errors.
+Bad input (a missing, empty, cut-off or foreign log, an unknown image format) and a missing
+optional dependency (``report`` needs ``pip install 'backprism[report]'``) print one line
+``backprism: error: ...`` to stderr and exit with status 2, like argparse's usage errors.
+``demo`` shows a progress bar (tqdm) only on a terminal; piped, it prints one summary line.
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ def _cmd_plot(args: argparse.Namespace) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> None:
     from backprism.report import write_report
+    from backprism.report.figures import require_plotly
 
+    require_plotly()  # a missing extra is reported before the log is read
     out = Path(args.output) if args.output else Path(args.log).with_suffix(".html")
     log = _read(args.log)
     write_report(log, out, smoothing=args.smoothing)

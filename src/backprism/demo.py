@@ -76,31 +76,36 @@ def _quantities(config: str) -> list[Any]:
 
 
 class _Progress:
-    """Plain-text progress bar on a stream (redrawn in place on a terminal)."""
+    """Training progress on ``stream``: a tqdm bar on a terminal; elsewhere (a pipe, a CI log)
+    nothing while training and one summary line at the end."""
 
     def __init__(self, total: int, stream: IO[str]) -> None:
         self.total = total
         self.stream = stream
-        self.tty = hasattr(stream, "isatty") and stream.isatty()
         self.start = time.monotonic()
-        self.last_line = -1
+        self.bar: Any = None
+        if hasattr(stream, "isatty") and stream.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the demo extra brings tqdm; without it, only the summary
+                return
+            self.bar = tqdm(total=total, file=stream, unit="step", desc="training",
+                            dynamic_ncols=True, leave=True)
 
-    def update(self, step: int, loss: float, acc: float) -> None:
-        done = step + 1
-        rate = done / max(time.monotonic() - self.start, 1e-9)
-        width = 24
-        fill = int(width * done / self.total)
-        line = (f"[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total}  loss {loss:.3f}  "
-                f"acc {acc:.2f}  {rate:.1f} step/s")
-        if self.tty:
-            self.stream.write("\r" + line)
-            if done == self.total:
-                self.stream.write("\n")
-        else:
-            decile = 10 * done // self.total
-            if decile != self.last_line or done == self.total:
-                self.last_line = decile
-                self.stream.write(line + "\n")
+    def update(self, loss: float, acc: float) -> None:
+        self.loss, self.acc = loss, acc
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self, done: int) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            return
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        last = f"  loss {self.loss:.3f}  acc {self.acc:.2f}" if done else ""
+        self.stream.write(f"trained {done}/{self.total} steps in {elapsed:.1f} s "
+                          f"({done / elapsed:.1f} step/s){last}\n")
         self.stream.flush()
 
 
@@ -126,8 +131,10 @@ def run_demo(
 ) -> dict[str, Path]:
     """Train the demo CNN with the monitor and write log, dashboard and report to ``out``.
 
-    ``threads``: torch intra-op threads while training (the model is tiny: one thread is fastest
-    and does not fight other processes for cores); ``None`` keeps torch's setting.
+    ``progress``: stream of the progress display (a tqdm bar on a terminal, one summary line
+    at the end otherwise; ``None``: silent). ``threads``: torch intra-op threads while training
+    (the model is tiny: one thread is fastest and does not fight other processes for cores);
+    ``None`` keeps torch's setting.
 
     Returns ``{"log": ..., "dashboard": ..., "report": ...}`` (only the files written).
     """
@@ -138,6 +145,10 @@ def run_demo(
         raise ValueError(f"unknown configuration {config!r}; choose one of {list(CONFIGS)}")
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
+    if report:  # fail before training, not after it
+        from backprism.report.figures import require_plotly
+
+        require_plotly()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     old_threads = torch.get_num_threads()
@@ -157,6 +168,7 @@ def run_demo(
     eval_every = max(1, steps // 10)
     gen = torch.Generator().manual_seed(seed + 1)
     order = torch.randperm(n, generator=gen)
+    done = 0
     try:
         for step in range(steps):
             k = step % per_epoch
@@ -186,9 +198,12 @@ def run_demo(
                             train_accuracy=ta, valid_accuracy=va,
                             learning_rate=opt.param_groups[0]["lr"])
             if bar is not None:
-                bar.update(step, float(loss.detach()), acc)
+                bar.update(float(loss.detach()), acc)
+            done = step + 1
     finally:
         monitor.close()
+        if bar is not None:
+            bar.close(done)
         torch.set_num_threads(old_threads)
     files = {"log": log_path}
     if dashboard:

@@ -1,4 +1,4 @@
-"""The monitor inside a PyTorch Lightning ``Trainer`` (``pip install lightning``).
+"""The monitor inside a PyTorch Lightning ``Trainer`` (``pip install backprism[lightning]``).
 
 >>> trainer = lightning.Trainer(callbacks=[MonitorCallback("economy", log_path="monitor.jsonl")])
 >>> trainer.fit(module)
@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - depends on the environment
         from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
     except ImportError:
         raise ImportError(
-            "backprism.integrations.lightning needs PyTorch Lightning: pip install lightning"
+            "backprism.integrations.lightning needs PyTorch Lightning: "
+            "pip install 'backprism[lightning]' (or pip install lightning)"
         ) from None
 
 __all__ = ["MonitorCallback"]

@@ -1,4 +1,4 @@
-"""Monitor quantities in TensorBoard (``pip install tensorboard``).
+"""Monitor quantities in TensorBoard (``pip install backprism[tensorboard]``).
 
 >>> with TensorBoardWriter("runs/demo") as tb:
 ...     tb.update("run/monitor.jsonl")        # or a Monitor, a RunLog, parsed output
@@ -36,7 +36,8 @@ def _summary_writer() -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ImportError(
-            "TensorBoardWriter needs tensorboard: pip install tensorboard"
+            "TensorBoardWriter needs tensorboard: pip install 'backprism[tensorboard]' "
+            "(or pip install tensorboard)"
         ) from None
     return SummaryWriter
 
