@@ -18,6 +18,11 @@ the :class:`~backprism.engine.graph.GraphView` of the graph it is about to run t
 4. :meth:`end` finishes parameters used by several calls, runs the hooks still due and
    unmarks the records.
 
+**Distributed data parallelism** (:mod:`backprism.engine.distributed`): when :meth:`check`
+finds the pass distributed (DDP, or ``collect(process_group=...)``), :meth:`end` replaces the
+local results by the global batch's before the hooks run; ``extension_hook`` is then deferred
+to the end of the pass, and ``needs_param_grad`` partials are finished with the global gradient.
+
 **Several forwards, one backward.** The pass covers every call its graph contains, whatever
 forward produced it. A sample index ``n`` that appears in several forwards is one sample: its
 contributions add (``grad_batch[n] = ∇(Σ_f ℓ_{f,n})/N``) and statistics are taken of the sum. A
@@ -37,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
+from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
@@ -155,6 +161,8 @@ class BackwardPass:
         self.in_columns = 0
         self._handles: list[Any] = []
         self._marked: list[Any] = []
+        #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
+        self.distributed: _distributed.DistributedPass | None = None
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
@@ -210,6 +218,8 @@ class BackwardPass:
             )
         if self.second:
             self._check_second_order(view)
+        # -- distributed (engine.distributed): refusals, then the reduction in end() --------
+        self.distributed = _distributed.setup(self)
 
     def _check_batch_sizes(self, sizes: list[int], exts: list[Extension]) -> None:
         shown = " and ".join(str(s) for s in sizes)
@@ -295,6 +305,8 @@ class BackwardPass:
             for pid, (p, _) in self.view.params.items():
                 if self.param_count[pid]:
                     self._handles.append(p.register_hook(self._param_hook(p)))
+        if self.distributed is not None:  # distributed: which .grad are empty before the pass
+            self.distributed.start(self)
 
     def _param_hook(self, p: nn.Parameter) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
@@ -325,7 +337,12 @@ class BackwardPass:
         for pid in list(self.partials):  # the parameter got no gradient (autograd.grad w.r.t. x)
             for ext, partial, module, fallback in self.partials.pop(pid):
                 p = next(q for q in module.parameters() if id(q) == pid)
-                self.store(p, ext, ext.finish(partial, fallback()))
+                if self.distributed is not None:
+                    self.distributed.defer(p, ext, partial, fallback())
+                else:
+                    self.store(p, ext, ext.finish(partial, fallback()))
+        if self.distributed is not None:  # distributed: local results -> the global batch's
+            self.distributed.reduce(self)
         hook = self.ctx.extension_hook
         if hook is not None:
             for mid, module in self.touched.items():
@@ -343,6 +360,8 @@ class BackwardPass:
         else:
             self.seen.add(key)
             setattr(param, ext.savefield, value)
+            if self.distributed is not None:  # distributed: reduced in end()
+                self.distributed.stored_result(param, ext)
 
     def _finalize_dense(self, param: nn.Parameter, call: Call, dense: Tensor) -> None:
         for ext in self.first:
@@ -400,6 +419,8 @@ class BackwardPass:
         hook = self.ctx.extension_hook
         if hook is None or id(module) not in self.touched or id(module) in self.hooked:
             return
+        if self.distributed is not None:  # distributed: after the reduction, in end()
+            return
         if self.module_fired[id(module)] < self.module_count[id(module)]:
             return
         # a parameter shared with another call (tied weights) is done only when all fired
@@ -417,6 +438,10 @@ class BackwardPass:
         """The parameter's gradient of this backward pass arrived (leaf tensor hook)."""
         items = self.partials.pop(id(param), None)
         if not items:
+            return
+        if self.distributed is not None:  # distributed: finished with the global gradient
+            for ext, partial, _, _ in items:
+                self.distributed.defer(param, ext, partial, grad.to(param.dtype))
             return
         with _Running(self):
             for ext, partial, _, _ in items:

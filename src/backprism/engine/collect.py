@@ -81,6 +81,14 @@ class collect:
         memory_budget: bytes allowed for one chunk of backpropagated columns, counting the
             columns at every captured output and the per-sample gradients rules build from
             them (default 1 GiB).
+        process_group: distributed data parallelism (:mod:`backprism.engine.distributed`).
+            ``"auto"`` (default): when ``torch.distributed`` is initialised and the pass runs
+            through a model wrapped by ``DistributedDataParallel`` that synchronises gradients
+            in this pass, results are those of one process on the global batch (per-sample
+            tensors: this rank's rows of it); inside ``ddp.no_sync()`` they stay local. A
+            process group: reduce over it in every pass. ``None``: local values. In a
+            distributed pass ``extension_hook`` runs at the end of the pass, after the
+            reduction.
 
     Example:
         >>> with collect(BatchGrad(), DiagGGNExact()):
@@ -94,6 +102,7 @@ class collect:
         extension_hook: Callable[[nn.Module], None] | None = None,
         chunk_size: int | None = None,
         memory_budget: int = 2**30,
+        process_group: Any = "auto",
     ) -> None:
         for ext in extensions:
             if isinstance(ext, type) and issubclass(ext, Extension):
@@ -123,6 +132,16 @@ class collect:
         self.extension_hook = extension_hook
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
+        # -- distributed (engine.distributed) --
+        if isinstance(process_group, str) and process_group != "auto":
+            raise ValueError(
+                "collect(process_group=...) takes 'auto', None or a process group, got "
+                f"{process_group!r}"
+            )
+        self.process_group = process_group
+        #: what the last distributed backward pass communicated (a
+        #: :class:`~backprism.engine.distributed.Communication`), ``None`` before one ran
+        self.communication: Any = None
         self._mode: _BackwardMode | None = None
         self._token: Any = None
         self._saw_calls = False

@@ -13,19 +13,115 @@ gradients, Kronecker factors) skip the dense path and are summed over calls dire
 
 Every point the engine may call is declared here with its default; the engine never probes for
 attributes.
+
+**Distributed data parallelism** (:mod:`backprism.engine.distributed`). When a backward pass runs
+on several ranks (``DDP``), each rank first computes its results on its own samples with the
+local convention; the engine then asks every extension how its result combines over the ranks
+(:meth:`Extension.distributed_unsupported`, :meth:`Extension.distributed_parts`,
+:meth:`Extension.distributed_result`) and packs the parts of all extensions into few collective
+calls. :class:`GlobalBatch` says what a rank knows about the global batch then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from backprism.engine.rule import Rule
 from backprism.engine.state import Call, LossRecord
 
-__all__ = ["Extension", "FirstOrderExtension", "SecondOrderExtension"]
+__all__ = [
+    "CatPart",
+    "Extension",
+    "FirstOrderExtension",
+    "GlobalBatch",
+    "SecondOrderExtension",
+    "SumPart",
+]
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    r"""The global batch of a distributed backward pass, as one rank sees it.
+
+    The global batch is the concatenation of the ranks' local batches in rank order, ``N =
+    Σ_r N_r``. A rank's local results follow the local convention (``grad_batch[n] =
+    ∇(c·ℓₙ/N_r)`` for a mean loss, ``c`` any factor common to all ranks); the one-process
+    result on the global batch weights sample ``n`` by ``c/N`` instead, so a quantity that is
+    homogeneous of degree ``d`` in the per-sample loss weights is this rank's value times
+    ``loss_weight ** d``:
+
+    * ``loss_weight`` ``ρ = N_r/N`` for ``reduction="mean"``, ``1`` for ``"sum"``;
+    * ``batch_weight`` ``α = N_r/N``: the weight of a batch average ``(1/N_r) Σₙ`` that does not
+      come from the loss (Kronecker input factors ``A``).
+
+    Attributes:
+        rank: this rank's index in the process group.
+        sizes: the local batch sizes ``N_r`` of all ranks, in rank order.
+        reduction: ``"mean"`` or ``"sum"``, the reduction of the pass's extended losses (a pass
+            without an extended loss is taken as ``"mean"``).
+    """
+
+    rank: int
+    sizes: tuple[int, ...]
+    reduction: str = "mean"
+
+    @property
+    def world_size(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def n(self) -> int:
+        """``N``, the global batch size."""
+        return sum(self.sizes)
+
+    @property
+    def local(self) -> int:
+        """``N_r``, this rank's batch size."""
+        return self.sizes[self.rank]
+
+    @property
+    def offset(self) -> int:
+        """Index of this rank's first sample in the global batch."""
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def loss_weight(self) -> float:
+        """``ρ = N_r/N`` (mean) or ``1`` (sum)."""
+        return self.local / self.n if self.reduction == "mean" else 1.0
+
+    @property
+    def batch_weight(self) -> float:
+        """``α = N_r/N``."""
+        return self.local / self.n
+
+
+class SumPart:
+    """``scale · tensor`` summed over the ranks (the rank's scaling for the global batch). The
+    engine sends a tensor that several parts share with the same scale only once (e.g. the
+    ``B`` factor of a Linear weight and its bias, or ``Σ gb²`` of SumGradSquared and Variance),
+    so pass the result's own tensor with ``scale`` rather than a scaled copy."""
+
+    __slots__ = ("scale", "tensor")
+
+    def __init__(self, tensor: Tensor, scale: float = 1.0) -> None:
+        self.tensor = tensor
+        self.scale = float(scale)
+
+
+class CatPart:
+    """A tensor concatenated over the ranks along its first axis, in rank order (``rows``: the
+    first-axis length of every rank's tensor if known to all ranks, else ``None`` and the engine
+    exchanges them)."""
+
+    __slots__ = ("rows", "tensor")
+
+    def __init__(self, tensor: Tensor, rows: Sequence[int] | None = None) -> None:
+        self.tensor = tensor
+        self.rows = None if rows is None else tuple(int(r) for r in rows)
 
 
 class Extension:
@@ -66,6 +162,32 @@ class Extension:
         ``call``'s parameters (the engine sizes column chunks by it); by default, whether the
         rule's statistics may (:meth:`Rule.builds_per_sample`)."""
         return rule.builds_per_sample(call)
+
+    # -- distributed data parallelism (engine.distributed) ------------------------------------
+    def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
+        """``None`` if this extension's results for ``params`` combine over the ranks of a
+        distributed backward pass (:meth:`distributed_parts`, :meth:`distributed_result`), else
+        the reason why not; a distributed pass then refuses the extension before anything is
+        written. Default: no reduction is declared, so distributed passes refuse it."""
+        return f"{type(self).__name__} declares no reduction over the ranks"
+
+    def distributed_parts(self, value: Any, batch: GlobalBatch) -> list[SumPart | CatPart]:
+        """What this rank contributes to the global result from its local ``value`` (the
+        result stored for one parameter; for ``needs_param_grad`` extensions the partial
+        result): tensors summed (:class:`SumPart`) or concatenated (:class:`CatPart`) over the
+        ranks, already scaled by this rank for the global batch. The engine packs the parts of
+        all extensions and parameters into few collective calls. Default: nothing (per-sample
+        results that only need rescaling)."""
+        return []
+
+    def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        """The one-process result on the global batch (this rank's rows of it for per-sample
+        results) from the local ``value`` and the reduced parts (in the order of
+        :meth:`distributed_parts`); for ``needs_param_grad`` extensions the global partial,
+        which :meth:`finish` completes with the global gradient of the pass. A tensor
+        ``value`` has its own storage (no other result of the pass shares it) and may be
+        rescaled in place."""
+        raise NotImplementedError(f"{type(self).__name__} declares no reduction over the ranks")
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

@@ -1,19 +1,29 @@
-"""Extension base classes (the contract lives in :mod:`backprism.engine.extension`) and the
-subsampling helpers shared by the extension families."""
+"""Extension base classes (the contract lives in :mod:`backprism.engine.extension`), the
+subsampling helpers shared by the extension families and the two common distributed reductions
+(:class:`PerSampleRows`, :class:`SummedOverSamples`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from backprism.engine.extension import Extension, FirstOrderExtension, SecondOrderExtension
+from backprism.engine.extension import (
+    Extension,
+    FirstOrderExtension,
+    GlobalBatch,
+    SecondOrderExtension,
+    SumPart,
+)
 
 __all__ = [
     "Extension",
     "FirstOrderExtension",
+    "PerSampleRows",
     "SecondOrderExtension",
+    "SummedOverSamples",
     "check_subsampling",
     "subsample_index",
 ]
@@ -38,3 +48,46 @@ def subsample_index(idx: list[int] | None, n: int, what: str) -> Tensor | None:
             f"{what}: subsampling index {max(idx)} is out of range for a batch of {n} samples"
         )
     return torch.tensor(idx, dtype=torch.long)
+
+
+class PerSampleRows:
+    """Distributed reduction of a per-sample result (mixin, listed before the extension base):
+    this rank's rows of the global batch's result are its local rows times ``ρ^degree``
+    (:class:`~backprism.engine.extension.GlobalBatch`), rescaled in place (per-sample tensors
+    are large; the engine gives each result its own storage); nothing is communicated.
+    ``distributed_degree``: the degree of the result in the per-sample loss weights (per-sample
+    gradients 1, their squares 2, GGN square roots 1/2)."""
+
+    distributed_degree: float = 1.0
+
+    def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
+        return None
+
+    def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        f = batch.loss_weight**self.distributed_degree
+        if f == 1.0:
+            return value
+        if isinstance(value, Tensor) and value.is_floating_point() and _no_overlap(value):
+            return value.mul_(f)
+        return value * f
+
+
+def _no_overlap(t: Tensor) -> bool:
+    """No two elements of ``t`` share memory (not an expanded view), so ``t.mul_`` is safe."""
+    return all(st != 0 or sz <= 1 for sz, st in zip(t.shape, t.stride()))
+
+
+class SummedOverSamples:
+    """Distributed reduction of a result summed over the samples (mixin, listed before the
+    extension base): ``Σ_r ρ_r^degree · value_r``, one summed part."""
+
+    distributed_degree: float = 1.0
+
+    def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
+        return None
+
+    def distributed_parts(self, value: Any, batch: GlobalBatch) -> list[Any]:
+        return [SumPart(value, batch.loss_weight**self.distributed_degree)]
+
+    def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        return reduced[0]

@@ -14,6 +14,15 @@ BatchDotGrad       ``batch_dot``        ``[N, N]``: ``⟨grad_batch[n], grad_bat
 
 Statistics come from the layer rules' closed forms (e.g. Linear: ``‖gₙ‖² = ‖δₙ‖²‖xₙ‖²``)
 without materialising per-sample gradients wherever the algebra allows.
+
+Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
+mean loss, ``1`` for sum): ``grad_batch`` and ``batch_l2`` are this rank's rows of the global
+batch's (``ρ·`` and ``ρ²·`` the local ones); ``sum_grad_squared = Σ_r ρ_r² Σₙ gbₙ²`` and
+``variance`` (from it and the global gradient ``G = Σ_r ρ_r ∇L_r``:
+``(1/N) Σ gb² − (G/N)²``) are the global values; ``batch_dot`` is this rank's diagonal block
+``[N_r, N_r]`` of the global matrix, or the whole ``[N, N]`` matrix on every rank with
+``BatchDotGrad(across_ranks=True)`` (which all-reduces the per-sample gradients, ``N·D`` numbers
+per parameter).
 """
 
 from __future__ import annotations
@@ -23,8 +32,16 @@ from typing import Any
 
 from torch import Tensor
 
+from backprism.engine.backward import current_pass
+from backprism.engine.extension import CatPart, GlobalBatch, SumPart
 from backprism.engine.rule import Call, Rule
-from backprism.extensions.base import FirstOrderExtension, check_subsampling, subsample_index
+from backprism.extensions.base import (
+    FirstOrderExtension,
+    PerSampleRows,
+    SummedOverSamples,
+    check_subsampling,
+    subsample_index,
+)
 
 __all__ = ["BatchDotGrad", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
 
@@ -62,12 +79,13 @@ def subset_columns(g: Any, index: Tensor, batch_size: int) -> Any:
     return g
 
 
-class BatchGrad(FirstOrderExtension):
+class BatchGrad(PerSampleRows, FirstOrderExtension):
     """Per-sample gradients ``grad_batch`` of shape ``[N, *param.shape]`` (``∇(ℓₙ/N)``).
 
     Args:
         subsampling: indices of the samples to keep (default: all); the result then has
-            ``len(subsampling)`` rows, in the given order.
+            ``len(subsampling)`` rows, in the given order. In a distributed pass the indices
+            count this rank's samples.
     """
 
     savefield = "grad_batch"
@@ -83,10 +101,11 @@ class BatchGrad(FirstOrderExtension):
         return {k: v[0] for k, v in rule.per_sample(call, g).items()}
 
 
-class BatchL2Grad(FirstOrderExtension):
+class BatchL2Grad(PerSampleRows, FirstOrderExtension):
     """Squared norms ``batch_l2[n] = ‖grad_batch[n]‖²`` of shape ``[N]``."""
 
     savefield = "batch_l2"
+    distributed_degree = 2.0
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.batch_l2(call, g)
@@ -95,10 +114,11 @@ class BatchL2Grad(FirstOrderExtension):
         return dense[0].flatten(1).square().sum(1)
 
 
-class SumGradSquared(FirstOrderExtension):
+class SumGradSquared(SummedOverSamples, FirstOrderExtension):
     """Second moment ``sum_grad_squared = Σₙ grad_batch[n]²`` of shape ``param.shape``."""
 
     savefield = "sum_grad_squared"
+    distributed_degree = 2.0
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.sum_squared(call, g)
@@ -126,22 +146,98 @@ class Variance(FirstOrderExtension):
         out = sq / n
         return out.addcmul_(grad, grad, value=-1.0 / (n * n)).clamp_min_(0)
 
-    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
         d = dense[0]
+        if _distributed():  # the moments, combined over the ranks before the variance
+            return _Moments(d.square().sum(0), d.sum(0))
         return (d.square().mean(0) - d.mean(0).square()).clamp_min_(0)
 
     def accumulate(self, old: Any, new: Any) -> Any:
         return old + new
 
+    # distributed: the partial's Σ gb² is summed over the ranks; finish() takes the global
+    # gradient of the pass (parameters of several calls: both moments are summed)
+    def distributed_unsupported(self, params: list) -> str | None:
+        return None
+
+    def distributed_parts(self, value: Any, batch: GlobalBatch) -> list:
+        rho = batch.loss_weight
+        if isinstance(value, _Moments):
+            return [SumPart(value.sq, rho**2), SumPart(value.sum, rho)]
+        return [SumPart(value[0], rho**2)]  # often SumGradSquared's tensor: sent once
+
+    def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        if isinstance(value, _Moments):
+            n = batch.n
+            return (
+                (reduced[0] / n)
+                .addcmul_(reduced[1], reduced[1], value=-1.0 / (n * n))
+                .clamp_min_(0)
+            )
+        return reduced[0], batch.n
+
+
+class _Moments:
+    """``Σₙ gbₙ²`` and ``Σₙ gbₙ`` of a parameter used by several calls (distributed pass)."""
+
+    __slots__ = ("sq", "sum")
+
+    def __init__(self, sq: Tensor, sum_: Tensor) -> None:
+        self.sq = sq
+        self.sum = sum_
+
+
+class _Rows:
+    """Flattened per-sample gradients ``[N_r, D]`` of one parameter, kept by
+    ``BatchDotGrad(across_ranks=True)`` in a distributed pass until the ranks' rows are
+    combined."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Tensor) -> None:
+        self.rows = rows
+
+
+def _distributed() -> bool:
+    bp = current_pass()
+    return bp is not None and bp.distributed is not None
+
 
 class BatchDotGrad(FirstOrderExtension):
-    """Pairwise inner products ``batch_dot[n, m] = ⟨grad_batch[n], grad_batch[m]⟩``, ``[N, N]``."""
+    """Pairwise inner products ``batch_dot[n, m] = ⟨grad_batch[n], grad_batch[m]⟩``, ``[N, N]``.
+
+    Args:
+        across_ranks: in a distributed pass, the whole ``[N, N]`` matrix of the global batch on
+            every rank (the per-sample gradients are all-reduced: ``N·D`` numbers per
+            parameter) instead of this rank's diagonal block ``[N_r, N_r]``.
+    """
 
     savefield = "batch_dot"
 
+    def __init__(self, across_ranks: bool = False) -> None:
+        self.across_ranks = bool(across_ranks)
+
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        if self.across_ranks and _distributed():
+            return {k: _Rows(v[0].flatten(1)) for k, v in rule.per_sample(call, g).items()}
         return rule.batch_dot(call, g)
 
-    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
         f = dense[0].flatten(1)
+        if self.across_ranks and _distributed():
+            return _Rows(f)
         return f @ f.t()
+
+    def distributed_unsupported(self, params: list) -> str | None:
+        return None
+
+    def distributed_parts(self, value: Any, batch: GlobalBatch) -> list:
+        if isinstance(value, _Rows):
+            return [CatPart(value.rows * batch.loss_weight, rows=batch.sizes)]
+        return []
+
+    def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        if isinstance(value, _Rows):
+            f = reduced[0]
+            return f @ f.t()
+        return value * batch.loss_weight**2

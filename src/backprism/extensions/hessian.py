@@ -19,6 +19,11 @@ HutchinsonDiagHessian   ``diag_h_hutchinson``  ``[*p]``: ``(1/S) Σₛ vₛ ⊙ 
 
 (Hutchinson: ``vₛ`` Rademacher vectors.)
 
+Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
+mean loss): ``diag_h`` and ``diag_h_hutchinson`` are ``Σ_r ρ_r · local`` (global), ``diag_h_batch``
+this rank's rows ``ρ · local``. The Hutchinson estimate equals one process's when all ranks
+draw the same Rademacher vectors (the same random state); otherwise it is still unbiased.
+
 ``DiagHessian``/``BatchDiagHessian`` are exact for graphs built from layers that are linear in
 their input and parameters (Linear, Conv, …), elementwise nonlinearities, piecewise-linear
 operations and linear glue code, including parameters shared by parallel branches; anything else
@@ -41,7 +46,7 @@ from backprism.engine.double_backward import explain_double_backward
 from backprism.engine.residual import NonlinearityError, check_linear_in_params
 from backprism.engine.rule import Call, Rule
 from backprism.engine.state import suspended
-from backprism.extensions.base import SecondOrderExtension
+from backprism.extensions.base import PerSampleRows, SecondOrderExtension, SummedOverSamples
 
 __all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
 
@@ -104,7 +109,7 @@ class _Residual(SecondOrderExtension):
         return ("exact",)
 
 
-class DiagHessian(_Residual):
+class DiagHessian(SummedOverSamples, _Residual):
     r"""Exact diagonal of the Hessian of the loss, ``diag_h``, shape ``param.shape``.
 
     ``diag_h = Σₖₙ V[k, n]² + Σ_σ Σⱼₙ sign(rₙⱼ) (∂zₙⱼ/∂θ)² |rₙⱼ|`` with the exact GGN square root
@@ -122,7 +127,7 @@ class DiagHessian(_Residual):
         return _weighted_squares(dense, weights).sum((0, 1))
 
 
-class BatchDiagHessian(_Residual):
+class BatchDiagHessian(PerSampleRows, _Residual):
     r"""Per-sample terms of the Hessian diagonal, ``diag_h_batch``, ``[N, *param.shape]``:
     ``diag ∇²_θ(ℓₙ/N)`` (mean reduction; ``ℓₙ`` for ``"sum"``); they sum to ``diag_h``."""
 
@@ -137,7 +142,7 @@ class BatchDiagHessian(_Residual):
         return _weighted_squares(dense, weights).sum(0)
 
 
-class HutchinsonDiagHessian(SecondOrderExtension):
+class HutchinsonDiagHessian(SummedOverSamples, SecondOrderExtension):
     r"""Hutchinson estimate of the Hessian diagonal, ``diag_h_hutchinson``, shape ``param.shape``:
 
     .. math:: \hat d = \frac{1}{S}\sum_{s=1}^S v_s ⊙ (∇²L\, v_s),\qquad v_s ∼ \text{Rademacher}

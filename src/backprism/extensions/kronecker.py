@@ -12,6 +12,12 @@ For ``N = 1`` and no positions, ``B ⊗ A`` equals the exact GGN block of the we
 A parameter used by several calls (weight sharing) gets the sums of the calls' ``A`` and ``B``
 factors (the "expand" convention for shared weights). Embedding weights ``[V, D]`` store
 ``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
+
+Under distributed data parallelism (:mod:`backprism.engine.distributed`) the factors are those of
+the global batch on every rank: ``B = Σ_r ρ_r B_r`` (loss weights, ``ρ = N_r/N`` for a mean
+loss) and ``A = Σ_r (N_r/N) A_r`` (batch averages). KFRA's recursion averages over the batch at
+every layer, so in a distributed pass it all-reduces those averages as it goes (one collective
+call per nonlinearity or sample-dependent pooling layer, plus one at the loss).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from backprism.engine.extension import GlobalBatch, SumPart
 from backprism.engine.loss_hessian import loss_hessian_sqrt
 from backprism.engine.rule import Call, Rule, get_rule
 from backprism.engine.state import suspended
@@ -53,6 +60,21 @@ class _Kronecker(SecondOrderExtension):
             side = rule.kronecker_grad_side(call, name, len(fs))
             out[name] = KroneckerFactors(list(fs), {id(call)}, side)
         return out
+
+    def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
+        return None
+
+    def distributed_parts(self, value: KroneckerFactors, batch: GlobalBatch) -> list:
+        """Output-side factors weighted ``ρ`` (loss), input-side ones ``N_r/N`` (batch)."""
+        return [
+            SumPart(f, batch.loss_weight if side else batch.batch_weight)
+            for f, side in zip(value, value.grad_side)
+        ]
+
+    def distributed_result(
+        self, value: KroneckerFactors, reduced: list[Tensor], batch: GlobalBatch
+    ) -> KroneckerFactors:
+        return KroneckerFactors(list(reduced), value.calls, value.grad_side)
 
     def accumulate(self, old: KroneckerFactors, new: KroneckerFactors) -> KroneckerFactors:
         # ``new`` comes from one call: its own ``grad_side`` says which of its factors are
@@ -195,6 +217,9 @@ class KFRA(SecondOrderExtension):
             raise NotImplementedError("KFRA needs a loss with a single differentiable input")
         s = cols[0].flatten(2)  # [K, N, D]
         G = torch.einsum("kni,knj->ij", s, s) * scale
+        dp = bp.distributed  # distributed: the batch averages of the recursion are global
+        if dp is not None:
+            G = dp.loss_average(G)
         with suspended(), torch.no_grad():
             xs = [args[0]]
             for m in chain:
@@ -206,7 +231,7 @@ class KFRA(SecondOrderExtension):
             if _trainable(m):
                 self._store_factors(bp, by_call.get(id(m)), m, G, xs[i + 1])
             if i > first_param:
-                G = self._backprop(m, x, G)
+                G = self._backprop(m, x, G, None if dp is None else dp.batch_average)
         return None
 
     def _store_factors(self, bp, call, m, G, out) -> None:
@@ -228,9 +253,30 @@ class KFRA(SecondOrderExtension):
     def accumulate(self, old: KroneckerFactors, new: KroneckerFactors) -> KroneckerFactors:
         return _Kronecker.accumulate(self, old, new)  # type: ignore[arg-type]
 
+    def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
+        return None
+
+    def distributed_parts(self, value: KroneckerFactors, batch: GlobalBatch) -> list:
+        """``B = Ḡ_out`` is already global (the recursion reduced it); ``A`` is reduced here."""
+        return [SumPart(f, batch.batch_weight) for f, s in zip(value, value.grad_side) if not s]
+
+    def distributed_result(
+        self, value: KroneckerFactors, reduced: list[Tensor], batch: GlobalBatch
+    ) -> KroneckerFactors:
+        it = iter(reduced)
+        merged = [f if side else next(it) for f, side in zip(value, value.grad_side)]
+        return KroneckerFactors(merged, value.calls, value.grad_side)
+
     @staticmethod
-    def _backprop(m: nn.Module, x: Tensor, G: Tensor) -> Tensor:
+    def _backprop(m: nn.Module, x: Tensor, G: Tensor, average: Any = None) -> Tensor:
+        """``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ``; ``average`` makes a local batch average global
+        (distributed passes)."""
         n = x.shape[0]
+        if average is None:
+
+            def average(t: Tensor) -> Tensor:
+                return t
+
         if isinstance(m, nn.Linear):
             return m.weight.detach().t() @ G @ m.weight.detach()
         if isinstance(m, _IDENTITY):
@@ -240,7 +286,7 @@ class KFRA(SecondOrderExtension):
             if isinstance(m, _ELEMENTWISE):
                 (d,) = torch.autograd.grad(m(x).sum(), x)
                 d = d.reshape(n, -1)
-                return G * (d.t() @ d) / n
+                return G * average(d.t() @ d / n)
             sample_independent = isinstance(m, _SAMPLE_INDEPENDENT)
             xin = x[:1] if sample_independent else x
             out = m(xin)
@@ -254,7 +300,7 @@ class KFRA(SecondOrderExtension):
                 (v,) = torch.autograd.grad(out, xin, go, retain_graph=True, is_grads_batched=True)
                 v = v.reshape(-1, x[0].numel())
                 res += v.t() @ v
-            return res if sample_independent else res / n
+            return res if sample_independent else average(res / n)
 
 
 def _trainable(m: nn.Module) -> bool:

@@ -29,6 +29,11 @@ PCHMP      ``pchmp``    positive-curvature Hessian: residual weights ``w ↦ max
 Memory: a block keeps the weighted factor rows ``[R, P]`` (``P = param.numel()``) while
 ``R ≤ P`` and switches to the dense ``[P, P]`` matrix once more rows arrive, so it never holds more
 than ``min(R, P) · P`` numbers, and nothing else (no module inputs, no graph).
+
+Under distributed data parallelism (:mod:`backprism.engine.distributed`) each rank's block is
+made dense and ``Σ_r ρ_r B_r`` is all-reduced (``P²`` numbers per parameter), so every rank
+multiplies with the global batch's block; parameters with more than
+``MAX_BLOCK_NUMEL = 8192`` entries are refused there.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from backprism.engine.distributed import MAX_BLOCK_NUMEL
+from backprism.engine.extension import GlobalBatch, SumPart
 from backprism.engine.residual import check_linear_in_params
 from backprism.engine.rule import Call, Rule
 from backprism.extensions.base import SecondOrderExtension
@@ -62,6 +69,15 @@ class BlockProduct:
         self._w: Tensor | None = weights[keep] if not bool(keep.all()) else weights
         self._dense: Tensor | None = None
         self._compress()
+
+    @classmethod
+    def from_dense(cls, shape: torch.Size, dense: Tensor) -> BlockProduct:
+        """The block with dense matrix ``dense`` (``[P, P]``)."""
+        out = cls.__new__(cls)
+        out.shape = torch.Size(shape)
+        out.numel = dense.shape[0]
+        out._rows, out._w, out._dense = None, None, dense
+        return out
 
     def _compress(self) -> None:
         if self._rows is not None and self._rows.shape[0] > self.numel:
@@ -149,6 +165,24 @@ class _MatProd(SecondOrderExtension):
         if self.needs_residual:
             check_shared(self, call)
         return self._blocks({"p": dense}, weights)["p"]
+
+    def distributed_unsupported(self, params: list) -> str | None:
+        big = [p for p in params if p.numel() > MAX_BLOCK_NUMEL]
+        if big:
+            return (
+                f"{type(self).__name__} all-reduces each parameter's dense [P, P] block, and a "
+                f"parameter of shape {tuple(big[0].shape)} has P = {big[0].numel()} > "
+                f"{MAX_BLOCK_NUMEL} entries"
+            )
+        return None
+
+    def distributed_parts(self, value: BlockProduct, batch: GlobalBatch) -> list:
+        return [SumPart(value.to_dense(), batch.loss_weight)]
+
+    def distributed_result(
+        self, value: BlockProduct, reduced: list[Tensor], batch: GlobalBatch
+    ) -> BlockProduct:
+        return BlockProduct.from_dense(value.shape, reduced[0])
 
 
 class HMP(_MatProd):

@@ -31,6 +31,13 @@ Neither materialises ``grad_batch`` for a whole layer:
   clipped to the centres of its outermost bins, counted in ``[X, Y]`` bins;
 * ``abs_max``: ``maxₙᵢ |gₙᵢ|``.
 
+Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
+mean loss): ``batch_dot_with`` and ``batch_proj_grad`` are this rank's rows of the global batch's
+(``ρ⟨grad_batch_r[n], v⟩``, and ``ρ⟨grad_batch_r[n], G⟩`` with the global gradient ``G`` of
+the pass); ``grad_hist`` counts the individual gradients of all ranks (with the default
+``scale=None`` the individual gradients ``∇ℓₙ`` are the same on a rank as in one process; an
+explicit ``scale`` is refused) and ``abs_max`` is the maximum over the ranks.
+
 The result per parameter is a dict with the requested entries ``"hist"`` (``[bins]``),
 ``"hist2d"`` (``[X, Y]``) (int64 counts) and ``"abs_max"`` (0-dim tensor).
 """
@@ -46,8 +53,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from backprism.engine.backward import current_pass
+from backprism.engine.extension import CatPart, GlobalBatch, SumPart
 from backprism.engine.rule import Call, Rule
-from backprism.extensions.base import FirstOrderExtension
+from backprism.extensions.base import FirstOrderExtension, PerSampleRows
 from backprism.rules.linear import LinearRule
 
 __all__ = ["BatchDotWith", "BatchProjGrad", "GradHist"]
@@ -68,7 +77,7 @@ def _first_tensor(g: Any) -> Tensor:
     return g[0] if isinstance(g, tuple) else g
 
 
-class BatchDotWith(FirstOrderExtension):
+class BatchDotWith(PerSampleRows, FirstOrderExtension):
     """Projections ``batch_dot_with[n] = ⟨grad_batch[n], v_p⟩`` of shape ``[N]``.
 
     Args:
@@ -129,6 +138,9 @@ class BatchProjGrad(FirstOrderExtension):
         single = group is not None and all(
             group.param_count[id(p)] <= 1 for p in call.params.values()
         )  # a shared parameter needs the total gradient, not this call's part
+        bp = current_pass()
+        if bp is not None and bp.distributed is not None:  # needs the global gradient
+            single = False
         if single and isinstance(raw, LinearRule) and x is not None and x.dim() == 2:
             return {k: ("done", v.sum(1)) for k, v in rule.batch_dot(call, g).items()}
         return {name: ("wait", raw, call, g, name) for name in call.params}
@@ -136,8 +148,16 @@ class BatchProjGrad(FirstOrderExtension):
     def finish(self, partial: tuple, grad: Tensor) -> Tensor:
         if partial[0] == "done":
             return partial[1]
+        if partial[0] == "scaled":  # distributed: ρ⟨grad_batch_r[n], G⟩
+            return self.finish(partial[2], grad) * partial[1]
         _, rule, call, g, name = partial
         return rule.batch_dot_with(call, g, {name: grad})[name]
+
+    def distributed_unsupported(self, params: list) -> str | None:
+        return None
+
+    def distributed_result(self, value: tuple, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        return ("scaled", batch.loss_weight, value)
 
 
 def _slice_call(call: Call, start: int, stop: int) -> Call:
@@ -404,6 +424,28 @@ class GradHist(FirstOrderExtension):
         out = {}
         for k in old:
             out[k] = torch.maximum(old[k], new[k]) if k == "abs_max" else old[k] + new[k]
+        return out
+
+    # distributed: counts are summed, ``abs_max`` gathered and maximised
+    def distributed_unsupported(self, params: list) -> str | None:
+        if self.scale is not None:
+            return (
+                f"GradHist(scale={self.scale}) bins scale·grad_batch, whose rows a rank only "
+                "knows in the global batch's scaling after the pass; the default scale=None "
+                "(individual gradients) has no such problem"
+            )
+        return None
+
+    def distributed_parts(self, value: dict, batch: GlobalBatch) -> list:
+        return [
+            CatPart(v.reshape(1), rows=(1,) * batch.world_size) if k == "abs_max" else SumPart(v)
+            for k, v in sorted(value.items())
+        ]
+
+    def distributed_result(self, value: dict, reduced: list[Tensor], batch: GlobalBatch) -> dict:
+        out = {}
+        for (k, _), r in zip(sorted(value.items()), reduced):
+            out[k] = r.max() if k == "abs_max" else r
         return out
 
 

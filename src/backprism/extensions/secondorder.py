@@ -16,6 +16,11 @@ BatchDiagGGNMC      ``diag_ggn_mc_batch``        same with MC columns
 SqrtGGNExact        ``sqrt_ggn_exact``           ``[K, N, *p]``: ``V``
 SqrtGGNMC           ``sqrt_ggn_mc``              ``[M, N, *p]``: ``V`` with MC columns
 ==================  ===========================  ==================================
+
+Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
+mean loss): the diagonals are ``Σ_r ρ_r · local`` (global, on every rank), the per-sample terms
+this rank's rows ``ρ · local`` and the square roots ``√ρ · local``. MC columns are sampled by
+each rank for its own samples.
 """
 
 from __future__ import annotations
@@ -27,7 +32,13 @@ import torch
 from torch import Tensor
 
 from backprism.engine.rule import Call, Rule
-from backprism.extensions.base import SecondOrderExtension, check_subsampling, subsample_index
+from backprism.extensions.base import (
+    PerSampleRows,
+    SecondOrderExtension,
+    SummedOverSamples,
+    check_subsampling,
+    subsample_index,
+)
 from backprism.extensions.firstorder import _subset_call, subset_columns
 
 __all__ = [
@@ -59,7 +70,7 @@ class _MC(SecondOrderExtension):
         return ("mc", self.mc_samples)
 
 
-class _Diag:
+class _Diag(SummedOverSamples):
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.sum_squared(call, g, weights)
 
@@ -70,7 +81,7 @@ class _Diag:
         return sq.sum((0, 1))
 
 
-class _BatchDiag:
+class _BatchDiag(PerSampleRows):
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.batch_sum_squared(call, g, weights)
 
@@ -81,8 +92,9 @@ class _BatchDiag:
         return sq.sum(0)
 
 
-class _Sqrt:
+class _Sqrt(PerSampleRows):
     subsampling: list[int] | None
+    distributed_degree = 0.5
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)

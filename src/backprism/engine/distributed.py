@@ -1,0 +1,612 @@
+r"""Distributed data parallelism: the results of a backward pass describe the global batch.
+
+**The rule.** Under ``DDP(extend(model))`` every result equals that of one process on the
+*global batch*, the concatenation of all ranks' local batches in rank order (``N = Σ_r N_r``),
+with the loss convention of that one process: for a mean-reduced loss ``L = (c/N) Σₙ ℓₙ``, for
+a sum-reduced loss ``L = c Σₙ ℓₙ`` (``c`` a factor common to all ranks, e.g. ``1/accumulation
+steps``).
+
+* Global quantities (``sum_grad_squared``, ``variance``, ``diag_ggn_*``, ``diag_h*``, Kronecker
+  factors, ``hmp``/``ggnmp``/``pchmp`` blocks, histograms, ``batch_dot`` with
+  ``BatchDotGrad(across_ranks=True)``) are the one-process values, the same on every rank.
+* Per-sample tensors (``grad_batch``, ``batch_l2``, ``diag_*_batch``, ``sqrt_ggn_*``,
+  ``batch_dot_with``, ``batch_proj_grad``) are this rank's rows of the one-process result:
+  rows ``offset … offset + N_r`` of the global batch (:class:`GlobalBatch`). Without
+  ``across_ranks`` ``batch_dot`` is this rank's diagonal block ``[N_r, N_r]`` of the global
+  matrix.
+
+Each rank's own pass weights its samples ``c/N_r``; the global batch weights them ``c/N``. A
+result homogeneous of degree ``d`` in the per-sample weights is therefore rescaled by
+``ρ^d``, ``ρ = N_r/N`` (mean; ``1`` for sum): per-sample gradients ``d = 1``, their squares
+``d = 2``, GGN and Hessian terms ``d = 1``, GGN square roots ``d = 1/2``; Kronecker input factors
+``A = (1/N_r) Σ xxᵀ`` are batch averages and take ``α = N_r/N``. Summed quantities are rescaled
+by each rank and summed over the ranks.
+
+**DDP's ``.grad``.** DDP averages the local gradients: ``.grad = (1/R) Σ_r ∇L_r``. With equal
+local batch sizes and a mean loss this *is* the gradient of the global mean loss, and
+``Σ`` over all ranks' ``grad_batch`` rows equals ``.grad``. With unequal sizes it is not (it
+weights rank ``r``'s samples by ``1/(R N_r)`` instead of ``1/N``); backprism's results still
+follow the rule above (they are the one-process values), and ``variance`` / ``batch_proj_grad``
+use the global gradient ``Σ_r ρ_r ∇L_r`` of the pass, which backprism then reduces itself. (For
+a sum loss, ``.grad`` is ``1/R`` of the one-process gradient.) Do not rescale the loss per rank:
+``ρ`` assumes every rank's loss is its local mean (or sum) times a common factor.
+
+**When.** ``collect(..., process_group="auto")`` (the default) reduces when the default process
+group is initialised with more than one rank and the pass's graph contains the forward of an
+extended model run inside ``DistributedDataParallel`` (``DDP(extend(model))`` or
+``extend(DDP(model))``) with gradient synchronisation on. Inside ``ddp.no_sync()`` DDP does not
+communicate, and neither does backprism: results are local (this rank's batch, local
+convention), as without DDP. ``process_group=<group>`` (e.g. ``dist.group.WORLD``) reduces over
+that group in every pass, also inside ``no_sync()`` and without DDP; ``process_group=None`` always
+gives local values.
+
+**Communication.** Per pass: one small all-reduce of the local batch sizes and a fingerprint of
+what each rank computed (ranks that computed different things get a clear error instead of a
+hang), then the parts of all extensions packed into buckets of DDP's bucket size (25 MiB by
+default), one all-reduce each, launched together. Per-sample tensors are rescaled locally and
+never sent (except ``BatchDotGrad(across_ranks=True)``, which needs the cross-rank products). For
+``variance`` / ``batch_proj_grad`` the global gradient is read from DDP's ``.grad`` when that is
+exact (equal local sizes, DDP synchronised this pass, no comm hook, ``.grad`` was ``None`` at the
+start of the pass) and reduced with the statistics otherwise. ``collect.communication`` reports
+the bytes per extension of the last distributed pass next to DDP's own gradient bytes.
+
+**Extension hooks** (``collect(..., extension_hook=f)``) run after the reduction in a
+distributed pass (so they see global values), i.e. at the end of the pass rather than while it
+runs.
+
+**Not supported**: extensions that declare no reduction (the spectral computations' factor
+extension; see ``docs/distributed.md``) are refused in distributed passes, FSDP
+(``fully_shard``) is refused everywhere, ``GradHist(scale=s)`` with an explicit scale is refused,
+and passes whose extended losses mix ``"mean"`` and ``"sum"`` are refused.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from backprism.engine.extension import CatPart, Extension, GlobalBatch, SumPart
+from backprism.engine.state import FORWARD_LISTENERS
+
+__all__ = ["Communication", "DistributedPass", "GlobalBatch", "describe", "setup"]
+
+try:  # torch built without distributed support
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as _DDP
+
+    _AVAILABLE = dist.is_available()
+except ImportError:  # pragma: no cover
+    dist = None  # type: ignore[assignment]
+    _DDP = None  # type: ignore[assignment,misc]
+    _AVAILABLE = False
+
+#: DDP's default bucket size (``bucket_cap_mb=25``)
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+#: largest parameter (elements) whose dense curvature block HMP/GGNMP/PCHMP reduce
+MAX_BLOCK_NUMEL = 2**13
+
+
+# -- which forwards ran under DDP -------------------------------------------------------------
+#: extended root model -> (weak DDP wrapper, whether DDP set up gradient sync for that forward)
+_DDP_OF: weakref.WeakKeyDictionary[nn.Module, tuple[Any, bool]] = weakref.WeakKeyDictionary()
+
+
+def _active_ddp(module: nn.Module) -> Any:
+    if _DDP is None:
+        return None
+    if isinstance(module, _DDP):  # extend(DDP(model))
+        return module
+    return getattr(_DDP, "_active_ddp_module", None)  # DDP(extend(model)): inside its forward
+
+
+def _enter(module: nn.Module) -> None:
+    """Forward listener: remember whether this top-level forward of an extended model runs
+    inside a DDP forward (and whether DDP will synchronise its gradients). A forward without
+    grad cannot be backpropagated and changes nothing."""
+    if not torch.is_grad_enabled():
+        return
+    ddp = _active_ddp(module)
+    if ddp is None:
+        if module in _DDP_OF:
+            del _DDP_OF[module]
+        return
+    _DDP_OF[module] = (weakref.ref(ddp), bool(ddp.require_backward_grad_sync))
+
+
+def _exit(module: nn.Module) -> None:
+    return None
+
+
+if _AVAILABLE and (_enter, _exit) not in FORWARD_LISTENERS:
+    FORWARD_LISTENERS.append((_enter, _exit))
+
+
+# -- the decision, before anything is written -------------------------------------------------
+def _initialized() -> bool:
+    return bool(_AVAILABLE and dist.is_initialized())
+
+
+def _unique_roots(bp: Any) -> list[nn.Module]:
+    seen: dict[int, nn.Module] = {}
+    for r in bp.roots:
+        seen.setdefault(id(r.module), r.module)
+    return list(seen.values())
+
+
+def _refuse_fsdp(roots: list[nn.Module]) -> None:
+    """Refuse FSDP-sharded models. Only modules already imported are consulted: a model cannot
+    be sharded without them (importing ``torch.distributed.fsdp`` takes seconds)."""
+    classes: list[type] = []
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    for name in ("FSDPModule", "FullyShardedDataParallel"):  # FSDP2 (torch >= 2.6), FSDP1
+        cls = getattr(fsdp, name, None)
+        if isinstance(cls, type):
+            classes.append(cls)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if not classes and dtensor is None:
+        return
+    for root in roots:
+        for m in root.modules():
+            sharded = bool(classes) and isinstance(m, tuple(classes))
+            if not sharded and dtensor is not None:
+                sharded = any(isinstance(p, dtensor) for p in m.parameters(recurse=False))
+            if sharded:
+                raise RuntimeError(
+                    f"backprism: {type(m).__name__} is sharded with FSDP (fully_shard / "
+                    "FullyShardedDataParallel); backprism does not support sharded parameters "
+                    "yet (per-sample quantities need the unsharded weights and their "
+                    "gradients). Wrap the model with DistributedDataParallel instead, or see "
+                    "docs/distributed.md for the FSDP design"
+                )
+
+
+def _monitor_owned(ctx: Any) -> bool:
+    """The collect of :class:`backprism.monitor.Monitor`: its quantities aggregate per-sample
+    results on the rank, so until they reduce across ranks (docs/distributed.md) they keep
+    consistent local values."""
+    owner = getattr(ctx.extension_hook, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("backprism.monitor")
+
+
+def _loss_reduction(bp: Any) -> str:
+    reductions = {getattr(rec.module, "reduction", "mean") for rec in bp.loss_records}
+    if len(reductions) > 1:
+        raise RuntimeError(
+            "backprism: this distributed backward pass combines extended losses with "
+            f"reductions {sorted(reductions)}; the per-sample weights of the global batch "
+            "(1/N or 1) are then not one factor. Use one reduction for all losses, or "
+            "collect(..., process_group=None) for this rank's values"
+        )
+    return reductions.pop() if reductions else "mean"
+
+
+def _refuse_extensions(bp: Any, params: list[nn.Parameter], group_name: str) -> None:
+    for ext in bp.extensions:
+        reason = ext.distributed_unsupported(params)
+        if reason is None:
+            continue
+        hint = (
+            "Run it with collect(..., process_group=None) for this rank's samples only, or on "
+            "one process over the whole batch"
+        )
+        if type(ext).__module__.startswith("backprism.spectral"):
+            hint = (
+                "GGN eigenvalues of the global batch need the Gram matrix of all ranks' "
+                "columns, which is not reduced across ranks yet (docs/distributed.md). Compute "
+                "them on one process over the whole batch (e.g. rank 0 with the unwrapped "
+                "model and the gathered batch), or pass process_group=None to collect for this "
+                "rank's samples"
+            )
+        raise RuntimeError(
+            f"backprism: {reason}; its results cannot be combined over the ranks of this "
+            f"distributed backward pass ({group_name}), and this rank's alone are not the "
+            f"global batch's. {hint}"
+        )
+
+
+def setup(bp: Any) -> DistributedPass | None:
+    """The distributed state of backward pass ``bp`` (:class:`DistributedPass`), or ``None``
+    for a local pass; refuses what a distributed pass cannot compute (called at the end of
+    :meth:`BackwardPass.check`, so before anything is written)."""
+    ctx = bp.ctx
+    mode = getattr(ctx, "process_group", "auto")
+    if not _initialized():
+        if mode is None or isinstance(mode, str):
+            return None
+        raise RuntimeError(
+            "backprism.collect(process_group=...): torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first, or leave process_group='auto'"
+        )
+    roots = _unique_roots(bp)
+    _refuse_fsdp(roots)
+    if mode is None:
+        return None
+    ddps: list[tuple[Any, bool]] = []
+    for root in roots:
+        entry = _DDP_OF.get(root)
+        ddp = entry[0]() if entry is not None else None
+        if ddp is not None:
+            ddps.append((ddp, entry[1]))
+    if isinstance(mode, str):
+        if mode != "auto":
+            raise ValueError(
+                f"collect(process_group=...) takes 'auto', None or a process group, got {mode!r}"
+            )
+        if not ddps or not all(sync for _, sync in ddps) or _monitor_owned(ctx):
+            return None
+        groups = {id(d.process_group): d.process_group for d, _ in ddps}
+        if len(groups) > 1:
+            raise RuntimeError(
+                "backprism: this backward pass runs through models wrapped by "
+                "DistributedDataParallel over different process groups; pass the group to "
+                "reduce over as collect(..., process_group=group)"
+            )
+        group = next(iter(groups.values()))
+        name = "DistributedDataParallel"
+    else:
+        group = mode
+        name = "process_group"
+    if dist.get_world_size(group) <= 1:
+        return None
+    params = [p for p, _ in bp.view.params.values()]
+    _refuse_extensions(bp, params, name)
+    reduction = _loss_reduction(bp)
+    synced = [d for d, sync in ddps if sync and d.process_group is group]
+    return DistributedPass(bp, group, reduction, synced)
+
+
+# -- the reduction -----------------------------------------------------------------------------
+@dataclass
+class Communication:
+    """What a distributed backward pass communicated (``collect.communication``).
+
+    Attributes:
+        bytes: payload bytes this rank all-reduced per extension (class name); ``"(sizes)"``
+            is the per-pass exchange of batch sizes and fingerprints.
+        collectives: collective calls of the pass.
+        gradient_bytes: DDP's own gradient all-reduce payload for the same models (the
+            gradients of their parameters that require grad), ``0`` without DDP.
+        buckets: bytes of each bucket all-reduced.
+    """
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    collectives: int = 0
+    gradient_bytes: int = 0
+    buckets: list[int] = field(default_factory=list)
+    #: wall time of the reduction after the local pass (exchange, buckets, results), seconds
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+class _Item:
+    """One parameter's result of one extension awaiting the reduction."""
+
+    __slots__ = ("ext", "grad", "key", "param", "partial", "parts", "value")
+
+    def __init__(
+        self,
+        key: tuple,
+        param: nn.Parameter,
+        ext: Extension,
+        value: Any,
+        partial: bool,
+        grad: Tensor | None = None,
+    ) -> None:
+        self.key = key
+        self.param = param
+        self.ext = ext
+        self.value = value
+        self.partial = partial
+        self.grad = grad
+        self.parts: list[SumPart | CatPart] = []
+
+
+class DistributedPass:
+    """The distributed part of one backward pass (module docstring): remembers what the pass
+    stored, then reduces it over ``group`` in :meth:`reduce`."""
+
+    def __init__(self, bp: Any, group: Any, reduction: str, ddps: list[Any]) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.reduction = reduction
+        self.ddps = ddps
+        self.n_local = int(bp.n_samples)
+        #: (id(param), savefield) -> (param, extension), in storing order
+        self.stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
+        #: (param, extension, partial, local gradient of the pass) of needs_param_grad exts
+        self.pending: list[tuple[nn.Parameter, Extension, Any, Tensor]] = []
+        self.grad_none: set[int] = set()
+        self.ddp_params: set[int] = set()
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self.device = torch.device("cpu")
+        self.comm = Communication()
+
+    # -- during the pass -----------------------------------------------------------------------
+    def start(self, bp: Any) -> None:
+        """Before the engine runs: which parameters' ``.grad`` is empty (DDP's averaged
+        ``.grad`` is then exactly this pass's gradient) and which ones DDP reduces."""
+        for p, _ in bp.view.params.values():
+            if p.grad is None:
+                self.grad_none.add(id(p))
+            self.device = p.device
+        for ddp in self.ddps:
+            ignored = getattr(ddp, "parameters_to_ignore", set())
+            for name, p in ddp.module.named_parameters():
+                if p.requires_grad and name not in ignored:
+                    self.ddp_params.add(id(p))
+                    self.comm.gradient_bytes += p.numel() * p.element_size()
+            cap = getattr(ddp, "bucket_bytes_cap", None)
+            if cap:
+                self.bucket_bytes = int(cap)
+        if str(dist.get_backend(self.group)) == "nccl" and self.device.type != "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def stored_result(self, param: nn.Parameter, ext: Extension) -> None:
+        self.stored.setdefault((id(param), ext.savefield), (param, ext))
+
+    def defer(self, param: nn.Parameter, ext: Extension, partial: Any, grad: Tensor) -> None:
+        """A ``needs_param_grad`` partial with this rank's gradient of the pass: finished after
+        the reduction with the global gradient (``grad`` is copied: DDP may overwrite it)."""
+        self.pending.append((param, ext, partial, grad.detach().clone()))
+
+    # -- collectives used during the pass (KFRA's recursion) ------------------------------------
+    def loss_average(self, t: Tensor) -> Tensor:
+        """``Σ_r ρ_r t_r`` for a loss-weighted local quantity ``t`` (mean: ``Σ N_r t_r / N``;
+        sum: ``Σ t_r``); one collective call."""
+        if self.reduction == "sum":
+            return self._all_reduce_now(t)
+        return self.batch_average(t)
+
+    def batch_average(self, t: Tensor) -> Tensor:
+        """``Σ_r N_r t_r / N`` for a local batch average ``t``; one collective call."""
+        buf = torch.cat([t.reshape(-1) * self.n_local, t.new_full((1,), float(self.n_local))])
+        buf = self._all_reduce_now(buf)
+        return (buf[:-1] / buf[-1]).reshape(t.shape)
+
+    def _all_reduce_now(self, t: Tensor) -> Tensor:
+        t = t.contiguous().clone()
+        self.comm.collectives += 1
+        self.comm.bytes["KFRA"] = self.comm.bytes.get("KFRA", 0) + t.numel() * t.element_size()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    # -- after the pass ------------------------------------------------------------------------
+    def reduce(self, bp: Any) -> None:
+        """Replace this pass's local results by the global batch's (module docstring)."""
+        t0 = time.perf_counter()
+        try:
+            self._reduce(bp)
+        except BaseException:
+            for param, ext in self.stored.values():
+                if ext.savefield in param.__dict__:
+                    delattr(param, ext.savefield)
+            raise
+        finally:
+            self.comm.seconds = time.perf_counter() - t0
+            bp.ctx.communication = self.comm
+
+    def _reduce(self, bp: Any) -> None:
+        items = self._items(bp)
+        batch, ddp_grad = self._exchange(items)
+        # the global gradient of the pass, Σ_r ρ_r ∇L_r, for the pending partials: one part per
+        # parameter (on its first pending item) unless DDP's averaged .grad is exact
+        grad_part: dict[int, tuple[int, int]] = {}
+        for i, it in enumerate(items):
+            it.parts = list(it.ext.distributed_parts(it.value, batch))
+            if it.partial and not ddp_grad and id(it.param) not in grad_part:
+                grad_part[id(it.param)] = (i, len(it.parts))
+                it.parts.append(SumPart(it.grad * batch.loss_weight))
+        self._exchange_rows(items)
+        reduced = self._all_reduce_parts(items)
+        _own_storage(items)
+        grads: dict[int, Tensor] = {}
+        for pid, (i, j) in grad_part.items():
+            grads[pid] = reduced[i].pop(j)
+        finished: set[tuple[int, str]] = set()
+        for it, red in zip(items, reduced):
+            value = it.ext.distributed_result(it.value, red, batch)
+            if it.partial:
+                g = grads.get(id(it.param))
+                if g is None:  # DDP's average (1/R) Σ_r ∇L_r, all ρ_r equal
+                    g = it.param.grad.detach() * (batch.loss_weight * batch.world_size)
+                value = it.ext.finish(value, g.reshape(it.param.shape).to(it.param.dtype))
+                key = (id(it.param), it.ext.savefield)
+                if key in finished:  # several calls' partials (shared parameter)
+                    value = it.ext.accumulate(getattr(it.param, it.ext.savefield), value)
+                finished.add(key)
+                self.stored_result(it.param, it.ext)
+            setattr(it.param, it.ext.savefield, value)
+
+    def _param_order(self, bp: Any) -> dict[int, tuple]:
+        order: dict[int, tuple] = {}
+        for i, root in enumerate(_unique_roots(bp)):
+            for j, (name, p) in enumerate(root.named_parameters()):
+                order.setdefault(id(p), (i, j, name))
+        return order
+
+    def _items(self, bp: Any) -> list[_Item]:
+        order = self._param_order(bp)
+        ext_index = {id(e): i for i, e in enumerate(bp.extensions)}
+        extra: dict[int, tuple] = {}
+
+        def key(p: nn.Parameter, ext: Extension) -> tuple:
+            k = order.get(id(p))
+            if k is None:  # not a parameter of a root model: storing order
+                k = extra.setdefault(id(p), (len(order), len(extra), tuple(p.shape)))
+            return (*k, ext_index.get(id(ext), -1))
+
+        items = [
+            _Item(key(p, e), p, e, getattr(p, e.savefield), False)
+            for p, e in self.stored.values()
+            if e.savefield in p.__dict__
+        ]
+        items += [_Item(key(p, e), p, e, partial, True, g) for p, e, partial, g in self.pending]
+        items.sort(key=lambda it: it.key)
+        return items
+
+    def _exchange(self, items: list[_Item]) -> tuple[GlobalBatch, bool]:
+        """One small all-reduce: every rank's batch size, a fingerprint of what it computed and
+        whether DDP's ``.grad`` is exact for its pending partials."""
+        world, rank = self.world, self.rank
+        text = ";".join(
+            f"{it.key}:{type(it.ext).__name__}:{tuple(it.param.shape)}:{it.partial}" for it in items
+        )
+        crc = zlib.crc32(text.encode())
+        ok = bool(self.ddps) and all(
+            not getattr(d, "_comm_hooks", None)
+            and not getattr(d, "_delay_all_reduce_all_params", False)
+            and not getattr(d, "_use_python_reducer", False)
+            for d in self.ddps
+        )
+        ok = ok and all(
+            id(it.param) in self.grad_none
+            and id(it.param) in self.ddp_params
+            and it.param.grad is not None
+            for it in items
+            if it.partial
+        )
+        header = torch.zeros(3 * world, dtype=torch.int64, device=self.device)
+        header[rank] = self.n_local
+        header[world + rank] = crc
+        header[2 * world + rank] = int(ok)
+        self.comm.collectives += 1
+        self.comm.bytes["(sizes)"] = header.numel() * header.element_size()
+        dist.all_reduce(header, group=self.group)
+        h = header.tolist()
+        sizes, crcs, oks = h[:world], h[world : 2 * world], h[2 * world :]
+        if len(set(crcs)) > 1:
+            raise RuntimeError(
+                "backprism: the ranks of this distributed backward pass computed different "
+                "results (different parameters got results, e.g. data-dependent branches, or "
+                "different extensions were passed to collect), so they cannot be combined. "
+                "Run the same extensions on the same model on every rank, or pass "
+                "process_group=None for this rank's values"
+            )
+        batch = GlobalBatch(rank=rank, sizes=tuple(int(s) for s in sizes), reduction=self.reduction)
+        ddp_grad = all(oks) and len(set(sizes)) == 1
+        return batch, ddp_grad
+
+    def _exchange_rows(self, items: list[_Item]) -> None:
+        """First-axis lengths of concatenated parts that not every rank knows (one more small
+        all-reduce, only in passes that have such parts)."""
+        unknown = [p for it in items for p in it.parts if isinstance(p, CatPart) and p.rows is None]
+        if not unknown:
+            return
+        world = self.world
+        buf = torch.zeros(len(unknown) * world, dtype=torch.int64, device=self.device)
+        for i, p in enumerate(unknown):
+            buf[i * world + self.rank] = p.tensor.shape[0]
+        self.comm.collectives += 1
+        self.comm.bytes["(sizes)"] += buf.numel() * buf.element_size()
+        dist.all_reduce(buf, group=self.group)
+        rows = buf.tolist()
+        for i, p in enumerate(unknown):
+            p.rows = tuple(int(r) for r in rows[i * world : (i + 1) * world])
+
+    def _all_reduce_parts(self, items: list[_Item]) -> list[list[Tensor]]:
+        """All-reduce every part, packed by dtype into buckets of ``bucket_bytes``, all launched
+        before the first is waited for; returns the reduced parts per item. A tensor that
+        several sum parts share with the same scale is sent once."""
+        flat: list[tuple[int, int, Tensor, torch.Size]] = []  # (item, part, 1-d tensor, shape)
+        same: dict[tuple, tuple[int, int]] = {}  # source -> (item, part) that carries it
+        alias: list[tuple[int, int, int, int]] = []
+        for i, it in enumerate(items):
+            name = type(it.ext).__name__
+            for j, part in enumerate(it.parts):
+                t = part.tensor.detach()
+                if isinstance(part, SumPart):
+                    key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), part.scale)
+                    if t.numel() and key in same:
+                        alias.append((i, j, *same[key]))
+                        continue
+                    same[key] = (i, j)
+                    if part.scale != 1.0:
+                        t = t * part.scale
+                elif isinstance(part, CatPart):
+                    rows = part.rows
+                    assert rows is not None
+                    full = t.new_zeros((sum(rows), *t.shape[1:]))
+                    start = sum(rows[: self.rank])
+                    full[start : start + rows[self.rank]] = t
+                    t = full
+                shape = t.shape
+                t = t.to(self.device).reshape(-1)
+                nbytes = t.numel() * t.element_size()
+                self.comm.bytes[name] = self.comm.bytes.get(name, 0) + nbytes
+                flat.append((i, j, t, shape))
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k, (_, _, t, _) in enumerate(flat):
+            by_dtype.setdefault(t.dtype, []).append(k)
+        buckets: list[tuple[Tensor, list[int]]] = []
+        for dtype in sorted(by_dtype, key=str):
+            members: list[int] = []
+            size = 0
+            for k in by_dtype[dtype]:
+                nbytes = flat[k][2].numel() * flat[k][2].element_size()
+                if members and size + nbytes > self.bucket_bytes:
+                    buckets.append((_pack([flat[m][2] for m in members]), members))
+                    members, size = [], 0
+                members.append(k)
+                size += nbytes
+            if members:
+                buckets.append((_pack([flat[m][2] for m in members]), members))
+        works = []
+        for buf, _ in buckets:
+            self.comm.collectives += 1
+            self.comm.buckets.append(buf.numel() * buf.element_size())
+            works.append(dist.all_reduce(buf, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+        out: list[list[Any]] = [[None] * len(it.parts) for it in items]
+        for buf, members in buckets:
+            pos = 0
+            for k in members:
+                i, j, t, shape = flat[k]
+                r = buf[pos : pos + t.numel()].view(shape)
+                pos += t.numel()
+                dev = items[i].param.device
+                out[i][j] = r if r.device == dev else r.to(dev)
+        for i, j, k, m in alias:
+            out[i][j] = out[k][m]
+        return out
+
+
+def _own_storage(items: list[_Item]) -> None:
+    """Give every tensor result its own storage (results of one pass may share it, e.g. through
+    the per-call memo), so that :meth:`Extension.distributed_result` may rescale in place."""
+    seen: set[int] = set()
+    for it in items:
+        v = it.value
+        if isinstance(v, Tensor) and v.numel():
+            ptr = v.untyped_storage().data_ptr()
+            if ptr in seen:
+                it.value = v.clone()
+            else:
+                seen.add(ptr)
+
+
+def _pack(tensors: list[Tensor]) -> Tensor:
+    return tensors[0].clone() if len(tensors) == 1 else torch.cat(tensors)
+
+
+def describe(comm: Communication | None) -> str:
+    """One line per extension: bytes added per step, relative to DDP's gradient bytes."""
+    if comm is None:
+        return "no distributed backward pass"
+    lines = []
+    for name, b in comm.bytes.items():
+        rel = f" ({b / comm.gradient_bytes:.2f}x DDP's gradients)" if comm.gradient_bytes else ""
+        lines.append(f"{name}: {b} B{rel}")
+    lines.append(f"collectives: {comm.collectives}, buckets: {comm.buckets}")
+    return "\n".join(lines)
