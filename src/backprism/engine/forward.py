@@ -45,6 +45,11 @@ from backprism.engine.state import (
 __all__ = ["call_params", "capture", "loss_forward_hook", "module_forward_hook"]
 
 
+#: hooks run inside the forward mode of an extended model; their own tensor operations
+#: (``detach``, ``grad_fn``, ``requires_grad``, …) must not go through it
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+
+
 def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, Tensor) else x
 
@@ -68,8 +73,12 @@ def root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
         return
     for _, exit_ in reversed(FORWARD_LISTENERS):
         exit_(module)
-    if not torch.is_grad_enabled():
-        return
+    if torch.is_grad_enabled():
+        with _NO_TORCH_FUNCTION():
+            _record_root(module, args, output)
+
+
+def _record_root(module: nn.Module, args: Any, output: Any) -> None:
     outs = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     record = None
     for o in outs:
@@ -105,6 +114,11 @@ def call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
 
 
 def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    with _NO_TORCH_FUNCTION():
+        _module_forward(module, args, kwargs, output)
+
+
+def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     frame = FORWARD.call_stack.pop() if FORWARD.call_stack else [module, set()]
     ran = frame[1]
     if FORWARD.call_stack:
@@ -224,6 +238,11 @@ def _signature(module: nn.Module) -> inspect.Signature:
 
 
 def loss_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    with _NO_TORCH_FUNCTION():
+        _loss_forward(module, args, kwargs, output)
+
+
+def _loss_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if (
         not torch.is_grad_enabled()
         or FORWARD.suspended
