@@ -52,6 +52,18 @@ Supported losses (``reduction`` ``"mean"`` or ``"sum"``):
   the Fisher information ``diag(1/v, 1/(2v²))/Z`` = the expected Hessian over the targets.
   A target that requires grad gets the negated ``μ`` columns (if ``var`` does not).
 
+Cost at language-model scale. Exact cross-entropy columns number ``K = C·P·D`` per sample
+(vocabulary × positions: 65,536 for a 2048-token vocabulary at 32 positions), and each one is
+pushed back through the whole model, so exact curvature costs about ``K`` backward passes. No
+exact square root has fewer columns: the Hessian of one position, ``diag p − p pᵀ``, has rank
+``C − 1``, and the positions of a sample are independent blocks. What is cheap here: a chunk of
+exact columns is a contiguous range of classes (a vocabulary chunk, sized by the engine from
+``collect(memory_budget=)``) written straight into the input's layout, and MC columns cost one
+binary search per position plus one scatter (no one-hot tensor). Above
+:data:`EXACT_COLUMNS_WARNING` exact columns per sample a :class:`CurvatureCostWarning` (once
+per ``(C, positions)`` and process) points to the Monte-Carlo extensions (``DiagGGNMC``,
+``KFAC``, ``SqrtGGNMC``), which need ``mc_samples`` columns whatever the vocabulary.
+
 MC columns use torch's global RNG: one draw seeds a generator per column, so the numbers do not
 depend on how the engine chunks the columns, and ``torch.manual_seed`` makes them reproducible.
 """
@@ -59,6 +71,7 @@ depend on how the engine chunks the columns, and ``torch.manual_seed`` makes the
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -67,7 +80,12 @@ from torch import Tensor, nn
 
 from backprism.engine.columns import Columns
 
-__all__ = ["SUPPORTED_LOSSES", "loss_hessian_sqrt"]
+__all__ = [
+    "EXACT_COLUMNS_WARNING",
+    "SUPPORTED_LOSSES",
+    "CurvatureCostWarning",
+    "loss_hessian_sqrt",
+]
 
 #: loss modules :func:`loss_hessian_sqrt` knows
 SUPPORTED_LOSSES: tuple[type[nn.Module], ...] = (
@@ -203,7 +221,7 @@ def _mc_columns(
 
     def make(a: int, b: int) -> list[Tensor]:
         per_col = [draw(_generator(seed, k, device)) for k in range(a, b)]
-        return [torch.stack([c[i] for c in per_col]) * scale for i in range(len(inputs))]
+        return [torch.stack([c[i] for c in per_col]).mul_(scale) for i in range(len(inputs))]
 
     return Columns(m, make, inputs)
 
@@ -344,19 +362,18 @@ def _nll(module: nn.NLLLoss, inputs: list[Any], mc: int | None, n_samples: int) 
     return _mc_class_columns(probs, f, lp.shape, p_rows, d, c, mc, centered=False)
 
 
-def _from_positions(col: Tensor, shape: torch.Size, p_rows: int, d: int, c: int) -> Tensor:
-    """``[k, N, Q, C]`` → ``[k, N·P, C, *spatial]``."""
-    k, n = col.shape[0], col.shape[1]
-    col = col.reshape(k, n * p_rows, d, c).transpose(2, 3)
-    return col.reshape(k, *shape)
-
-
 def _exact_class_columns(
     probs: Tensor, f: Tensor, shape: torch.Size, p_rows: int, d: int, c: int, centered: bool
 ) -> Columns:
     """Column ``k = c·Q + q``: ``f[:, q]·√p_c·(e_c − p)`` (centered) or ``f[:, q]·√p_c·e_c`` at
-    position ``q`` of every sample."""
+    position ``q`` of every sample.
+
+    A chunk of ``k`` columns is written straight into the loss input's layout
+    (``[k, N·P, C, *spatial]``): one zero-filled output plus ``[k, N, C]`` values, no
+    position-major intermediate and no transposed copy. The columns are class-major, so a
+    chunk covers a contiguous range of classes (a vocabulary chunk) at all positions."""
     n, q = probs.shape[0], probs.shape[1]
+    _warn_exact_cost(c * q, c, q)
 
     def make(a: int, b: int) -> list[Tensor]:
         ks = torch.arange(a, b, device=probs.device)
@@ -366,13 +383,15 @@ def _exact_class_columns(
         pq = probs[:, pos, :].transpose(0, 1)  # [k, N, C]
         pc = pq[idx, :, cls]  # [k, N]
         scale = f[:, pos].t() * pc.sqrt()  # [k, N]
-        vals = torch.zeros_like(pq)
-        vals[idx, :, cls] = scale
         if centered:
-            vals = vals - scale.unsqueeze(-1) * pq
-        col = probs.new_zeros(k, n, q, c)
-        col[idx, :, pos, :] = vals
-        return [_from_positions(col, shape, p_rows, d, c)]
+            vals = pq * scale.unsqueeze(-1).neg()
+            vals[idx, :, cls] += scale
+        else:
+            vals = torch.zeros_like(pq)
+            vals[idx, :, cls] = scale
+        out = probs.new_zeros(k, n, p_rows, c, d)
+        out[idx, :, pos // d, :, pos % d] = vals
+        return [out.view(k, *shape)]
 
     return Columns(c * q, make, [0])
 
@@ -381,18 +400,58 @@ def _mc_class_columns(
     probs: Tensor, f: Tensor, shape: torch.Size, p_rows: int, d: int, c: int, m: int,
     centered: bool,
 ) -> Columns:
-    """Column: ``f·(p − e_ŷ)`` (centered) or ``−f·e_ŷ`` with ``ŷ ~ Cat(p)`` per position."""
+    """Column: ``f·(p − e_ŷ)`` (centered) or ``−f·e_ŷ`` with ``ŷ ~ Cat(p)`` per position.
+
+    ``ŷ`` is the first class whose cumulative probability reaches a uniform draw (a binary
+    search per position, ``O(log C)``); the column is ``f·p`` in the input's layout with
+    ``f`` subtracted at ``ŷ`` by one scatter — no one-hot ``[N, Q, C]`` tensor."""
+    n = probs.shape[0]
     cdf = probs.cumsum(-1)
-    wf = f.unsqueeze(-1)
+    cdf[..., -1] = float("inf")  # round-off: every draw u < 1 finds a class
+    fx = f.reshape(n, p_rows, 1, d)
+    # f·p in the input layout [N, P, C, D]
+    px = (probs.reshape(n, p_rows, d, c).transpose(2, 3) * fx).contiguous() if centered else None
 
     def draw(g: torch.Generator) -> list[Tensor]:
         u = torch.rand(cdf.shape[:-1], generator=g, device=cdf.device, dtype=cdf.dtype)
-        y = (cdf < u.unsqueeze(-1)).sum(-1).clamp_max(c - 1)
-        onehot = torch.nn.functional.one_hot(y, c).to(probs.dtype)
-        col = (probs - onehot) if centered else -onehot
-        return [_from_positions((col * wf).unsqueeze(0), shape, p_rows, d, c)[0]]
+        y = torch.searchsorted(cdf, u.unsqueeze(-1)).reshape(n, p_rows, 1, d)
+        col = (
+            px.clone(memory_format=torch.contiguous_format)
+            if px is not None
+            else probs.new_zeros(n, p_rows, c, d)
+        )
+        col.scatter_add_(2, y, -fx.expand(n, p_rows, 1, d))
+        return [col.view(shape)]
 
     return _mc_columns(m, probs.device, draw, [0])
+
+
+#: exact loss-Hessian square roots with more columns per sample than this get a warning
+EXACT_COLUMNS_WARNING = 4096
+_WARNED_COST: set[tuple[int, int]] = set()
+
+
+class CurvatureCostWarning(UserWarning):
+    """Exact curvature needs very many loss-Hessian columns (each one a backward pass)."""
+
+
+def _warn_exact_cost(k: int, c: int, q: int) -> None:
+    """Warn once per ``(C, Q)`` and process when exact columns exceed
+    :data:`EXACT_COLUMNS_WARNING` per sample."""
+    if k <= EXACT_COLUMNS_WARNING or (c, q) in _WARNED_COST:
+        return
+    _WARNED_COST.add((c, q))
+    warnings.warn(
+        f"backprism: the exact loss-Hessian square root of this cross-entropy has K = C·Q = "
+        f"{c}·{q} = {k} columns per sample ({c} classes at {q} positions); every column is "
+        "pushed back through the model, so exact curvature (DiagGGNExact, KFLR, SqrtGGNExact, "
+        "DiagHessian) costs about K backward passes — no exact square root has fewer "
+        "(the Hessian of each position has rank C − 1). Use the Monte-Carlo extensions "
+        "(DiagGGNMC, KFAC, SqrtGGNMC: mc_samples columns), or a smaller collect(memory_budget=) "
+        "to bound the memory of each chunk",
+        CurvatureCostWarning,
+        stacklevel=3,
+    )
 
 
 # -- elementwise losses ------------------------------------------------------------------------

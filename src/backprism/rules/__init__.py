@@ -4,7 +4,10 @@ import importlib
 
 from backprism.engine.rule import Call, Rule, get_rule, register_rule
 
-for _name in ("linear", "conv", "convtranspose", "embedding", "norm", "broadcast", "generic"):
+for _name in (
+    "linear", "conv", "convtranspose", "embedding", "norm", "broadcast", "generic", "attention",
+    "transformers",
+):
     try:
         importlib.import_module(f"backprism.rules.{_name}")
     except ModuleNotFoundError as _err:  # a family still being written

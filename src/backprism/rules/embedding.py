@@ -127,7 +127,11 @@ class EmbeddingRule(Rule):
         tk = _tokens(call, g)
         m, _, d = tk.g.shape
         out = tk.g.new_zeros(m, tk.n * tk.vocab, d)
-        out.index_add_(1, tk.sample * tk.vocab + tk.token, tk.g)
+        rows = tk.sample * tk.vocab + tk.token
+        if m == 1:  # along the leading axis: the faster scatter kernel
+            out[0].index_add_(0, rows, tk.g[0])
+        else:
+            out.index_add_(1, rows, tk.g)
         return {"weight": out.view(m, tk.n, tk.vocab, d)}
 
     def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:

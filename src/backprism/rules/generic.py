@@ -57,11 +57,19 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from backprism.engine.backward import current_pass
-from backprism.engine.rule import Call, Rule, set_generic_rule
+from backprism.engine.rule import Call, Rule, get_rule, set_generic_rule
 from backprism.engine.state import suspended
 
-__all__ = ["GenericRule"]
+__all__ = ["GenericRule", "GenericRuleWarning"]
 
+
+class GenericRuleWarning(UserWarning):
+    """A module takes the generic ``torch.func`` rule (a per-sample ``vmap`` of its forward)
+    because no closed-form rule is registered for its type."""
+
+
+#: names (module types, functional ops) the fallback warning was shown for, once per process
+_ANNOUNCED: set[str] = set()
 #: module types for which the vmap path failed once (the loop fallback warned already)
 _WARNED: set[type] = set()
 #: module types whose kernels have no batching rule: straight to the loop over samples
@@ -301,6 +309,7 @@ class GenericRule(Rule):
         hit = self._lookup(call, g)
         if hit is not None:
             return hit
+        _announce(call)
         result = self._compute(call, g)
         self._store(call, g, result)
         return result
@@ -457,6 +466,32 @@ class GenericRule(Rule):
                 )
             per_n.append([torch.stack([pm[j] for pm in per_m]) for j in range(len(keys))])
         return {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
+
+
+def _announce(call: Call) -> None:
+    """Warn, once per module type (or functional op) and process, that ``call`` and the other
+    calls of the current backward pass without a closed-form rule take the generic rule."""
+    if call.name in _ANNOUNCED:
+        return
+    names = {call.name}
+    bp = current_pass()
+    if bp is not None:
+        for other in bp.calls:
+            if other.params and other.name not in _ANNOUNCED and type(
+                get_rule(other.module)
+            ) is GenericRule:
+                names.add(other.name)
+    _ANNOUNCED.update(names)
+    shown = ", ".join(sorted(names))
+    warnings.warn(
+        f"backprism: no closed-form rule for {shown}; the generic torch.func rule computes "
+        "their per-sample quantities by a vmap of each module's forward and vector-Jacobian "
+        "product over the samples (and the curvature columns), which costs far more time and "
+        "memory than a closed form. Register a Rule for the module type with "
+        "backprism.rules.register_rule to avoid it (shown once per module type)",
+        GenericRuleWarning,
+        stacklevel=2,
+    )
 
 
 def _g_key(g: Any) -> tuple:

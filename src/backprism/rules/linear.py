@@ -8,7 +8,9 @@ weight gradient,
 * without middle axes, ``‖Vₘₙ‖² = ‖gₘₙ‖² ‖xₙ‖²``, ``Σₘₙ wₘₙ Vₘₙ² = Σₙ (Σₘ wₘₙ gₘₙ²) (xₙ²)ᵀ`` and
   ``⟨Vₘₙ, Vₘₖ⟩ = ⟨gₘₙ, gₘₖ⟩⟨xₙ, xₖ⟩`` — no ``[N, O, I]`` tensor is built;
 * with middle axes, ``‖Vₘₙ‖² = Σₜₛ ⟨gₘₙₜ, gₘₙₛ⟩⟨xₙₜ, xₙₛ⟩`` (Gram form, cost ``N T² (O + I)``) or
-  by materialising ``Vₘₙ`` (cost ``N T O I``), whichever is cheaper.
+  by materialising ``Vₘₙ`` (cost ``N T O I``), whichever is cheaper; ``Σₘₙ wₘₙ Vₘₙ²`` from
+  ``Vₘₙ`` built in sample chunks (batched BLAS), squared in place and reduced over ``(m, n)`` by
+  one matrix product.
 
 Kronecker factors (BackPACK's convention, which for middle axes follows its convolution rule):
 ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ`` and ``B = Σₘₙ (Σₜ gₘₙₜ)(Σₜ gₘₙₜ)ᵀ`` — the exact (KFLR) / MC (KFAC)
@@ -21,6 +23,48 @@ import torch
 from torch import Tensor, nn
 
 from backprism.engine.rule import Call, Rule, register_rule
+
+#: elements of a per-sample weight-gradient chunk ``[M, n, O, I]`` built at once (sequences)
+CHUNK_ELEMENTS = 2**22
+
+
+def _vmat(g: Tensor, x: Tensor) -> Tensor:
+    """``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ``: ``[M, n, T, O] × [n, T, I] → [M, n, O, I]`` (batched BLAS)."""
+    if g.shape[0] == 1:
+        return torch.bmm(g[0].transpose(1, 2), x).unsqueeze(0)
+    return torch.einsum("mnto,nti->mnoi", g, x)
+
+
+def _squares(g: Tensor, x: Tensor, weights: Tensor | None, keep_batch: bool) -> Tensor:
+    """``Σₘ wₘₙ Vₘₙ²`` (``[N, O, I]``) or its sum over ``n`` (``[O, I]``) for sequences: ``V``
+    in sample chunks, squared in place, reduced over ``(m, n)`` by one matrix product."""
+    m, n, _, o = g.shape
+    i = x.shape[-1]
+    step = max(1, CHUNK_ELEMENTS // max(1, m * o * i))
+    parts: list[Tensor] = []
+    total: Tensor | None = None
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        v = _vmat(g[:, a:b], x[a:b]).reshape(m * (b - a), o * i)
+        v.square_()
+        w = None if weights is None else weights[:, a:b].reshape(-1, 1).to(v.dtype)
+        if keep_batch:
+            if w is not None:
+                v.mul_(w)
+            parts.append(v.reshape(m, b - a, o, i).sum(0))
+        else:
+            wv = w.t() if w is not None else v.new_ones(1, v.shape[0])
+            term = (wv @ v)[0]
+            total = term if total is None else total.add_(term)
+    if keep_batch:
+        return torch.cat(parts)
+    assert total is not None
+    return total.reshape(o, i)
+
+
+def _chunks(n: int, per_sample: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, per_sample))
+    return [slice(a, min(n, a + step)) for a in range(0, n, step)]
 
 
 def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,7 +81,7 @@ class LinearRule(Rule):
 
     def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         x, g = _flat(call, g)
-        out = {"weight": torch.einsum("mnto,nti->mnoi", g, x)}
+        out = {"weight": _vmat(g, x)}
         if call.module.bias is not None:
             out["bias"] = g.sum(2)
         return out
@@ -54,7 +98,13 @@ class LinearRule(Rule):
     ) -> dict[str, Tensor]:
         x, g = _flat(call, g)
         if x.shape[1] != 1:
-            return super().sum_squared(call, g, weights)
+            out = {"weight": _squares(g, x, weights, keep_batch=False)}
+            if call.module.bias is not None:
+                b2 = g.sum(2).square()
+                if weights is not None:
+                    b2 = b2 * weights[..., None]
+                out["bias"] = b2.sum((0, 1))
+            return out
         g2 = g[:, :, 0].square()  # [M, N, O]
         if weights is not None:
             g2 = g2 * weights[..., None]
@@ -69,7 +119,13 @@ class LinearRule(Rule):
     ) -> dict[str, Tensor]:
         x, g = _flat(call, g)
         if x.shape[1] != 1:
-            return super().batch_sum_squared(call, g, weights)
+            out = {"weight": _squares(g, x, weights, keep_batch=True)}
+            if call.module.bias is not None:
+                b2 = g.sum(2).square()
+                if weights is not None:
+                    b2 = b2 * weights[..., None]
+                out["bias"] = b2.sum(0)
+            return out
         g2 = g[:, :, 0].square()
         if weights is not None:
             g2 = g2 * weights[..., None]
@@ -91,7 +147,11 @@ class LinearRule(Rule):
             gram_g = torch.einsum("mnto,mnso->nts", g, g)
             out["weight"] = (gram_x * gram_g).sum((1, 2))
         else:
-            out["weight"] = torch.einsum("mnto,nti->mnoi", g, x).square().sum((0, 2, 3))
+            out["weight"] = torch.cat([
+                torch.linalg.vector_norm(_vmat(g[:, sl], x[sl]).flatten(2), dim=-1)
+                .square_().sum(0)
+                for sl in _chunks(x.shape[0], g.shape[0] * o * i)
+            ])
         if call.module.bias is not None:
             out["bias"] = g.sum(2).square().sum((0, 2))
         return out
@@ -110,7 +170,7 @@ class LinearRule(Rule):
             gram_g = torch.einsum("mnto,mkso->ntks", g, g)
             out["weight"] = (gram_x * gram_g).sum((1, 3))
         else:
-            v = torch.einsum("mnto,nti->mnoi", g, x).flatten(2)
+            v = _vmat(g, x).flatten(2)
             out["weight"] = torch.einsum("mnj,mkj->nk", v, v)
         if call.module.bias is not None:
             b = g.sum(2)

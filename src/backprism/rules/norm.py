@@ -21,7 +21,9 @@ input and the module's hyper-parameters exactly as PyTorch computes it:
   ``track_running_stats=False``) mixes the samples and is refused.
 
 The parameters are small, so statistics are reduced from the materialised ``[M, N, *p.shape]``
-per-sample gradients (the :class:`~backprism.engine.rule.Rule` defaults). ``x̂`` is computed once
+per-sample gradients (the :class:`~backprism.engine.rule.Rule` defaults). ``x̂`` comes from
+PyTorch's own normalisation kernels without affine parameters (``F.layer_norm``,
+``F.rms_norm``, ``F.group_norm``), so it is the layer's own arithmetic; it is computed once
 per call: the last one is cached (keyed on the call and its input's version counter) and
 dropped at the end of the backward pass.
 """
@@ -34,6 +36,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.engine.rule import Call, Rule, register_rule
@@ -85,35 +88,40 @@ class _AffineNormRule(Rule):
         ]
 
     def _layout(self, call: Call, t: Tensor) -> Tensor:
-        """``t`` of shape ``[M, N, *x.shape[1:]]`` as ``[M, N, R, P]`` (``P`` parameter entries,
-        ``R`` positions they are broadcast over)."""
+        """``t`` of shape ``[M, N, *x.shape[1:]]`` as ``[M, N, P, R]`` (channel layout: ``P``
+        channels, ``R`` spatial positions) or ``[M, N, R, P]`` (trailing ``normalized_shape``
+        with ``P`` entries, ``R`` leading positions) — never a transposed copy."""
         m, n = t.shape[:2]
         if self.channel:
-            return t.reshape(m, n, t.shape[2], -1).transpose(2, 3)
+            return t.reshape(m, n, t.shape[2], -1)
         p = math.prod(call.module.normalized_shape)
         return t.reshape(m, n, -1, p)
 
-    def _reduce(self, call: Call, g: Tensor, eq: str, bias_dims: tuple[int, ...]) -> dict:
+    def _reduce(self, call: Call, g: Tensor, keep_batch: bool) -> dict:
         self.validate(call)
         names = self._names(call)
         gl = self._layout(call, g)
+        pos = 3 if self.channel else 2  # the axis of the positions r
+        dims = (pos,) if keep_batch else (1, pos)
         out: dict[str, Tensor] = {}
         if "weight" in names:
             xhat = self._layout(call, self._xhat(call).to(gl.dtype)[None])[0]
-            out["weight"] = torch.einsum(eq, gl, xhat)
+            # Σ_r g ⊙ x̂ as one product and one reduction (an einsum would batch tiny matrix
+            # products over (n, p))
+            out["weight"] = (gl * xhat).sum(dims)
         if "bias" in names:
-            out["bias"] = gl.sum(bias_dims)
+            out["bias"] = gl.sum(dims)
         return {
             k: v.reshape(*v.shape[:-1], *getattr(call.module, k).shape) for k, v in out.items()
         }
 
     def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         """``Vₘₙ(w) = Σ_r gₘₙ ⊙ x̂ₙ`` and ``Vₘₙ(b) = Σ_r gₘₙ``: ``[M, N, *p.shape]``."""
-        return self._reduce(call, g, "mnrp,nrp->mnp", (2,))
+        return self._reduce(call, g, keep_batch=True)
 
     def summed(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         """``Σₙ Vₘₙ``: ``[M, *p.shape]``."""
-        return self._reduce(call, g, "mnrp,nrp->mp", (1, 2))
+        return self._reduce(call, g, keep_batch=False)
 
 
 def _check_batched(call: Call, ndim: int) -> None:
@@ -136,11 +144,8 @@ class LayerNormRule(_AffineNormRule):
 
     def normalized(self, call: Call) -> Tensor:
         module: nn.LayerNorm = call.module
-        k = len(module.normalized_shape)
-        x = call.input
-        dims = tuple(range(-k, 0))
-        var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + module.eps)
+        # PyTorch's own kernel without affine parameters: x̂ exactly as the layer computes it
+        return F.layer_norm(call.input, module.normalized_shape, None, None, module.eps)
 
 
 @register_rule(nn.RMSNorm)
@@ -155,6 +160,8 @@ class RMSNormRule(_AffineNormRule):
         k = len(module.normalized_shape)
         x = call.input
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        if hasattr(F, "rms_norm"):  # torch >= 2.4: the layer's own kernel
+            return F.rms_norm(x, module.normalized_shape, None, eps)
         dims = tuple(range(-k, 0))
         return x * torch.rsqrt(x.square().mean(dims, keepdim=True) + eps)
 
@@ -170,10 +177,7 @@ class GroupNormRule(_AffineNormRule):
 
     def normalized(self, call: Call) -> Tensor:
         module: nn.GroupNorm = call.module
-        x = call.input
-        xg = x.reshape(x.shape[0], module.num_groups, -1)
-        var, mean = torch.var_mean(xg, -1, correction=0, keepdim=True)
-        return ((xg - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+        return F.group_norm(call.input, module.num_groups, None, None, module.eps)
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -203,7 +207,7 @@ class BatchNormRule(_AffineNormRule):
     def normalized(self, call: Call) -> Tensor:
         module: Any = call.module
         x = call.input
-        shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
-        mean = module.running_mean.reshape(shape).to(x.dtype)
-        var = module.running_var.reshape(shape).to(x.dtype)
-        return (x - mean) * torch.rsqrt(var + module.eps)
+        mean = module.running_mean.to(x.dtype)
+        var = module.running_var.to(x.dtype)
+        # PyTorch's eval-mode kernel without affine parameters (one pass over x)
+        return F.batch_norm(x, mean, var, None, None, False, 0.0, module.eps)

@@ -1,0 +1,478 @@
+"""Peers benchmark: backprism next to Opacus, ``torch.func`` and curvlinops, as ratios to a plain
+forward+backward measured in the same run, with peak memory.
+
+Usage::
+
+    python benchmarks/bench_peers.py                                  # transformer resnet18 gpt2
+    python benchmarks/bench_peers.py --problems transformer --repeats 5 --threads 1
+    python benchmarks/bench_peers.py --problems gpt2 --n 64 --generic  # + the generic-rule rows
+    PYTHONPATH=/path/to/other/src python benchmarks/bench_peers.py     # another backprism
+
+Problems: ``transformer`` and ``resnet18`` from ``problems.py`` and ``gpt2``, a GPT-2-shaped
+decoder from a Hugging Face ``GPT2Config`` (2 layers, 4 heads, d = 64, T = 32, 2048-token
+vocabulary, head tied to the token embedding, next-token cross-entropy over ``[N, V, T]``).
+
+Configurations (each on its own copy of the model, same weights and data):
+
+* ``plain`` — ``loss.backward()``; every ratio is to its median in the same run;
+* ``backprism <Extension>`` — one extension inside ``collect``; ``--generic`` adds the same with
+  the attention / ``Conv1D`` / HF-norm rules switched off (what the generic ``torch.func`` rule
+  costs, i.e. the state before those rules);
+* ``backprism KFAC (Linear/Conv)`` — KFAC with only ``nn.Linear`` / ``nn.Conv2d`` parameters
+  trainable (what curvlinops supports), next to ``curvlinops KFAC (Linear/Conv)``
+  (``KFACLinearOperator(...).compute_kronecker_factors()``, MC Fisher, one sample);
+* ``opacus GradSampleModule`` — per-sample gradients (``p.grad_sample``) on
+  ``ModuleValidator.fix(model)`` (``nn.MultiheadAttention`` → ``DPMultiheadAttention``,
+  BatchNorm → GroupNorm), ``opacus plain (fixed model)`` its plain step for reference;
+* ``opacus ghost clipping`` — ``GradSampleModuleFastGradientClipping(use_ghost_clipping=True)``:
+  per-sample gradient norms from one backward pass (the clipped second pass is not timed);
+* ``torch.func vmap`` — ``vmap(grad(loss of one sample))`` over the batch (attention through
+  SDPA's math backend, which has batching rules);
+* ``curvlinops GGN-vp`` — one GGN-vector product of the whole batch
+  (``GGNLinearOperator @ v``, all parameters; SDPA's math backend, which has forward-mode AD).
+
+Timing: ``--threads`` (default 2), one warm-up round, then ``--repeats`` rounds in which all
+configurations run in turn; medians. Memory: in a subprocess whose glibc returns every block of
+64 KiB or more to the kernel when it is freed (``MALLOC_MMAP_THRESHOLD_``), so the resident
+high-water mark follows the live memory: after one warm-up step of every configuration, one
+step each with the high-water mark reset before it (``/proc/self/clear_refs``); reported is its
+peak above the resident size it started from, minus the plain step's, in MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from problems import build, describe
+
+EXTENSIONS = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "DiagGGNMC", "KFAC"]
+#: the targets of the issue (CPU, N = 128, transformer and resnet18)
+TARGETS = {
+    "BatchL2Grad": 1.4, "SumGradSquared": 1.6, "Variance": 1.6, "BatchGrad": 1.8,
+    "DiagGGNMC": 2.0, "KFAC": 2.5, "KFAC (Linear/Conv)": 2.5,
+}
+FIELDS = {
+    "BatchL2Grad": "batch_l2", "SumGradSquared": "sum_grad_squared", "Variance": "variance",
+    "BatchGrad": "grad_batch", "DiagGGNMC": "diag_ggn_mc", "KFAC": "kfac",
+}
+#: rule classes switched off by --generic (their modules then take the generic rule)
+NEW_RULES = ("MultiheadAttentionRule", "Conv1DRule", "ScaledNormRule")
+
+
+# -- problems ------------------------------------------------------------------------------------
+class LMLogits(nn.Module):
+    """A Hugging Face causal LM as a module returning logits ``[N, V, T]``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx).logits.transpose(1, 2)
+
+
+def gpt2(n: int, seq: int = 32, vocab: int = 2048, d: int = 64, layers: int = 2, heads: int = 4):
+    import logging
+
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_head=heads, n_embd=d, vocab_size=vocab, n_positions=seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LMLogits(transformers.GPT2LMHeadModel(cfg))
+    X, y = torch.randint(0, vocab, (n, seq)), torch.randint(0, vocab, (n, seq))
+    return model, nn.CrossEntropyLoss(), X, y
+
+
+def make_problem(name: str, n: int):
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return gpt2(n)
+    return build(name, n)
+
+
+def _contiguous_positions(model: nn.Module) -> None:
+    """Opacus' ghost-clipping embedding norms need contiguous ids: the benchmark transformer
+    feeds ``arange(T).expand(N, T)``; give it a contiguous copy (same numbers)."""
+    if type(model).__name__ != "_TinyTransformer":
+        return
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        n, t = tokens.shape
+        pos = torch.arange(t, device=tokens.device).expand(n, t).contiguous()
+        h = self.emb(tokens) + self.pos(pos)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h).mean(1))
+
+    model.forward = types.MethodType(forward, model)
+
+
+# -- runners -------------------------------------------------------------------------------------
+class Runner:
+    def __init__(self, run: Callable[[], None], clear: Callable[[], None]) -> None:
+        self.run, self.clear = run, clear
+
+    def __call__(self) -> None:
+        self.clear()
+        self.run()
+
+
+@contextlib.contextmanager
+def generic_rules():
+    """The rules of :data:`NEW_RULES` unregistered (their modules take the generic rule)."""
+    from backprism.engine import rule as R
+
+    saved = {t: r for t, r in R._REGISTRY.items() if type(r).__name__ in NEW_RULES}
+    for t in saved:
+        del R._REGISTRY[t]
+    try:
+        yield
+    finally:
+        R._REGISTRY.update(saved)
+
+
+def _freeze_except_linear_conv(model: nn.Module) -> list[nn.Parameter]:
+    keep = {
+        id(p)
+        for m in model.modules()
+        if type(m) in (nn.Linear, nn.Conv2d) and _is_called(model, m)
+        for p in m.parameters(recurse=False)
+    }
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _is_called(model: nn.Module, m: nn.Module) -> bool:
+    """``MultiheadAttention.out_proj`` is a Linear used functionally (never called)."""
+    return not any(isinstance(parent, nn.MultiheadAttention) for parent in model.modules()
+                   if any(c is m for c in parent.children()))
+
+
+def _clear_fields(model: nn.Module, fields: tuple[str, ...]) -> Callable[[], None]:
+    params = list(model.parameters())
+
+    def clear() -> None:
+        model.zero_grad(set_to_none=True)
+        for p in params:
+            for f in fields:
+                if f in p.__dict__:
+                    delattr(p, f)
+
+    return clear
+
+
+def make_runner(problem: str, tool: str, method: str, n: int) -> Runner | None:
+    model, lossfunc, X, y = make_problem(problem, n)
+    if tool == "plain":
+        if method == "opacus model":
+            from opacus.validators import ModuleValidator
+
+            model = ModuleValidator.fix(model).train()
+
+        def run() -> None:
+            lossfunc(model(X), y).backward()
+
+        return Runner(run, _clear_fields(model, ()))
+    if tool in ("backprism", "backprism-generic"):
+        import backprism
+        from backprism import extensions as E
+
+        name = "KFAC" if method == "KFAC (Linear/Conv)" else method
+        if method == "KFAC (Linear/Conv)":
+            _freeze_except_linear_conv(model)
+        backprism.extend(model)
+        lf = backprism.extend(lossfunc)
+        ext = getattr(E, name)
+        ctx = generic_rules if tool == "backprism-generic" else contextlib.nullcontext
+
+        def run() -> None:
+            with ctx(), backprism.collect(ext()):
+                lf(model(X), y).backward()
+
+        return Runner(run, _clear_fields(model, (FIELDS[name],)))
+    if tool == "opacus":
+        from opacus import GradSampleModule
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.validators import ModuleValidator
+
+        # BatchNorm → GroupNorm; train mode, since Opacus records activations only there
+        # (the benchmark models have no dropout, and no BatchNorm is left)
+        model = ModuleValidator.fix(model).train()
+        if method == "ghost clipping":
+            _contiguous_positions(model)
+            gsm = GradSampleModuleFastGradientClipping(
+                model, batch_first=True, loss_reduction="mean", strict=False,
+                use_ghost_clipping=True,
+            )
+
+            def run() -> None:
+                lossfunc(gsm(X), y).backward()
+                gsm.get_norm_sample()
+
+            return Runner(run, _clear_fields(gsm, ("_norm_sample",)))
+        gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=False)
+
+        def run() -> None:
+            lossfunc(gsm(X), y).backward()
+
+        def clear() -> None:
+            gsm.zero_grad(set_to_none=True)  # opacus drops grad_sample too
+            for p in gsm.parameters():
+                p.grad_sample = None
+
+        return Runner(run, clear)
+    if tool == "torch.func":
+        from torch.func import functional_call, grad, vmap
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        buffers = {k: v.detach() for k, v in model.named_buffers()}
+        out: dict = {}
+
+        def loss_one(p: dict, x: Tensor, t: Tensor) -> Tensor:
+            return lossfunc(functional_call(model, (p, buffers), (x[None],)), t[None])
+
+        def run() -> None:
+            with sdpa_kernel(SDPBackend.MATH):
+                out["g"] = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, X, y)
+
+        return Runner(run, lambda: out.clear())
+    if tool == "curvlinops":
+        from curvlinops import GGNLinearOperator, KFACLinearOperator
+
+        if method == "KFAC (Linear/Conv)":
+            if problem == "gpt2":
+                return None  # Conv1D: no curvlinops KFAC
+            params = _freeze_except_linear_conv(model)
+
+            def run() -> None:
+                op = KFACLinearOperator(
+                    model, lossfunc, params, [(X, y)], check_deterministic=False,
+                    fisher_type="mc", mc_samples=1,
+                )
+                op.compute_kronecker_factors()
+
+            return Runner(run, lambda: None)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        op = GGNLinearOperator(model, lossfunc, params, [(X, y)], check_deterministic=False)
+        v = torch.randn(sum(p.numel() for p in params))
+        res: dict = {}
+
+        def run() -> None:
+            with sdpa_kernel(SDPBackend.MATH):  # forward-mode AD: no fused CPU kernel
+                res["v"] = op @ v
+
+        return Runner(run, lambda: res.clear())
+    raise ValueError(tool)
+
+
+#: tools to run (``--tools``); ``None``: all
+TOOLS: list[str] | None = None
+
+
+def configurations(problem: str, generic: bool) -> list[tuple[str, str]]:
+    configs = _configurations(problem, generic)
+    if TOOLS is None:
+        return configs
+    return [c for c in configs if c == ("plain", "step") or c[0] in TOOLS]
+
+
+def _configurations(problem: str, generic: bool) -> list[tuple[str, str]]:
+    configs = [("plain", "step")]
+    configs += [("backprism", m) for m in EXTENSIONS]
+    if problem != "gpt2":
+        configs.append(("backprism", "KFAC (Linear/Conv)"))
+    if generic and problem in ("transformer", "gpt2"):
+        configs += [("backprism-generic", m) for m in EXTENSIONS if m != "KFAC"]
+    configs += [
+        ("plain", "opacus model"),
+        ("opacus", "GradSampleModule"),
+        ("opacus", "ghost clipping"),
+        ("torch.func", "vmap per-sample grads"),
+        ("curvlinops", "KFAC (Linear/Conv)"),
+        ("curvlinops", "GGN-vp"),
+    ]
+    return configs
+
+
+# -- measuring -----------------------------------------------------------------------------------
+def hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def step_peak(r: Runner) -> float:
+    """Peak resident memory (MiB) of one step above the resident size before it."""
+    r.clear()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = hwm()
+    r.run()
+    return (hwm() - before) / 1024
+
+
+def _runners(problem: str, n: int, generic: bool, errors: dict) -> dict[tuple[str, str], Runner]:
+    runners: dict[tuple[str, str], Runner] = {}
+    for key in configurations(problem, generic):
+        try:
+            r = make_runner(problem, *key, n)
+        except Exception as err:  # a peer that cannot run this model
+            errors[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+            continue
+        if r is not None:
+            runners[key] = r
+    return runners
+
+
+#: glibc settings for the memory subprocess: every block of 64 KiB or more is its own mapping,
+#: returned to the kernel when freed, so the resident high-water mark of a step is its peak
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
+              "MALLOC_TOP_PAD_": "0"}
+
+
+def measure_memory(problem: str, n: int, generic: bool) -> dict[str, float]:
+    """Per configuration ``"tool|method"``: the step's peak resident memory above the resident
+    size before it, in MiB (after one warm-up step of every configuration)."""
+    errors: dict = {}
+    runners = _runners(problem, n, generic, errors)
+    for key, r in list(runners.items()):
+        try:
+            r()
+        except Exception:
+            del runners[key]
+    out = {}
+    for key, r in runners.items():
+        with contextlib.suppress(Exception):
+            out["|".join(key)] = step_peak(r)
+            r.clear()
+    return out
+
+
+def _memory_subprocess(problem: str, n: int, generic: bool, threads: int) -> dict[str, float]:
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-of", problem, "--n", str(n),
+           "--threads", str(threads)] + (["--generic"] if generic else [])
+    if TOOLS is not None:
+        cmd += ["--tools", *TOOLS]
+    env = {**os.environ, **MALLOC_ENV}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        print(f"  (memory run failed: {res.stderr.strip().splitlines()[-1:]})")
+        return {}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def bench(
+    problem: str, n: int, repeats: int, generic: bool, memory: bool, threads: int
+) -> list[dict]:
+    errors: dict[tuple[str, str], str] = {}
+    runners = _runners(problem, n, generic, errors)
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
+    for rnd in range(repeats + 1):
+        for key, r in list(runners.items()):
+            gc.collect()
+            t0 = time.perf_counter()
+            try:
+                r()
+            except Exception as err:
+                errors[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+                del runners[key], times[key]
+                continue
+            if rnd:
+                times[key].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    del runners
+    gc.collect()
+    peaks = _memory_subprocess(problem, n, generic, threads) if memory else {}
+    plain = med[("plain", "step")]
+    base = peaks.get("plain|step")
+    rows = []
+    for key in configurations(problem, generic):
+        peak = peaks.get("|".join(key))
+        rows.append({
+            "problem": problem, "tool": key[0], "method": key[1], "n": n,
+            "seconds": med.get(key), "ratio": med[key] / plain if key in med else None,
+            "mib": peak - base if peak is not None and base is not None else None,
+            "error": errors.get(key),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", nargs="+", default=["transformer", "resnet18", "gpt2"])
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--generic", action="store_true",
+                    help="also time backprism with the attention/Conv1D/HF-norm rules off")
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--tools", nargs="+", help="only these tools (backprism, backprism-generic, "
+                    "opacus, torch.func, curvlinops, plain)")
+    ap.add_argument("--memory-of", help=argparse.SUPPRESS)  # the memory subprocess
+    args = ap.parse_args(argv)
+    global TOOLS
+    TOOLS = args.tools
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    if args.memory_of:
+        print(json.dumps(measure_memory(args.memory_of, args.n, args.generic)))
+        return
+    import backprism
+
+    print(f"N={args.n}, repeats={args.repeats}, {describe('cpu')}, backprism from "
+          f"{os.path.dirname(backprism.__file__)}")
+    all_rows = []
+    for problem in args.problems:
+        rows = bench(
+            problem, args.n, args.repeats, args.generic, not args.no_memory, args.threads
+        )
+        plain = rows[0]["seconds"]
+        print(f"\n{problem} (plain step {plain:.3f} s)")
+        print(f"  {'tool':<18} {'method':<24} {'ratio':>7} {'target':>7} {'MiB':>7}")
+        for r in rows[1:]:
+            target = TARGETS.get(r["method"]) if r["tool"] == "backprism" else None
+            ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
+            mib = f"{r['mib']:.0f}" if r["mib"] is not None else "-"
+            tgt = f"{target:.1f}x" if target and problem != "gpt2" else ""
+            line = f"  {r['tool']:<18} {r['method']:<24} {ratio:>7} {tgt:>7} {mib:>7}"
+            if r["error"]:
+                line += f"   ({r['error']})"
+            print(line, flush=True)
+        all_rows += rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(all_rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

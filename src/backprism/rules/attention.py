@@ -1,0 +1,530 @@
+r"""Rule for :class:`torch.nn.MultiheadAttention`: the Linear closed forms per projection.
+
+Every parameter of an attention layer enters through a linear projection (or as an extra key /
+value position). With ``batch_first=True`` inputs ``query [N, L, E_q]``, ``key [N, S, E_k]``,
+``value [N, S, E_v]``, ``H`` heads of width ``d = E/H`` and ``scale = 1/√d``:
+
+.. math::
+
+    q = \mathrm{query}\,W_q^⊤ + b_q,\quad k = \mathrm{key}\,W_k^⊤ + b_k,\quad
+    v = \mathrm{value}\,W_v^⊤ + b_v \quad(\text{then } k, v \text{ get } b_{k}^{kv}, b_{v}^{kv}
+    \text{ appended as one more position with } \texttt{add\_bias\_kv}),
+
+    P = \mathrm{softmax}(q_h k_h^⊤ \cdot \mathrm{scale} + \mathrm{mask}),\quad
+    o = \mathrm{concat}_h(P v_h),\quad \mathrm{out} = o W_o^⊤ + b_o .
+
+So every weight gradient is a Linear layer's gradient with a sequence axis,
+``Vₘₙ(W) = Σₜ δₘₙₜ xₙₜᵀ`` (``x`` the projection's input, ``δ`` the gradient at its output), and
+all statistics come from :class:`~backprism.rules.linear.LinearRule`'s closed forms (the Gram
+form ``‖Vₘₙ‖² = Σₜₛ ⟨δₘₙₜ, δₘₙₛ⟩⟨xₙₜ, xₙₛ⟩`` for ``batch_l2``, ``batch_dot``; BLAS products for
+the rest) — no per-sample ``vmap`` of the module. What the rule needs per call:
+
+* the projections' inputs: ``query``, ``key``, ``value`` (recorded) and the attention output
+  ``o`` before ``out_proj`` (recomputed once per call from the recorded inputs);
+* the gradients at the projections' outputs for the columns ``g`` (``[M, N, L, E]``, plus the
+  attention weights' columns when ``need_weights=True``), by one batched backward pass of the
+  attention core written out (no autograd graph; ``M`` broadcast over the recorded ``P``):
+
+  .. math::
+
+      δo = g W_o,\quad δv_h = P^⊤ δo_h,\quad δP = δo_h v_h^⊤ (+ \text{weights' columns}),
+
+      δS = P ⊙ (δP − \mathrm{rowsum}(δP ⊙ P)),\quad δq_h = δS\,k_h\,\mathrm{scale},\quad
+      δk_h = δS^⊤ q_h\,\mathrm{scale}.
+
+Parameters, keyed like :attr:`~backprism.engine.state.Call.params`: ``out_proj.weight`` /
+``out_proj.bias`` (input ``o``, gradient ``g``); the packed ``in_proj_weight`` ``[3E, E]`` /
+``in_proj_bias`` — for self-attention (``query``, ``key``, ``value`` the same tensor) one Linear
+with gradient ``[δq, δk, δv]`` concatenated along features, otherwise three row blocks whose
+results are concatenated (sums for ``batch_l2`` / ``batch_dot``); ``q_proj_weight``,
+``k_proj_weight``, ``v_proj_weight`` (``kdim``/``vdim`` ≠ ``embed_dim``); ``bias_k`` / ``bias_v``
+(``add_bias_kv``): the gradient at the appended key / value position, ``[1, 1, E]`` per sample.
+Masks (``attn_mask`` 2-d or per-sample 3-d, ``key_padding_mask``, bool or float), ``is_causal``,
+``add_zero_attn`` and ``need_weights`` / ``average_attn_weights`` follow
+``F.multi_head_attention_forward`` exactly.
+
+Kronecker factors: the Linear rule's, per projection (the packed ``in_proj_weight`` of
+cross-attention has three different inputs, so it is no single Kronecker product and is
+refused); ``bias_k``/``bias_v`` get ``[B]``, ``B = Σₘₙ δₘₙ δₘₙᵀ`` at their position.
+
+The module is not linear in its parameters (``W_q``, ``W_k`` enter through the softmax), so
+``linear_in_params`` is ``False``. Configurations outside this form — ``batch_first=False`` or
+unbatched input, dropout in train mode — go to the generic ``torch.func`` rule this class
+derives from (which explains its refusals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backprism.engine.rule import Call, Rule, register_rule
+from backprism.rules.generic import GenericRule
+from backprism.rules.linear import LinearRule
+
+__all__ = ["MultiheadAttentionRule"]
+
+_LINEAR = LinearRule()
+#: rule methods whose per-parameter results are concatenated along the output-feature axis for
+#: row blocks of one packed parameter (axis of the result), and those that are summed
+_CAT_AXIS = {"per_sample": 2, "summed": 1, "sum_squared": 0, "batch_sum_squared": 1}
+_SUMMED = frozenset({"batch_l2", "batch_dot"})
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+class _Fixed(Rule):
+    """The :class:`Rule` defaults applied to given dense per-sample gradients."""
+
+    def __init__(self, dense: dict[str, Tensor]) -> None:
+        self.dense = dense
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return self.dense
+
+
+def _linear_shell(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` never called, carrying ``weight``/``bias`` for the Linear rule."""
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = weight.shape[1], weight.shape[0]
+    m._parameters["weight"] = weight  # type: ignore[assignment]
+    m._parameters["bias"] = bias  # type: ignore[assignment]
+    return m
+
+
+@dataclass
+class _Piece:
+    """One Linear sub-problem: ``x`` ``[N, T, I]``, columns ``g`` ``[M, N, T, O]`` and the
+    parameter names its weight / bias results go to (``None``: not wanted)."""
+
+    call: Call
+    g: Tensor
+    weight: str | None
+    bias: str | None
+    rows: slice | None = None  # row block of a packed parameter
+
+
+@dataclass
+class _Pieces:
+    linear: list[_Piece] = field(default_factory=list)
+    #: small parameters as dense per-sample gradients ``[M, N, *p]`` (``bias_k``, ``bias_v``)
+    dense: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class _Forward:
+    """What one call's attention core needs, recomputed from the recorded inputs."""
+
+    query: Tensor  # [N, L, E_q]
+    key: Tensor  # [N, S, E_k]
+    value: Tensor  # [N, S, E_v]
+    self_attention: bool
+    qh: Tensor  # [N, H, L, d], already multiplied by scale
+    kh: Tensor  # [N, H, S2, d]  (S2 = S + bias_kv + zero_attn)
+    vh: Tensor  # [N, H, S2, d]
+    probs: Tensor  # [N, H, L, S2]
+    o: Tensor  # [N, L, E], the input of out_proj
+    src: int  # S
+    need_weights: bool
+    average: bool
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+def _float_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``F._canonical_mask``: a boolean mask becomes ``-inf`` where ``True``."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, float("-inf")
+        )
+    return mask.to(dtype)
+
+
+@register_rule(nn.MultiheadAttention)
+class MultiheadAttentionRule(GenericRule):
+    """Linear closed forms per projection (see the module docstring); unsupported
+    configurations take the generic ``torch.func`` path of :class:`GenericRule`."""
+
+    linear_in_params = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fw: tuple[weakref.ref, _Forward] | None = None
+        self._bw: tuple[weakref.ref, weakref.ref, tuple, _Pieces] | None = None
+
+    # -- which calls take the closed forms --------------------------------------------------
+    @staticmethod
+    def _arguments(call: Call) -> dict[str, Any]:
+        bound = _SIGNATURE.bind(call.module, *call.args, **call.kwargs)
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        args.pop("self", None)
+        return args
+
+    def _supported(self, call: Call) -> bool:
+        module = call.module
+        if type(module) is not nn.MultiheadAttention or not module.batch_first:
+            return False
+        if call.training and module.dropout > 0:
+            return False  # the generic rule refuses it with the explanation
+        try:
+            a = self._arguments(call)
+        except TypeError:
+            return False
+        q, k, v = a["query"], a["key"], a["value"]
+        if not all(isinstance(t, Tensor) and t.dim() == 3 and not t.is_nested for t in (q, k, v)):
+            return False
+        n = call.batch_size
+        if q.shape[0] != n or k.shape[0] != n or v.shape[0] != n:
+            return False
+        # a 3-d mask must hold N·heads rows (not so for a sample subset, BatchGrad(subsampling))
+        mask = a["attn_mask"]
+        return not (
+            isinstance(mask, Tensor) and mask.dim() == 3 and mask.shape[0] != n * module.num_heads
+        )
+
+    # -- the recomputed forward -------------------------------------------------------------
+    def _forward(self, call: Call) -> _Forward:
+        hit = self._fw
+        if hit is not None and hit[0]() is call:
+            return hit[1]
+        fw = self._compute_forward(call)
+        self._fw = (weakref.ref(call), fw)
+        # drop it when the surrounding backward pass ends (outside one, keep it until the next)
+        with contextlib.suppress(RuntimeError):
+            torch.autograd.Variable._execution_engine.queue_callback(self._clear)
+        return fw
+
+    def _clear(self) -> None:
+        self._fw = None
+        self._bw = None
+
+    def _compute_forward(self, call: Call) -> _Forward:
+        m: nn.MultiheadAttention = call.module
+        a = self._arguments(call)
+        query, key, value = a["query"], a["key"], a["value"]
+        n, length, e = query.shape
+        src = key.shape[1]
+        h = m.num_heads
+        d = e // h
+        dt = query.dtype
+        self_attention = _same_tensor(query, key) and _same_tensor(key, value)
+        bias = None if m.in_proj_bias is None else m.in_proj_bias.detach()
+        bq, bk, bv = (None, None, None) if bias is None else bias.chunk(3)
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                w = m.in_proj_weight.detach()
+                if self_attention:
+                    qkv = F.linear(query, w, bias)
+                    q, k, v = qkv.chunk(3, dim=-1)
+                else:
+                    wq, wk, wv = w.chunk(3)
+                    q = F.linear(query, wq, bq)
+                    k, v = F.linear(key, wk, bk), F.linear(value, wv, bv)
+            else:
+                q = F.linear(query, m.q_proj_weight.detach(), bq)
+                k = F.linear(key, m.k_proj_weight.detach(), bk)
+                v = F.linear(value, m.v_proj_weight.detach(), bv)
+            if m.bias_k is not None and m.bias_v is not None:
+                k = torch.cat([k, m.bias_k.detach().to(dt).expand(n, 1, e)], 1)
+                v = torch.cat([v, m.bias_v.detach().to(dt).expand(n, 1, e)], 1)
+            fused = m._qkv_same_embed_dim and self_attention
+            if fused and not m.add_zero_attn and m.bias_k is None:
+                # one copy into the head layout [3, N, H, L, d]
+                heads = qkv.view(n, length, 3, h, d).permute(2, 0, 3, 1, 4)
+                qh, kh, vh = heads.contiguous().unbind(0)
+            else:
+                qh, kh, vh = (
+                    t.reshape(n, t.shape[1], h, d).transpose(1, 2).contiguous() for t in (q, k, v)
+                )
+            if m.add_zero_attn:
+                zeros = kh.new_zeros(n, h, 1, d)
+                kh, vh = torch.cat([kh, zeros], 2), torch.cat([vh, zeros], 2)
+            mask = self._mask(call, a, n, length, kh.shape[2], dt)
+            qh.mul_(1.0 / math.sqrt(d))  # q·scale, kept so (δk = δSᵀ (q·scale))
+            scores = torch.matmul(qh, kh.transpose(-1, -2))
+            if mask is not None:
+                scores.add_(mask)
+            probs = torch.softmax(scores, dim=-1)
+            if mask is not None and not a["need_weights"]:
+                # scaled_dot_product_attention gives rows whose keys are all masked zero
+                # weights (the explicit softmax of the need_weights path gives NaN, as here)
+                probs.masked_fill_((scores == float("-inf")).all(-1, keepdim=True), 0.0)
+            del scores
+            o = torch.matmul(probs, vh).transpose(1, 2).reshape(n, length, e)
+        return _Forward(
+            query=query, key=key, value=value, self_attention=self_attention, qh=qh, kh=kh,
+            vh=vh, probs=probs, o=o, src=src, need_weights=bool(a["need_weights"]),
+            average=bool(a["average_attn_weights"]),
+        )
+
+    @staticmethod
+    def _mask(
+        call: Call, a: dict[str, Any], n: int, length: int, src2: int, dt: torch.dtype
+    ) -> Tensor | None:
+        """The additive mask ``[N|1, H|1, L, S2]`` as ``F.multi_head_attention_forward``
+        builds it (``is_causal`` without padding mask and weights: SDPA's causal mask)."""
+        m: nn.MultiheadAttention = call.module
+        h = m.num_heads
+        kpm = _float_mask(a["key_padding_mask"], dt)
+        need_weights, is_causal = bool(a["need_weights"]), bool(a["is_causal"])
+        dev = a["query"].device
+        if is_causal and kpm is None and not need_weights:
+            keep = torch.ones(length, src2, dtype=torch.bool, device=dev).tril()
+            mask = torch.zeros(length, src2, dtype=dt, device=dev)
+            return mask.masked_fill_(~keep, float("-inf"))[None, None]
+        am = _float_mask(a["attn_mask"], dt)
+        if am is not None:
+            am = am[None, None] if am.dim() == 2 else am.reshape(n, h, *am.shape[1:])
+        extra = int(m.bias_k is not None) + int(m.add_zero_attn)
+        if extra:
+            am = None if am is None else F.pad(am, (0, extra))
+            kpm = None if kpm is None else F.pad(kpm, (0, extra))
+        if kpm is not None:
+            kpm = kpm.reshape(n, 1, 1, src2)
+            am = kpm if am is None else am + kpm
+        return am
+
+    # -- the backward of the attention core --------------------------------------------------
+    def _pieces(self, call: Call, g: Any) -> _Pieces:
+        first = g[0] if isinstance(g, tuple) else g
+        key = _g_key(g)
+        hit = self._bw
+        if hit is not None and hit[0]() is call and hit[1]() is first and hit[2] == key:
+            return hit[3]
+        pieces = self._compute_pieces(call, g)
+        self._bw = (weakref.ref(call), weakref.ref(first), key, pieces)
+        return pieces
+
+    def _compute_pieces(self, call: Call, g: Any) -> _Pieces:
+        m: nn.MultiheadAttention = call.module
+        fw = self._forward(call)
+        params = call.params
+        gs = list(g) if isinstance(g, tuple) else [g]
+        g_out = gs[0]
+        g_w = gs[1] if len(gs) > 1 and fw.need_weights else None
+        mcols, n, length, e = g_out.shape
+        h = m.num_heads
+        d = e // h
+        dt = fw.o.dtype
+        g_out = g_out.to(dt)
+        out = _Pieces()
+        wo = m.out_proj.weight.detach()
+
+        def name(k: str) -> str | None:
+            return k if k in params else None
+
+        def piece(x: Tensor, gp: Tensor, w: Tensor, b: Tensor | None, wn: str | None,
+                  bn: str | None, rows: slice | None = None) -> None:
+            if wn is None and bn is None:
+                return
+            shell = _linear_shell(w, b if bn is not None else None)
+            sub = Call(
+                module=shell, args=(x,), kwargs={}, out_shapes=[torch.Size(gp.shape[1:])],
+                batch_size=n, training=False,
+                params={"weight": w} | ({} if bn is None or b is None else {"bias": b}),
+            )
+            out.linear.append(_Piece(sub, gp, wn, bn, rows))
+
+        ob = m.out_proj.bias
+        piece(fw.o, g_out, wo, None if ob is None else ob.detach(),
+              name("out_proj.weight"), name("out_proj.bias") if ob is not None else None)
+        in_names = ["in_proj_weight"] if m._qkv_same_embed_dim else [
+            "q_proj_weight", "k_proj_weight", "v_proj_weight"
+        ]
+        wanted = [k for k in (*in_names, "in_proj_bias", "bias_k", "bias_v") if k in params]
+        if not wanted:
+            return out
+        # δo = g W_o, by heads [M, N, H, L, d] (contiguous: used by two products)
+        do = torch.matmul(g_out, wo).view(mcols, n, length, h, d).transpose(2, 3).contiguous()
+        probs = fw.probs
+        scale = 1.0 / math.sqrt(d)
+        fused = (
+            m._qkv_same_embed_dim and fw.self_attention and m.bias_k is None
+            and not m.add_zero_attn
+        )
+        # fused: δq, δk, δv written into one [3, M, N, H, L, d] buffer, then one copy into
+        # the feature layout [M, N, L, 3E] of the packed projection's output
+        buf = do.new_empty(3, *do.shape) if fused else None
+        # P [N, H, L, S2] broadcasts over the column axis (no copy for M = 1)
+        dv = torch.matmul(probs.transpose(-1, -2), do, out=None if buf is None else buf[2])
+        dp = torch.matmul(do, fw.vh.transpose(-1, -2))
+        del do
+        if g_w is not None:
+            g_w = g_w.to(dt)
+            dp.add_(g_w.unsqueeze(2) / h if fw.average else g_w)
+        # δS = P ⊙ (δP − rowsum(δP ⊙ P)), in place on the temporary δP
+        ds = dp.mul_(probs)
+        ds.addcmul_(probs, ds.sum(-1, keepdim=True), value=-1.0)
+        if buf is not None:
+            torch.matmul(ds, fw.kh, out=buf[0]).mul_(scale)
+            torch.matmul(ds.transpose(-1, -2), fw.qh, out=buf[1])  # fw.qh holds q·scale
+            del ds, dp, dv
+            g_in = buf.permute(1, 2, 4, 0, 3, 5).reshape(mcols, n, length, 3 * e)
+            bias = None if m.in_proj_bias is None else m.in_proj_bias.detach()
+            piece(fw.query, g_in, m.in_proj_weight.detach(), bias, name("in_proj_weight"),
+                  name("in_proj_bias") if bias is not None else None)
+            return out
+        dq = torch.matmul(ds, fw.kh).mul_(scale)
+        dk = torch.matmul(ds.transpose(-1, -2), fw.qh)  # fw.qh holds q·scale
+        del ds, dp
+        dq = dq.transpose(2, 3).reshape(mcols, n, length, e)
+        src2 = fw.kh.shape[2] - int(m.add_zero_attn)  # the zero position has no parameter
+        dk = dk.transpose(2, 3).reshape(mcols, n, -1, e)[:, :, :src2]
+        dv = dv.transpose(2, 3).reshape(mcols, n, -1, e)[:, :, :src2]
+        s = fw.src
+        if m.bias_k is not None:
+            for k, grad in (("bias_k", dk), ("bias_v", dv)):
+                if k in params:
+                    out.dense[k] = grad[:, :, s].reshape(mcols, n, *params[k].shape)
+            dk, dv = dk[:, :, :s], dv[:, :, :s]
+        bias = None if m.in_proj_bias is None else m.in_proj_bias.detach()
+        bn = name("in_proj_bias") if bias is not None else None
+        if m._qkv_same_embed_dim:
+            w = m.in_proj_weight.detach()
+            wn = name("in_proj_weight")
+            if fw.self_attention:
+                piece(fw.query, torch.cat([dq, dk, dv], -1), w, bias, wn, bn)
+            else:
+                for i, (x, gp) in enumerate(((fw.query, dq), (fw.key, dk), (fw.value, dv))):
+                    rows = slice(i * e, (i + 1) * e)
+                    piece(x, gp, w[rows], None if bias is None else bias[rows], wn, bn, rows)
+        else:
+            for i, (k, x, gp) in enumerate(
+                (("q_proj_weight", fw.query, dq), ("k_proj_weight", fw.key, dk),
+                 ("v_proj_weight", fw.value, dv))
+            ):
+                rows = slice(i * e, (i + 1) * e)
+                w = getattr(m, k).detach()
+                piece(x, gp, w, None if bias is None else bias[rows], name(k), bn, rows)
+        return out
+
+    # -- combining the pieces ----------------------------------------------------------------
+    def _apply(self, method: str, call: Call, g: Any, *args: Any) -> dict[str, Tensor]:
+        pieces = self._pieces(call, g)
+        parts: dict[str, list[Tensor]] = {}
+        for pc in pieces.linear:
+            res = getattr(_LINEAR, method)(pc.call, pc.g, *args)
+            for key, target in (("weight", pc.weight), ("bias", pc.bias)):
+                if target is not None and key in res:
+                    parts.setdefault(target, []).append(res[key])
+        out: dict[str, Tensor] = {}
+        for target, values in parts.items():
+            if len(values) == 1:
+                out[target] = values[0]
+            elif method in _SUMMED:
+                out[target] = torch.stack(values).sum(0)
+            else:
+                out[target] = torch.cat(values, _CAT_AXIS[method])
+        if pieces.dense:
+            out.update(getattr(_Fixed(pieces.dense), method)(call, g, *args))
+        return out
+
+    def builds_per_sample(self, call: Call) -> bool:
+        return True
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().per_sample(call, g)
+        return self._apply("per_sample", call, g)
+
+    def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().summed(call, g)
+        return self._apply("summed", call, g)
+
+    def sum_squared(self, call: Call, g: Any, weights: Tensor | None = None) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().sum_squared(call, g, weights)
+        return self._apply("sum_squared", call, g, weights)
+
+    def batch_sum_squared(
+        self, call: Call, g: Any, weights: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().batch_sum_squared(call, g, weights)
+        return self._apply("batch_sum_squared", call, g, weights)
+
+    def batch_l2(self, call: Call, g: Any) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().batch_l2(call, g)
+        return self._apply("batch_l2", call, g)
+
+    def batch_dot(self, call: Call, g: Any) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().batch_dot(call, g)
+        return self._apply("batch_dot", call, g)
+
+    def batch_dot_with(self, call: Call, g: Any, vectors: dict[str, Tensor]) -> dict[str, Tensor]:
+        if not self._supported(call):
+            return super().batch_dot_with(call, g, vectors)
+        pieces = self._pieces(call, g)
+        out: dict[str, Tensor] = {}
+        for pc in pieces.linear:
+            sub: dict[str, Tensor] = {}
+            for key, target in (("weight", pc.weight), ("bias", pc.bias)):
+                if target is not None and target in vectors:
+                    vec = vectors[target]
+                    if pc.rows is not None and vec.shape[0] == 3 * pc.g.shape[-1]:
+                        vec = vec[pc.rows]
+                    sub[key] = vec
+            res = _LINEAR.batch_dot_with(pc.call, pc.g, sub)
+            for key, target in (("weight", pc.weight), ("bias", pc.bias)):
+                if target is not None and key in res:
+                    out[target] = out[target] + res[key] if target in out else res[key]
+        dense = {k: v for k, v in vectors.items() if k in pieces.dense}
+        if dense:
+            out.update(_Fixed(pieces.dense).batch_dot_with(call, g, dense))
+        return out
+
+    def kronecker_factors(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
+        """The Linear rule's factors per projection; ``bias_k``/``bias_v``: ``[B]``."""
+        if not self._supported(call):
+            return super().kronecker_factors(call, g)
+        pieces = self._pieces(call, g)
+        out: dict[str, list[Tensor]] = {}
+        for pc in pieces.linear:
+            if pc.rows is not None and pc.weight == "in_proj_weight":
+                raise NotImplementedError(
+                    "backprism: Kronecker factors of MultiheadAttention's packed in_proj_weight "
+                    "need query, key and value to be the same tensor (self-attention): with "
+                    "different inputs its three row blocks have different input factors, so "
+                    "the block is no single Kronecker product. Use kdim/vdim (separate "
+                    "q/k/v_proj_weight) or a diagonal curvature extension (DiagGGNExact/MC)"
+                )
+            res = _LINEAR.kronecker_factors(pc.call, pc.g)
+            if pc.weight is not None and "weight" in res:
+                out[pc.weight] = list(res["weight"])
+            if pc.bias is not None and "bias" in res and pc.rows is None:
+                out[pc.bias] = list(res["bias"])
+        split = {pc.bias for pc in pieces.linear if pc.bias is not None and pc.rows is not None}
+        for k in split:  # in_proj_bias of three projections: B of the concatenated gradient
+            f = self._apply("per_sample", call, g)[k].flatten(0, 1)
+            out[k] = [f.t() @ f]
+        for k, v in pieces.dense.items():
+            f = v.reshape(-1, v[0, 0].numel())
+            out[k] = [f.t() @ f]
+        return out
+
+
+def _g_key(g: Any) -> tuple:
+    gs = g if isinstance(g, tuple) else (g,)
+    return tuple((id(x), tuple(x.shape)) for x in gs)
