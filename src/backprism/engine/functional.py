@@ -423,6 +423,9 @@ class ForwardMode(TorchFunctionMode):
 
 
 def _enter(root: nn.Module) -> None:
+    if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record
+        FORWARD.modes.append(None)
+        return
     record = residual.recording_wanted()
     mode = ForwardMode(record)
     # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
@@ -437,6 +440,8 @@ def _enter(root: nn.Module) -> None:
 def _exit(root: nn.Module) -> None:
     if FORWARD.modes:
         mode = FORWARD.modes.pop()
+        if mode is None:
+            return
         FORWARD.recording -= int(mode.record)
         FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
