@@ -42,25 +42,46 @@ is appended: ``"Loss#1"``, ``"Loss#2"``.
 fields ``{field: {step: value}}``); :meth:`Monitor.write` saves it as JSON; the streamed log is
 described in :mod:`backprism.monitor.log`.
 
+**No host synchronisation inside a step.** Quantities compute on the parameters' device and
+hand back :class:`~backprism.monitor.deferred.Pending` values; the monitor moves all values of a
+tracked step to the host in one transfer when it writes the step's log line. With
+``write_lag=1`` (the default on CUDA) that transfer is started asynchronously at the end of the
+step and read at the end of the next tracked step, so it overlaps the next step's compute;
+:meth:`Monitor.flush`, :meth:`Monitor.get_output`, :meth:`Monitor.write` and
+:meth:`Monitor.close` write what is still in flight. Whether the step's loss and gradients are
+finite is decided on the device too. See :mod:`backprism.monitor.syncs` to count what
+synchronises.
+
+**Memory.** While a log is streamed, quantities with large per-step values (``GradHist1d``,
+``GradHist2d``, ``Parameters``) keep only their first and latest values in memory (what the
+dashboard draws; ``keep_history=True`` keeps all); the log has every value.
+
+**Cost.** :meth:`Monitor.cost_estimate` times a plain step and every quantity on the user's
+model and prints the overhead per step and amortised over the schedules
+(:mod:`backprism.monitor.cost`).
+
 **Bad input.** A step with NaN/inf loss or gradients makes every quantity that depends on them
-record NaN, with one ``RuntimeWarning``; training continues. Per-sample quantities need a
-mean-reduced loss (``ValueError`` otherwise) and refuse BatchNorm in train mode with a
+record NaN, with one ``RuntimeWarning`` when the step's values are written; training
+continues. Per-sample quantities need a mean-reduced loss (``ValueError`` otherwise; checked
+once, on the first step that needs it) and refuse BatchNorm in train mode with a
 ``RuntimeError`` naming them (``Loss``, ``GradNorm``, ``Distance``, ``UpdateSize``, ``HessMaxEV``
 work with it).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import json
 import math
 import os
 import warnings
-from collections import Counter, defaultdict
+import weakref
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -68,22 +89,21 @@ from backprism.engine.backward import current_pass
 from backprism.engine.collect import collect
 from backprism.extensions import BatchGrad, GradHist
 from backprism.extensions.base import Extension
+from backprism.monitor.deferred import Transfer
 from backprism.monitor.log import LogWriter, to_jsonable
 from backprism.monitor.quantities.base import (
+    NUMERICAL_ERRORS,
+    PendingEntry,
     Quantity,
     StepData,
     extension_key,
+    finish_entries,
     missing_info_message,
 )
 
 __all__ = ["Monitor"]
 
-_NUMERICAL_ERRORS: tuple[type[BaseException], ...] = (
-    FloatingPointError,
-    np.linalg.LinAlgError,
-    torch.linalg.LinAlgError,
-    ZeroDivisionError,
-)
+_NUMERICAL_ERRORS = NUMERICAL_ERRORS
 
 
 def _fmt(v: Any) -> str:
@@ -127,6 +147,11 @@ class Monitor:
         quantities: :class:`~backprism.monitor.quantities.Quantity` instances (e.g. from
             :func:`~backprism.monitor.configuration`); default none.
         log_path: if given, stream the log to this file (see :meth:`stream`).
+        write_lag: tracked steps the transfer and log write of a step's values may lag behind
+            (``0``: written at the end of the step; ``1``: at the end of the next tracked step,
+            overlapping its compute). Default: ``1`` for parameters on CUDA, else ``0``.
+        keep_history: keep every per-step value in memory also while streaming a log
+            (default: quantities with large values keep their first and latest only).
     """
 
     def __init__(
@@ -134,6 +159,8 @@ class Monitor:
         params: Iterable[Tensor],
         quantities: Iterable[Quantity] | None = None,
         log_path: str | os.PathLike | None = None,
+        write_lag: int | None = None,
+        keep_history: bool | None = None,
     ) -> None:
         self.params = list(params)
         if not self.params:
@@ -149,9 +176,16 @@ class Monitor:
             self.add(q)
         self._log_output: dict[str, dict[int, Any]] = defaultdict(dict)
         self._writer: LogWriter | None = None
-        self._written: dict[str, int] = {}
+        if write_lag is not None and int(write_lag) < 0:
+            raise ValueError(f"write_lag must be >= 0, got {write_lag!r}")
+        self.write_lag = write_lag
+        self.keep_history = keep_history
+        self._inflight: deque[tuple[int, Transfer, list[PendingEntry]]] = deque()
+        self._mean_checked = False
         if log_path is not None:
             self.stream(log_path)
+        ref = weakref.ref(self)
+        atexit.register(_flush_at_exit, ref)
 
     # -- set-up ------------------------------------------------------------------------------
     def add(self, quantity: Quantity) -> None:
@@ -172,13 +206,43 @@ class Monitor:
         :mod:`backprism.monitor.log`). ``mode="a"`` appends to an existing log."""
         self.close()
         self._writer = LogWriter(path, self.keys(), mode=mode, fsync=fsync)
-        self._written = {}
 
     def close(self) -> None:
-        """Close the streamed log (if any)."""
+        """Write the values still in flight and close the streamed log (if any)."""
+        self.flush()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def flush(self) -> None:
+        """Build the values still in flight (one transfer per step) and stream them."""
+        while self._inflight:
+            self._write_oldest()
+        for q in self.quantities:
+            if q._pending:
+                finish_entries(list(q._pending))
+        self._stream_new()
+
+    @property
+    def lag(self) -> int:
+        """Tracked steps a step's transfer and log write lag behind (``write_lag``)."""
+        if self.write_lag is not None:
+            return int(self.write_lag)
+        return 1 if self.params[0].device.type == "cuda" else 0
+
+    def _after_step(self, step: int) -> None:
+        """Start the transfer of the step's values; finish those more than ``lag`` behind."""
+        entries = [e for q in self.quantities for e in q._pending if e.at == step and not e.done]
+        if entries:
+            tensors = [t for e in entries for t in e.tensors()]
+            self._inflight.append((step, Transfer(tensors), entries))
+        while len(self._inflight) > self.lag:
+            self._write_oldest()
+        self._stream_new()
+
+    def _write_oldest(self) -> None:
+        _, transfer, entries = self._inflight.popleft()
+        finish_entries(entries, transfer.result())
 
     # -- per step ----------------------------------------------------------------------------
     def create_graph(self, global_step: int) -> bool:
@@ -233,6 +297,7 @@ class Monitor:
     # -- output ------------------------------------------------------------------------------
     def get_output(self) -> dict[str, dict[int, Any]]:
         """``{key: {step: value}}`` for every quantity and every :meth:`log` field."""
+        self.flush()
         out: dict[str, dict[int, Any]] = {q.key: dict(q.get_output()) for q in self.quantities}
         for k, v in self._log_output.items():
             out[k] = dict(v)
@@ -251,34 +316,52 @@ class Monitor:
             json.dump(data, f, indent=1, sort_keys=True, allow_nan=False)
 
     def _stream_new(self) -> None:
+        """Write the values built since the last call (one line per step) and drop the large
+        ones the dashboard does not draw."""
+        by_step: dict[int, dict[str, Any]] = defaultdict(dict)
+        for q in self.quantities:
+            for suffix, step, value in q.take_fresh():
+                by_step[step][q.key + suffix] = value
         if self._writer is None:
             return
-        by_step: dict[int, dict[str, Any]] = defaultdict(dict)
-        sources: list[tuple[str, dict[int, Any]]] = []
-        for q in self.quantities:
-            sources.append((q.key, q.output))
-            fit = getattr(q, "fit_output", None)
-            if fit is not None:
-                sources.append((f"{q.key}/fit", fit))
-        for key, output in sources:
-            done = self._written.get(key, 0)
-            if len(output) > done:
-                for step, value in list(output.items())[done:]:
-                    by_step[step][key] = value
-                self._written[key] = len(output)
         for step in sorted(by_step):
             self._writer.step(step, by_step[step])
+        if not self.keep_history:
+            for q in self.quantities:
+                q.trim_history()
+
+    def cost_estimate(self, model: torch.nn.Module, X: Any, y: Any, **kwargs: Any) -> Any:
+        """Time a plain step and the configured quantities on ``model`` and print the overhead
+        per step and amortised over the schedules; see
+        :func:`backprism.monitor.cost.cost_estimate` for the arguments and the result."""
+        from backprism.monitor.cost import cost_estimate
+
+        return cost_estimate(self, model, X, y, **kwargs)
+
+
+def _flush_at_exit(ref: weakref.ReferenceType[Monitor]) -> None:
+    """Write what is still in flight when the interpreter exits (``write_lag > 0``)."""
+    monitor = ref()
+    if monitor is not None and monitor._inflight:
+        with contextlib.suppress(Exception):  # best effort at shutdown
+            monitor.close()
 
 
 def _hists_compatible(a: GradHist, b: GradHist) -> bool:
-    if (a.scale, a.chunk_elements) != (b.scale, b.chunk_elements):
+    if (type(a), a.scale, a.chunk_elements) != (type(b), b.scale, b.chunk_elements):
         return False
-    if a.bins is not None and b.bins is not None and (a.bins, a.range) != (b.bins, b.range):
+    one = (a.bins, a.range, getattr(a, "range_id", 0))
+    if a.bins is not None and b.bins is not None and one != (
+        b.bins,
+        b.range,
+        getattr(b, "range_id", 0),
+    ):
         return False
+    two = (a.bins2d, a.range2d, getattr(a, "range2d_id", 0))
     return not (
         a.bins2d is not None
         and b.bins2d is not None
-        and (a.bins2d, a.range2d) != (b.bins2d, b.range2d)
+        and two != (b.bins2d, b.range2d, getattr(b, "range2d_id", 0))
     )
 
 
@@ -295,8 +378,14 @@ def _combine_hists(requests: list[Extension]) -> tuple[list[Extension], dict[Any
             if _hists_compatible(m, e):
                 if m.bins is None and e.bins is not None:
                     m.bins, m.range = e.bins, e.range
+                    for attr in ("_range_dev", "range_id"):
+                        if hasattr(e, attr):
+                            setattr(m, attr, getattr(e, attr))
                 if m.bins2d is None and e.bins2d is not None:
                     m.bins2d, m.range2d = e.bins2d, e.range2d
+                    for attr in ("_range2d_dev", "range2d_id"):
+                        if hasattr(e, attr):
+                            setattr(m, attr, getattr(e, attr))
                 m.abs_max = m.abs_max or e.abs_max
                 members.append(e)
                 break
@@ -369,6 +458,14 @@ class _StepContext:
             used.add(e.savefield)
         if self.transforms:
             requests = [*requests, BatchGrad()]
+        # a trace is read from the diagonal of the same curvature when that is computed anyway
+        present = {extension_key(e) for e in requests} | set(fields)
+        twins: dict[Any, Any] = {}
+        for e in requests:
+            twin = getattr(e, "twin", None)
+            if twin is not None and extension_key(twin()) in present:
+                twins[extension_key(e)] = extension_key(twin())
+        requests = [e for e in requests if extension_key(e) not in twins]
         requests, aliases = _combine_hists([e for e in requests if extension_key(e) not in fields])
         # streaming histograms last: their chunked per-sample work does not evict rule caches
         requests.sort(key=lambda e: isinstance(e, GradHist))
@@ -390,17 +487,22 @@ class _StepContext:
             self.owned_fields.add(field)
         for key, target in aliases.items():
             fields.setdefault(key, fields[extension_key(target)])
+        for key, twin_key in twins.items():
+            fields.setdefault(key, fields[twin_key])
         return exts
 
     def _check_mean_from_info(self, per_sample: list[Quantity]) -> None:
+        """Refuse a sum-reduced ``info['loss']`` (checked on the first step that needs it: one
+        host read, then never again)."""
+        if self.monitor._mean_checked:
+            return
         loss, losses = self.info.get("loss"), self.info.get("individual_losses")
         if not isinstance(loss, Tensor) or not isinstance(losses, Tensor) or losses.numel() < 2:
             return
-        value, mean, total = (
-            float(loss.detach()),
-            float(losses.detach().mean()),
-            float(losses.detach().sum()),
-        )
+        self.monitor._mean_checked = True
+        d = losses.detach().double()
+        three = torch.stack([loss.detach().double().reshape(()).to(d.device), d.mean(), d.sum()])
+        value, mean, total = (float(x) for x in three.cpu().tolist())
         if not (math.isfinite(value) and math.isfinite(mean)):
             return
         tol = 1e-4 * max(1.0, abs(mean))
@@ -495,24 +597,34 @@ class _StepContext:
             self._track()
         finally:
             self._free()
-            self.monitor._stream_new()
+            self.monitor._after_step(self.step)
         return False
 
-    def _finite(self) -> bool:
+    def _finite(self) -> Tensor:
+        """Whether the loss and every gradient are finite, as a 0-dim device tensor (one fused
+        max-norm over the gradients; NaN and ±inf propagate)."""
+        ref = self.monitor.params[0]
+        wide = torch.float32 if ref.device.type == "mps" else torch.float64
+        parts: list[Tensor] = []
         loss = self.info.get("loss")
-        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-            return False
-        for p in self.monitor.params:
-            if p.grad is not None and not bool(torch.isfinite(p.grad.detach()).all()):
-                return False
-        return True
+        if isinstance(loss, Tensor):
+            parts.append(loss.detach().reshape(-1)[:1].to(ref.device, wide))
+        grads = [p.grad.detach() for p in self.monitor.params if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm(grads, float("inf"))
+            parts += [n.reshape(1).to(ref.device, wide) for n in norms]
+        if not parts:
+            return torch.ones((), dtype=torch.bool, device=ref.device)
+        return torch.isfinite(torch.cat(parts)).all()
 
     def _track(self) -> None:
         step, data = self.step, self.data
         for p in self.monitor.params:  # parameters whose module hook did not run
             if self.batch_field is not None:
                 self._transform(p)
-        data.finite = self._finite()
+        active = [q for q in self.monitor.quantities if q.should_compute(step)]
+        data.finite_t = self._finite() if active else None
+        flags = [] if data.finite_t is None else [data.finite_t]
         broken: list[str] = []
         before = [q for q in self.monitor.quantities if not q.after_cleanup]
         after = [q for q in self.monitor.quantities if q.after_cleanup]
@@ -520,20 +632,16 @@ class _StepContext:
             if group is after:
                 self._free()
             for q in group:
-                if q.needs_finite and not data.finite:
-                    if q.should_compute(step):
-                        broken.append(q.key)
-                    q.track_nonfinite(step, data)
-                    continue
+                q._at, q._flags = step, flags
                 try:
                     q.track(step, data)
                 except _NUMERICAL_ERRORS as err:
                     broken.append(f"{q.key} ({type(err).__name__}: {err})")
                     q.track_nonfinite(step, data)
         if broken:
-            why = "the loss or gradients are NaN/inf" if not data.finite else "a numerical error"
             warnings.warn(
-                f"backprism.monitor step {step}: {why}; recorded NaN for {', '.join(broken)}",
+                f"backprism.monitor step {step}: a numerical error; recorded NaN for "
+                f"{', '.join(broken)}",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -29,6 +29,10 @@ Two ways to get ``πₙ`` (Cockpit's), neither materialising per-sample gradient
 * **optimizer-agnostic fallback**: the start step keeps ``grad_batch`` (memory ``N × D``) and
   ``θ_start``; at the end, ``d = θ_end − θ_start`` is known before the backward pass, the end
   projections come from ``BatchDotWith(d)`` and the start ones from the kept gradients.
+
+Everything up to the four observations and their variances is computed on the device; the
+3×3 weighted least-squares fit (and its warnings) runs on the host when the step's values are
+written (:class:`~backprism.monitor.deferred.Pending`), so no value is read during the step.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from torch import Tensor
 
 from backprism.extensions import BatchDotWith, BatchGrad, BatchProjGrad
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Schedule, StepData, TwoStepQuantity
+from backprism.monitor.quantities.base import Pending, Schedule, StepData, TwoStepQuantity
 from backprism.monitor.quantities.optim import is_sgd_default_kwargs, lr_of
 
 __all__ = ["Alpha", "fit_quadratic", "get_alpha"]
@@ -68,6 +72,21 @@ class Alpha(TwoStepQuantity):
     def __init__(self, track_schedule: Schedule, verbose: bool = False) -> None:
         super().__init__(track_schedule, verbose=verbose)
         self.fit_output: dict[int, dict[str, Any]] = {}
+        self._fresh_fit: list[int] = []
+
+    def trim_history(self) -> None:
+        """The fit records are streamed as ``"<key>/fit"``; only the latest stays."""
+        super().trim_history()
+        for step in list(self.fit_output)[:-1]:
+            del self.fit_output[step]
+
+    def take_fresh(self) -> list[tuple[str, int, Any]]:
+        out = super().take_fresh()
+        for step in dict.fromkeys(self._fresh_fit):
+            if step in self.fit_output:
+                out.append(("/fit", step, self.fit_output[step]))
+        self._fresh_fit.clear()
+        return out
 
     def is_start(self, global_step: int) -> bool:
         return bool(self._track_schedule(global_step))
@@ -148,9 +167,12 @@ class Alpha(TwoStepQuantity):
         if plan["start"]:
             self._compute_start(global_step, data)
         if plan["end"]:
+            start = global_step - self.SAVE_SHIFT
+            first = self.load_from_cache(start, "finite")
+            flags = [f for f in (first, *self._flags) if f is not None]
             value = self._compute_end(global_step, data)
             if value is not None:
-                self._save(global_step - self.SAVE_SHIFT, value)
+                self._save(start, value, flags=flags)
         elif self.is_end(global_step) and self._verbose:
             print(f"[Step {global_step} | {self.key}] no start point cached, skipping")
         self.free_cache(global_step + 1)
@@ -165,9 +187,11 @@ class Alpha(TwoStepQuantity):
 
     def _save_0th_order(self, step: int, data: StepData, point: str, until: int) -> None:
         block = self._block(step, until)
-        self.save_to_cache(step, f"f_{point}", float(data.get("loss", self).detach()), block)
-        losses = data.get("individual_losses", self).detach().double()
-        self.save_to_cache(step, f"var_f_{point}", float(losses.var()), block)
+        loss = data.get("loss", self)
+        loss = torch.as_tensor(loss).detach().double().reshape(())
+        self.save_to_cache(step, f"f_{point}", loss, block)
+        losses = torch.as_tensor(data.get("individual_losses", self)).detach().double()
+        self.save_to_cache(step, f"var_f_{point}", losses.var(), block)
 
     def _compute_start(self, global_step: int, data: StepData) -> None:
         plan = self._plan(global_step, data)
@@ -175,13 +199,17 @@ class Alpha(TwoStepQuantity):
         block = self._block(global_step, until)
         self._save_0th_order(global_step, data, "start", until)
         self.save_to_cache(global_step, "mode", plan["mode"], block)
+        self.save_to_cache(global_step, "finite", data.finite_t, block)
         if plan["mode"] == "fast":
             # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
             lrs = lr_of(data.get("optimizer", self))
             n = int(data.get("batch_size", self))
             rows = data.fetch(BatchProjGrad())  # Σₘ batch_dot[n, m] per parameter
             dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
-            dots = sum(-lrs[id(p)] * n * r.double() for p, r in zip(data.params, rows))
+            dots = torch.stack(
+                [-lrs[id(p)] * n * r.to(rows[0].device, torch.float64)
+                 for p, r in zip(data.params, rows)]
+            ).sum(0)
             self.save_to_cache(global_step, "update", dirs, block)
             self.save_to_cache(global_step, "dots_start", dots, block)
         else:
@@ -190,7 +218,7 @@ class Alpha(TwoStepQuantity):
             self.save_to_cache(global_step, "params", params, block)
             self.save_to_cache(global_step, "grad_batch", kept, block)
 
-    def _compute_end(self, global_step: int, data: StepData) -> float | None:
+    def _compute_end(self, global_step: int, data: StepData) -> Pending | None:
         start = global_step - self.SAVE_SHIFT
         self._save_0th_order(global_step, data, "end", global_step)
         mode = self.load_from_cache(start, "mode")
@@ -198,22 +226,39 @@ class Alpha(TwoStepQuantity):
         ext = self._end_ext(global_step, plan)
         dirs = plan["dirs"]
         n = int(data.get("batch_size", self))
-        dots_end = sum(n * r.double() for r in data.fetch(ext))
-        sq = sum(dirs[id(p)].double().square().sum() for p in data.params)
+        dev = data.device
+        dots_end = torch.stack([n * r.to(dev, torch.float64) for r in data.fetch(ext)]).sum(0)
+        sq = torch.stack(
+            [dirs[id(p)].to(dev, torch.float64).square().sum() for p in data.params]
+        ).sum()
         if mode == "fast":
             dots_start = self.load_from_cache(start, "dots_start")
         else:
             kept = self.load_from_cache(start, "grad_batch")
-            dots_start = sum(_proj(kept[id(p)], dirs[id(p)]).double() for p in data.params)
-        t = float(torch.as_tensor(sq).sqrt())
-        proj = [dots_start / t, dots_end / t] if t > 0 else [dots_start * 0, dots_end * 0]
-        fs = [self.load_from_cache(start, "f_start"), self.load_from_cache(global_step, "f_end")]
-        var_fs = [
+            dots_start = torch.stack(
+                [_proj(kept[id(p)], dirs[id(p)]).to(dev, torch.float64) for p in data.params]
+            ).sum(0)
+        t = sq.sqrt()
+        moving = t > 0
+        scale = torch.where(moving, 1 / torch.where(moving, t, 1), 0)
+        proj = [dots_start * scale, dots_end * scale]
+        tensors = [
+            t,
+            self.load_from_cache(start, "f_start"),
+            self.load_from_cache(global_step, "f_end"),
             self.load_from_cache(start, "var_f_start"),
             self.load_from_cache(global_step, "var_f_end"),
+            proj[0].mean(),
+            proj[1].mean(),
+            proj[0].var(),
+            proj[1].var(),
         ]
-        dfs = [float(p.mean()) for p in proj]
-        var_dfs = [float(p.var()) for p in proj]
+        return Pending(tensors, lambda a: self._fit(start, [float(x) for x in a]))
+
+    def _fit(self, start: int, values: list[float]) -> float | None:
+        """The host part: the quadratic fit, α and the fit record (when the step is written)."""
+        t, f0, f1, vf0, vf1, df0, df1, vdf0, vdf1 = values
+        fs, var_fs, dfs, var_dfs = [f0, f1], [vf0, vf1], [df0, df1], [vdf0, vdf1]
         mu = fit_quadratic(t, fs, dfs, var_fs, var_dfs)
         alpha = get_alpha(mu, t)
         self.fit_output[start] = {
@@ -225,6 +270,7 @@ class Alpha(TwoStepQuantity):
             "mu": None if mu is None else [float(m) for m in mu],
             "alpha": alpha,
         }
+        self._fresh_fit.append(start)
         return alpha
 
 

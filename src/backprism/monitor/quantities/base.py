@@ -11,6 +11,14 @@ after it. The life cycle of one step under ``with monitor(step, info=...)``:
    module is done in the backward pass (so ``grad_batch`` can be freed module by module);
 4. after the backward pass ``track(step, data)`` computes and stores the value.
 
+Values are computed on the parameters' device: ``_compute`` may return a
+:class:`~backprism.monitor.deferred.Pending` (device tensors and a host-side ``build``), which
+the monitor moves to the host together with every other value of the step, in one transfer,
+when it writes the log line (:mod:`backprism.monitor.deferred`). Reading :attr:`Quantity.output`
+builds what is still pending. A step whose loss or gradients are not finite is detected on the
+device too: the value of a quantity with ``needs_finite`` is replaced by :meth:`nan_value`
+when it reaches the host.
+
 Single-step quantities store their value under the step at which it was computed; two-step
 quantities (:class:`TwoStepQuantity`) cache information at a *start* step and finish at an *end*
 step, storing under ``end − SAVE_SHIFT`` — Cockpit's semantics.
@@ -19,16 +27,20 @@ step, storing under ``end − SAVE_SHIFT`` — Cockpit's semantics.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from backprism.extensions.base import Extension
+from backprism.monitor.deferred import Pending, to_host
 
 __all__ = [
     "ByproductQuantity",
+    "Pending",
     "Quantity",
     "SingleStepQuantity",
     "StepData",
@@ -62,6 +74,9 @@ class StepData:
             names, see :class:`~backprism.monitor.Monitor`).
         transformed: ``quantity key -> transform name -> id(param) -> value``.
         cache: values several quantities derive alike in one step (e.g. ``‖g‖²``).
+        finite_t: 0-dim boolean device tensor, whether the loss and all gradients of the step
+            are finite (set by the monitor after the backward pass; never read on the host
+            during the step).
     """
 
     def __init__(self, step: int, params: list[Tensor], info: dict[str, Any]) -> None:
@@ -71,7 +86,12 @@ class StepData:
         self.fields: dict[Hashable, str] = {}
         self.transformed: dict[str, dict[str, dict[int, Any]]] = {}
         self.cache: dict[str, Any] = {}
-        self.finite = True
+        self.finite_t: Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first monitored parameter (where step values are computed)."""
+        return self.params[0].device
 
     def get(self, key: str, quantity: Quantity) -> Any:
         """``info[key]``, or a ``KeyError`` naming the key and the quantity."""
@@ -133,8 +153,11 @@ class Quantity:
     per_sample: bool = False
     #: computed after the engine's buffers were freed (HessMaxEV: Hessian-vector products)
     after_cleanup: bool = False
-    #: a step with NaN/inf loss or gradients records NaN instead of computing
+    #: a step with NaN/inf loss or gradients records NaN (``nan_value``) instead of its value
     needs_finite: bool = True
+    #: per-step values are large (histograms, parameters): when the monitor streams the log,
+    #: only the first and the latest stay in :attr:`output` (what the dashboard draws)
+    large_values: bool = False
 
     def __init__(self, track_schedule: Schedule, verbose: bool = False) -> None:
         if not callable(track_schedule):
@@ -144,8 +167,30 @@ class Quantity:
             )
         self._track_schedule = track_schedule
         self._verbose = verbose
-        self.output: dict[int, Any] = {}
+        self._output: dict[int, Any] = {}
+        self._pending: list[PendingEntry] = []
+        self._fresh: list[int] = []
+        #: set by the monitor before ``track``: the monitor step and its finiteness flags
+        self._at: int | None = None
+        self._flags: list[Tensor] = []
         self.key: str = type(self).__name__
+
+    @property
+    def schedule(self) -> Schedule:
+        """The tracking schedule ``step -> bool``."""
+        return self._track_schedule
+
+    # -- stored values -----------------------------------------------------------------------
+    @property
+    def output(self) -> dict[int, Any]:
+        """``{step: value}`` of the values stored so far (pending ones are built first)."""
+        if self._pending:
+            finish_entries(list(self._pending))
+        return self._output
+
+    @output.setter
+    def output(self, value: dict[int, Any]) -> None:
+        self._output = value
 
     # -- hyperparameters (for the output key of duplicates) ----------------------------------
     def hyperparameters(self) -> dict[str, Any]:
@@ -196,10 +241,44 @@ class Quantity:
         if self.should_compute(global_step):
             self._save(global_step, self.nan_value())
 
-    def _save(self, step: int, value: Any) -> None:
+    def _save(self, step: int, value: Any, flags: list[Tensor] | None = None) -> None:
+        """Store ``value`` (a :class:`Pending` is built when the monitor writes the step).
+        ``flags``: finiteness flags of the steps the value depends on (default: the current
+        step's); any of them false makes a ``needs_finite`` quantity record ``nan_value()``."""
+        if not isinstance(value, Pending):
+            value = Pending.ready(value)
+        if flags is None:
+            flags = self._flags
+        entry = PendingEntry(self, step, value, self._at, list(flags) if self.needs_finite else [])
+        self._pending.append(entry)
         if self._verbose:
-            print(f"[Step {step} | {self.key}] Store value {value}")
-        self.output[step] = value
+            finish_entries([entry])
+            print(f"[Step {step} | {self.key}] Store value {self._output.get(step)}")
+
+    def _store(self, step: int, value: Any) -> None:
+        """Put a built value into :attr:`output` (``None``: nothing is stored)."""
+        if value is None:
+            return
+        self._output[step] = value
+        self._fresh.append(step)
+
+    def take_fresh(self) -> list[tuple[str, int, Any]]:
+        """``(key suffix, step, value)`` of values stored since the last call (for the log)."""
+        out = []
+        for step in dict.fromkeys(self._fresh):
+            if step in self._output:
+                out.append(("", step, self._output[step]))
+        self._fresh.clear()
+        return out
+
+    def trim_history(self) -> None:
+        """Drop streamed values the dashboard does not draw (``large_values``: all but the
+        first and the latest)."""
+        if not self.large_values or len(self._output) <= 2:
+            return
+        steps = list(self._output)
+        for step in steps[1:-1]:
+            del self._output[step]
 
     def get_output(self) -> dict[int, Any]:
         """``{step: value}``."""
@@ -291,6 +370,83 @@ class TwoStepQuantity(Quantity):
                 del entries[key]
             if not entries:
                 del self._cache[step]
+
+
+class PendingEntry:
+    """A value of ``quantity`` for ``step`` computed at monitor step ``at``, not yet built."""
+
+    __slots__ = ("at", "done", "flags", "pending", "quantity", "step")
+
+    def __init__(
+        self, quantity: Quantity, step: int, pending: Pending, at: int | None, flags: list[Tensor]
+    ) -> None:
+        self.quantity = quantity
+        self.step = step
+        self.pending = pending
+        self.at = at
+        self.flags = flags
+        self.done = False
+
+    def tensors(self) -> list[Tensor]:
+        return [*self.flags, *self.pending.tensors]
+
+    def finish(self, arrays: list[Any]) -> str | None:
+        """Build and store the value from the host copies of :meth:`tensors`; returns why NaN
+        was recorded instead (``None`` if the value was built)."""
+        if self.done:
+            return None
+        self.done = True
+        q = self.quantity
+        if self in q._pending:
+            q._pending.remove(self)
+        nf = len(self.flags)
+        if not all(bool(a) for a in arrays[:nf]):
+            q._store(self.step, q.nan_value())
+            return "the loss or gradients are NaN/inf"
+        try:
+            value = self.pending.build(list(arrays[nf:]))
+        except NUMERICAL_ERRORS as err:
+            q._store(self.step, q.nan_value())
+            return f"a numerical error ({type(err).__name__}: {err})"
+        q._store(self.step, value)
+        return None
+
+
+def finish_entries(entries: list[PendingEntry], arrays: list[Any] | None = None) -> None:
+    """Build ``entries`` (their tensors moved to the host in one transfer unless ``arrays``,
+    the host copies of all their :meth:`PendingEntry.tensors` in order, are given); warns once
+    per step for values recorded as NaN."""
+    if arrays is None:
+        entries = [e for e in entries if not e.done]
+        if not entries:
+            return
+        arrays = to_host([t for e in entries for t in e.tensors()])
+    pos = 0
+    broken: dict[tuple[int | None, str], list[str]] = {}
+    for e in entries:
+        k = len(e.flags) + len(e.pending.tensors)
+        why = e.finish(arrays[pos : pos + k])  # nothing for an entry already built
+        pos += k
+        if why is not None:
+            kind = "the loss or gradients are NaN/inf" if why.startswith("the loss") else (
+                "a numerical error"
+            )
+            name = e.quantity.key if why.startswith("the loss") else f"{e.quantity.key} ({why})"
+            broken.setdefault((e.at, kind), []).append(name)
+    for (at, kind), names in broken.items():
+        warnings.warn(
+            f"backprism.monitor step {at}: {kind}; recorded NaN for {', '.join(names)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+NUMERICAL_ERRORS: tuple[type[BaseException], ...] = (
+    FloatingPointError,
+    np.linalg.LinAlgError,
+    torch.linalg.LinAlgError,
+    ZeroDivisionError,
+)
 
 
 def flat_cat(tensors: list[Tensor]) -> Tensor:

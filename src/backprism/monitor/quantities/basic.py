@@ -11,6 +11,9 @@ Distance        ``[‖θ_p − θ_p(0)‖₂ for p]`` (``θ(0)`` at    the step
                 step 0, or the first step seen)
 UpdateSize      ``[‖θ_p(s+1) − θ_p(s)‖₂ for p]``             the start step ``s``
 ==============  ==========================================  =====================================
+
+Norms are computed on the device (``torch._foreach_norm``, one fused reduction for all
+parameters) and reach the host with the other values of the step.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from backprism.monitor.quantities.base import (
     ByproductQuantity,
+    Pending,
     Schedule,
     StepData,
     TwoStepQuantity,
@@ -36,17 +43,22 @@ class Loss(ByproductQuantity):
     def info_keys(self, global_step: int) -> set[str]:
         return {"loss"} if self.should_compute(global_step) else set()
 
-    def _compute(self, global_step: int, data: StepData) -> float:
-        return float(data.get("loss", self).detach().item())
+    def _compute(self, global_step: int, data: StepData) -> Pending:
+        loss = data.get("loss", self)
+        if not isinstance(loss, Tensor):
+            return Pending.ready(float(loss))
+        return Pending.scalar(loss.detach().reshape(()))
 
 
 class Parameters(ByproductQuantity):
     """The parameter values, ``[p.tolist() for p in params]`` (expensive: the whole model)."""
 
     needs_finite = False
+    large_values = True
 
-    def _compute(self, global_step: int, data: StepData) -> list[Any]:
-        return [p.detach().cpu().tolist() for p in data.params]
+    def _compute(self, global_step: int, data: StepData) -> Pending:
+        values = [p.detach().clone() for p in data.params]
+        return Pending(values, lambda arrays: [a.tolist() for a in arrays])
 
 
 class Time(ByproductQuantity):
@@ -61,8 +73,15 @@ class Time(ByproductQuantity):
 class GradNorm(ByproductQuantity):
     """Per-parameter gradient norms ``[‖∇_{θ_p} L‖₂ for p]``."""
 
-    def _compute(self, global_step: int, data: StepData) -> list[float]:
-        return [float(_grad(p, self).detach().norm(2)) for p in data.params]
+    def _compute(self, global_step: int, data: StepData) -> Pending:
+        return Pending.floats(norms([_grad(p, self).detach() for p in data.params]))
+
+
+def norms(tensors: list[Tensor]) -> Tensor:
+    """``[‖t‖₂ for t in tensors]`` as one device tensor (fused over the tensors)."""
+    out = torch._foreach_norm(tensors, 2)
+    ref = tensors[0]
+    return torch.stack([o.to(ref.device, torch.float64) for o in out])
 
 
 def _grad(p: Any, q: Any) -> Any:
@@ -100,10 +119,11 @@ class Distance(TwoStepQuantity):
         params = [p.detach().clone() for p in data.params]
         self.save_to_cache(global_step, self.CACHE_KEY, params, lambda step: True)
 
-    def _compute_end(self, global_step: int, data: StepData) -> list[float]:
+    def _compute_end(self, global_step: int, data: StepData) -> Pending:
         assert self._init_step is not None
         init = self.load_from_cache(self._init_step, self.CACHE_KEY)
-        return [float((p.detach() - p0).norm(2)) for p, p0 in zip(data.params, init)]
+        diffs = torch._foreach_sub([p.detach() for p in data.params], init)
+        return Pending.floats(norms(diffs))
 
 
 class UpdateSize(TwoStepQuantity):
@@ -131,9 +151,10 @@ class UpdateSize(TwoStepQuantity):
 
         self.save_to_cache(global_step, self.CACHE_KEY, params, block_fn)
 
-    def _compute_end(self, global_step: int, data: StepData) -> list[float] | None:
+    def _compute_end(self, global_step: int, data: StepData) -> Pending | None:
         start = global_step - self.SAVE_SHIFT
         if not self.in_cache(start, self.CACHE_KEY):
-            return None  # the start step was skipped (not seen or not finite)
+            return None  # the start step was skipped (not seen)
         old = self.load_from_cache(start, self.CACHE_KEY)
-        return [float((p.detach() - p0).norm(2)) for p, p0 in zip(data.params, old)]
+        diffs = torch._foreach_sub([p.detach() for p in data.params], old)
+        return Pending.floats(norms(diffs))

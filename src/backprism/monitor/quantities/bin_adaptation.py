@@ -7,12 +7,18 @@ apply from the next histogram on.
 * :class:`GradAbsMax` — ``[−m, m]`` with ``m = (1 + padding)·max(min_size/2, maxₙᵢ |gₙᵢ|)``,
   ``gₙ = ∇ℓₙ`` the individual gradients (needs per-sample gradients on its steps).
 * :class:`ParamAbsMax` — the same with ``m`` from the parameter values ``maxᵢ |θᵢ|``.
+
+The new limits are computed on the device: ``grad_abs_max`` is a 0-dim device tensor and the
+returned limits may be tensors too (the histogram quantities keep them on the device and bin
+with them, see :mod:`backprism.monitor.histograms`); nothing is read on the host. A policy
+written for host floats still works (its floats are used as they are).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from backprism.monitor.quantities.base import Schedule
@@ -34,8 +40,10 @@ class BinAdaptation:
         return bool(self._track_schedule(global_step))
 
     def compute(
-        self, global_step: int, params: list[Tensor], grad_abs_max: float | None, range: Any
-    ) -> tuple[float, float]:
+        self, global_step: int, params: list[Tensor], grad_abs_max: Any, range: Any
+    ) -> tuple[Any, Any]:
+        """New limits ``(start, end)`` (floats or 0-dim device tensors); ``grad_abs_max`` is
+        ``maxₙᵢ |gₙᵢ|`` as a 0-dim tensor (or ``None`` if the policy does not need it)."""
         start, end = self._compute(params, grad_abs_max, range)
         if self._verbose:
             print(
@@ -43,7 +51,7 @@ class BinAdaptation:
             )
         return start, end
 
-    def _compute(self, params: list[Tensor], grad_abs_max: float | None, range: Any) -> Any:
+    def _compute(self, params: list[Tensor], grad_abs_max: Any, range: Any) -> Any:
         raise NotImplementedError
 
 
@@ -53,7 +61,7 @@ class NoAdaptation(BinAdaptation):
     def __init__(self, verbose: bool = False) -> None:
         super().__init__(lambda step: False, verbose=verbose)
 
-    def _compute(self, params: list[Tensor], grad_abs_max: float | None, range: Any) -> Any:
+    def _compute(self, params: list[Tensor], grad_abs_max: Any, range: Any) -> Any:
         return tuple(range)
 
 
@@ -69,12 +77,15 @@ class _AbsMax(BinAdaptation):
         self._padding = padding
         self._min_size = min_size
 
-    def _compute(self, params: list[Tensor], grad_abs_max: float | None, range: Any) -> Any:
+    def _compute(self, params: list[Tensor], grad_abs_max: Any, range: Any) -> Any:
         m = self._abs_max(params, grad_abs_max)
-        end = (1.0 + self._padding) * max(self._min_size / 2, m)
+        if isinstance(m, Tensor):
+            end = (1.0 + self._padding) * m.double().clamp_min(self._min_size / 2)
+        else:
+            end = (1.0 + self._padding) * max(self._min_size / 2, float(m))
         return -end, end
 
-    def _abs_max(self, params: list[Tensor], grad_abs_max: float | None) -> float:
+    def _abs_max(self, params: list[Tensor], grad_abs_max: Any) -> Any:
         raise NotImplementedError
 
 
@@ -83,7 +94,7 @@ class GradAbsMax(_AbsMax):
 
     needs_grad_batch = True
 
-    def _abs_max(self, params: list[Tensor], grad_abs_max: float | None) -> float:
+    def _abs_max(self, params: list[Tensor], grad_abs_max: Any) -> Any:
         assert grad_abs_max is not None
         return grad_abs_max
 
@@ -91,5 +102,7 @@ class GradAbsMax(_AbsMax):
 class ParamAbsMax(_AbsMax):
     """Limits ``±(1 + padding)·max(min_size/2, max |θ|)`` from the parameter values."""
 
-    def _abs_max(self, params: list[Tensor], grad_abs_max: float | None) -> float:
-        return max(float(p.detach().abs().max()) for p in params)
+    def _abs_max(self, params: list[Tensor], grad_abs_max: Any) -> Tensor:
+        ref = params[0]
+        maxima = [p.detach().abs().max().to(ref.device, torch.float64) for p in params]
+        return torch.stack(maxima).max()

@@ -27,7 +27,8 @@ projections onto the mini-batch gradient are row sums of ``batch_dot``:
       ν = √( Σₙ‖gₙ − (πₙ/‖g‖²) g‖² / (N − 1) / N / ‖g‖² ),
       Σₙ‖gₙ − (πₙ/‖g‖²) g‖² = N² Σₙ batch_l2[n] − Σₙ πₙ²/‖g‖²,  batch_l2 = diag(batch_dot).
 
-All three return a float (Cockpit's output format). They need a mean-reduced loss.
+All three return a float (Cockpit's output format), computed on the device in float64 and
+moved to the host with the other values of the step. They need a mean-reduced loss.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from backprism.extensions import BatchL2Grad, BatchProjGrad
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import SingleStepQuantity, StepData
+from backprism.monitor.quantities.base import Pending, SingleStepQuantity, StepData
 
 __all__ = ["InnerTest", "NormTest", "OrthoTest"]
 
@@ -46,10 +47,8 @@ def grad_l2_squared(data: StepData) -> Tensor:
     """``‖g‖² = Σ_p ‖∇_{θ_p} L‖²`` in float64, computed once per step (the three gradient tests
     share it)."""
     if "grad_l2_squared" not in data.cache:
-        data.cache["grad_l2_squared"] = sum(
-            (p.grad.detach().double().square().sum() for p in data.params),
-            torch.zeros((), dtype=torch.float64),
-        )
+        parts = [p.grad.detach().double().square().sum() for p in data.params]
+        data.cache["grad_l2_squared"] = torch.stack([t.to(parts[0].device) for t in parts]).sum()
     return data.cache["grad_l2_squared"]
 
 
@@ -61,17 +60,23 @@ class NormTest(SingleStepQuantity):
     def extensions(self, global_step: int) -> list[Extension]:
         return [BatchL2Grad()] if self.should_compute(global_step) else []
 
-    def _compute(self, global_step: int, data: StepData) -> float:
-        batch_l2 = sum(t.double() for t in data.fetch(BatchL2Grad()))
+    def _compute(self, global_step: int, data: StepData) -> Pending:
+        batch_l2 = _total(data.fetch(BatchL2Grad()))
         n = batch_l2.numel()
         g2 = grad_l2_squared(data)
         var_l1 = (n**2 * batch_l2.sum() - n * g2) / (n - 1)
-        return float((var_l1 / n / g2).sqrt())
+        return Pending.scalar((var_l1 / n / g2).sqrt())
+
+
+def _total(tensors: list[Tensor]) -> Tensor:
+    """``Σ_p t_p`` of per-parameter ``[N]`` tensors in float64."""
+    ref = tensors[0]
+    return torch.stack([t.to(ref.device, torch.float64) for t in tensors]).sum(0)
 
 
 def _projections(data: StepData) -> Tensor:
     """The projections ``πₙ = gₙᵀg = N Σₘ batch_dot[n, m]`` (summed over parameters)."""
-    rows = sum(t.double() for t in data.fetch(BatchProjGrad()))
+    rows = _total(data.fetch(BatchProjGrad()))
     return rows.shape[0] * rows
 
 
@@ -83,12 +88,12 @@ class InnerTest(SingleStepQuantity):
     def extensions(self, global_step: int) -> list[Extension]:
         return [BatchProjGrad()] if self.should_compute(global_step) else []
 
-    def _compute(self, global_step: int, data: StepData) -> float:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         proj = _projections(data)
         n = proj.shape[0]
         g2 = grad_l2_squared(data)
         var = (proj.square().sum() - n * g2**2) / (n - 1)
-        return float((var / n / g2**2).sqrt())
+        return Pending.scalar((var / n / g2**2).sqrt())
 
 
 class OrthoTest(SingleStepQuantity):
@@ -99,10 +104,10 @@ class OrthoTest(SingleStepQuantity):
     def extensions(self, global_step: int) -> list[Extension]:
         return [BatchProjGrad(), BatchL2Grad()] if self.should_compute(global_step) else []
 
-    def _compute(self, global_step: int, data: StepData) -> float:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         proj = _projections(data)
         n = proj.shape[0]
         g2 = grad_l2_squared(data)
-        l2 = sum(t.double().sum() for t in data.fetch(BatchL2Grad()))
+        l2 = _total(data.fetch(BatchL2Grad())).sum()
         var = (n**2 * l2 - (proj.square() / g2).sum()) / (n - 1)
-        return float((var / n / g2).sqrt())
+        return Pending.scalar((var / n / g2).sqrt())

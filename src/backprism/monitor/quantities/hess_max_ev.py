@@ -8,6 +8,14 @@ Krylov space cannot miss a new leading direction) and stops at relative accuracy
 (default ``1e-3``). Returns a float. Needs no engine extension; works with BatchNorm in train
 mode.
 
+**Host reads** (``check_every``). On a CPU (``check_every="auto"``) the convergence test runs
+after every product, the cheapest choice where reading a value costs nothing. On accelerators
+the iteration runs a fixed number of products, ``iterations`` (16; twice that on a cold start
+without a previous eigenvector), entirely on the device: no host read during the step. The
+exact Ritz value and the residual test are evaluated when the value reaches the host, with a
+``RuntimeWarning`` if the residual is above ``rtol·|θ|`` (raise ``iterations``). An integer
+``check_every = k`` evaluates the test every ``k`` products instead (one host read each).
+
 Cost per tracked step: the ``create_graph`` backward plus one Hessian-vector product (about two
 backward passes) per Lanczos iteration; warm-started steps typically need 4–8 iterations at
 ``rtol = 1e-3`` (the first ~25). Memory: the Lanczos basis, ``iterations × D`` numbers of the
@@ -16,14 +24,16 @@ parameters' dtype (e.g. 8 × 1.3 M float32 ≈ 42 MB for mnist_mlp), plus the ke
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from backprism.engine.double_backward import explain_double_backward
-from backprism.monitor.hessmaxev import lanczos_max_eig
-from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData
+from backprism.monitor.deferred import host_fast_paths
+from backprism.monitor.hessmaxev import lanczos_fixed, lanczos_max_eig, ritz_from_host
+from backprism.monitor.quantities.base import Pending, Schedule, SingleStepQuantity, StepData
 
 __all__ = ["HessMaxEV"]
 
@@ -37,6 +47,10 @@ class HessMaxEV(SingleStepQuantity):
         rtol: relative accuracy of the eigenvalue (default ``1e-3``).
         max_iter: most Hessian-vector products per step (default 100).
         warm_start: start from the previous eigenvector (default ``True``).
+        check_every: products between host-side convergence tests; ``None``: none, a fixed
+            number of products; ``"auto"`` (default): 1 on a CPU, ``None`` on accelerators.
+        iterations: products per step without host-side test (default 16, doubled on a cold
+            start).
     """
 
     after_cleanup = True
@@ -48,16 +62,28 @@ class HessMaxEV(SingleStepQuantity):
         rtol: float = 1e-3,
         max_iter: int = 100,
         warm_start: bool = True,
+        check_every: int | str | None = "auto",
+        iterations: int = 16,
     ) -> None:
         super().__init__(track_schedule, verbose=verbose)
         self._rtol = rtol
         self._max_iter = max_iter
         self._warm_start = warm_start
+        if not (check_every is None or check_every == "auto" or int(check_every) >= 1):
+            raise ValueError(f"check_every must be None, 'auto' or >= 1, got {check_every!r}")
+        self._check_every = check_every
+        self._fixed = max(1, int(iterations))
         self._vector: Tensor | None = None
         self.iterations: dict[int, int] = {}
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"rtol": self._rtol, "max_iter": self._max_iter}
+
+    def trim_history(self) -> None:
+        """While the log is streamed, :attr:`iterations` keeps its latest 16 entries."""
+        super().trim_history()
+        for step in list(self.iterations)[:-16]:
+            del self.iterations[step]
 
     def create_graph(self, global_step: int) -> bool:
         return self.should_compute(global_step)
@@ -78,7 +104,7 @@ class HessMaxEV(SingleStepQuantity):
                 f"loss.backward(create_graph=monitor.create_graph({data.step}))"
             ) from err
 
-    def _compute(self, global_step: int, data: StepData) -> float:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         params = data.params
         grads = self._grads(data)
         sizes = [p.numel() for p in params]
@@ -100,9 +126,37 @@ class HessMaxEV(SingleStepQuantity):
         dim = sum(sizes)
         rand = torch.randn(dim, dtype=ref.dtype, device=ref.device)
         v0 = rand / rand.norm()
-        if self._warm_start and self._vector is not None and self._vector.numel() == dim:
+        warm = self._warm_start and self._vector is not None and self._vector.numel() == dim
+        if warm:
+            assert self._vector is not None
             v0 = self._vector.to(ref.dtype) + 0.1 * v0
-        theta, vec, iters = lanczos_max_eig(hvp, v0, tol=self._rtol, max_iter=self._max_iter)
-        self._vector = vec.detach()
-        self.iterations[global_step] = iters
-        return float(theta)
+        check = self._check_every
+        if check == "auto":
+            check = 1 if host_fast_paths(ref) else None
+        if check is not None:
+            theta, vec, iters = lanczos_max_eig(
+                hvp, v0, tol=self._rtol, max_iter=self._max_iter, check_every=int(check)
+            )
+            self._vector = vec.detach()
+            self.iterations[global_step] = iters
+            return Pending.ready(float(theta))
+        count = min(self._max_iter, self._fixed if warm else 2 * self._fixed, dim)
+        _, vec, alphas, betas = lanczos_fixed(hvp, v0, count)
+        # a step that produced NaN/inf leaves no warm start behind
+        ok = torch.isfinite(vec).all()
+        self._vector = torch.where(ok, vec.detach(), v0 / v0.norm())
+        self.iterations[global_step] = count
+        return Pending([alphas, betas], lambda a: self._host_value(global_step, a))
+
+    def _host_value(self, step: int, arrays: list[Any]) -> float:
+        theta, residual = ritz_from_host(arrays[0], arrays[1])
+        if residual > self._rtol * abs(theta):
+            warnings.warn(
+                f"{self.key} step {step}: the Lanczos residual {residual:.3g} after "
+                f"{self.iterations.get(step)} products is above rtol·|θ| = "
+                f"{self._rtol * abs(theta):.3g} (θ = {theta:.6g}); raise iterations= or set "
+                "check_every=",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return theta

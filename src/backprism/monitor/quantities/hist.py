@@ -16,6 +16,12 @@ GradHist1d and GradHist2d tracked together share one pass (the monitor merges th
   to the centers of its outermost bins, counted in ``[xbins, ybins]`` bins, i.e.
   ``numpy.histogram2d``. Value: ``{"hist": [xbins, ybins], "edges": (xedges, yedges)}``; with
   ``keep_individual=True`` also ``"param_groups": P`` and ``"param_<i>": {"hist", "edges"}``.
+
+Binning runs on the device (:class:`~backprism.monitor.histograms.MonitorGradHist`), counts
+and edges reach the host with the other values of the step. A range moved by ``adapt`` stays a
+pair of device tensors (read ``quantity._range`` for host floats); the histogram of a step is
+binned with the range in force before that step's adaptation. When the monitor streams its log,
+only the first and the latest histogram stay in memory (the dashboard draws those).
 """
 
 from __future__ import annotations
@@ -24,13 +30,50 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from backprism.extensions import GradHist
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData
+from backprism.monitor.histograms import MonitorGradHist, device_edges
+from backprism.monitor.quantities.base import Pending, Schedule, SingleStepQuantity, StepData
 from backprism.monitor.quantities.bin_adaptation import BinAdaptation, NoAdaptation
 
 __all__ = ["GradHist1d", "GradHist2d"]
+
+Range = tuple[Tensor, Tensor]
+
+
+def _host_edges(rng: tuple[float, float], bins: int) -> np.ndarray:
+    """``numpy.linspace(lo, hi, bins + 1)`` (static limits: computed on the host, no tensor)."""
+    return np.linspace(rng[0], rng[1], bins + 1, dtype=np.float64)
+
+
+def _host_range(rng: Range) -> tuple[float, float]:
+    return float(rng[0]), float(rng[1])
+
+
+def _adapted(
+    new: Any, old_static: tuple[float, float], old: Range | None, data: StepData
+) -> tuple[tuple[float, float], Range | None]:
+    """The range after an adaptation: ``(static floats, device tensors or None)``; a device
+    range keeps its old value on a step whose loss or gradients are not finite."""
+    if not any(isinstance(x, Tensor) for x in new):
+        return (float(new[0]), float(new[1])), None
+    dev = data.device
+    lo, hi = (torch.as_tensor(x, dtype=torch.float64).to(dev).reshape(()) for x in new)
+    if old is None:
+        old = (
+            torch.tensor(old_static[0], dtype=torch.float64, device=dev),
+            torch.tensor(old_static[1], dtype=torch.float64, device=dev),
+        )
+    flag = data.finite_t
+    if flag is not None:
+        lo, hi = torch.where(flag, lo, old[0]), torch.where(flag, hi, old[1])
+    return old_static, (lo, hi)
+
+
+def _abs_max(results: list[dict[str, Tensor]], data: StepData) -> Tensor:
+    dev = data.device
+    return torch.stack([r["abs_max"].to(dev, torch.float64) for r in results]).max()
 
 
 class GradHist1d(SingleStepQuantity):
@@ -47,6 +90,7 @@ class GradHist1d(SingleStepQuantity):
     """
 
     per_sample = True
+    large_values = True
 
     def __init__(
         self,
@@ -58,26 +102,39 @@ class GradHist1d(SingleStepQuantity):
     ) -> None:
         super().__init__(track_schedule, verbose=verbose)
         self._bins = int(bins)
-        self._range = (float(range[0]), float(range[1]))
+        self._range0 = (float(range[0]), float(range[1]))
+        self._init_range = self._range0
+        self._range_t: Range | None = None
         self._adapt = NoAdaptation(verbose=verbose) if adapt is None else adapt
 
+    @property
+    def _range(self) -> tuple[float, float]:
+        """The current limits as host floats (reads a device range: not for use in a step)."""
+        return self._range0 if self._range_t is None else _host_range(self._range_t)
+
+    @_range.setter
+    def _range(self, value: tuple[float, float]) -> None:
+        self._range0, self._range_t = (float(value[0]), float(value[1])), None
+
     def hyperparameters(self) -> dict[str, Any]:
-        return {"bins": self._bins, "range": self._range}
+        return {"bins": self._bins, "range": self._init_range}
 
     def _needs_batch(self, step: int) -> bool:
         return self.should_compute(step) or (
             self._adapt.needs_grad_batch and self._adapt.should_compute(step)
         )
 
-    def _ext(self, global_step: int) -> GradHist | None:
+    def _ext(self, global_step: int) -> MonitorGradHist | None:
         hist = self.should_compute(global_step)
         absmax = self._adapt.needs_grad_batch and self._adapt.should_compute(global_step)
         if not (hist or absmax):
             return None
-        return GradHist(
+        return MonitorGradHist(
             bins=self._bins if hist else None,
-            range=self._range,
+            range=self._range0,
             abs_max=absmax,
+            range_dev=self._range_t,
+            range_id=0 if self._range_t is None else id(self),
         )
 
     def extensions(self, global_step: int) -> list[Extension]:
@@ -88,26 +145,27 @@ class GradHist1d(SingleStepQuantity):
         super().track(global_step, data)
         self._maybe_adapt(global_step, data)
 
-    def track_nonfinite(self, global_step: int, data: StepData) -> None:
-        super().track_nonfinite(global_step, data)
-
     def _maybe_adapt(self, global_step: int, data: StepData) -> None:
         if self._adapt.should_compute(global_step):
             m = None
             if self._adapt.needs_grad_batch:
                 ext = self._ext(global_step)
                 assert ext is not None
-                m = max(float(r["abs_max"]) for r in data.fetch(ext))
-            self._range = self._adapt.compute(global_step, data.params, m, self._range)
+                m = _abs_max(data.fetch(ext), data)
+            current = self._range0 if self._range_t is None else self._range_t
+            new = self._adapt.compute(global_step, data.params, m, current)
+            self._range0, self._range_t = _adapted(new, self._range0, self._range_t, data)
 
-    def _compute(self, global_step: int, data: StepData) -> dict[str, Any]:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         ext = self._ext(global_step)
         assert ext is not None
-        hist = sum(r["hist"] for r in data.fetch(ext)).to(torch.float64)
-        edges = torch.linspace(
-            self._range[0], self._range[1], self._bins + 1, dtype=torch.float64, device="cpu"
-        )
-        return {"hist": np.asarray(hist.cpu().numpy()), "edges": edges.numpy()}
+        dev = data.device
+        hist = torch.stack([r["hist"].to(dev) for r in data.fetch(ext)]).sum(0)
+        if self._range_t is None:
+            edges = _host_edges(self._range0, self._bins)
+            return Pending([hist], lambda a: {"hist": a[0], "edges": edges})
+        edges_t = device_edges(self._range_t[0], self._range_t[1], self._bins)
+        return Pending([hist, edges_t], lambda a: {"hist": a[0], "edges": a[1]})
 
 
 class GradHist2d(SingleStepQuantity):
@@ -123,6 +181,7 @@ class GradHist2d(SingleStepQuantity):
     """
 
     per_sample = True
+    large_values = True
 
     def __init__(
         self,
@@ -135,30 +194,47 @@ class GradHist2d(SingleStepQuantity):
     ) -> None:
         super().__init__(track_schedule, verbose=verbose)
         self._bins = (int(bins[0]), int(bins[1]))
-        self._range = [(float(r[0]), float(r[1])) for r in range]
+        self._range0 = [(float(r[0]), float(r[1])) for r in range]
+        self._init_range = tuple(self._range0)
+        self._range_t: list[Range | None] = [None, None]
         self._adapt = [NoAdaptation(verbose=verbose) if a is None else a for a in adapt]
         self._keep_individual = keep_individual
+
+    @property
+    def _range(self) -> list[tuple[float, float]]:
+        """The current limits as host floats (reads device ranges: not for use in a step)."""
+        return [
+            r0 if rt is None else _host_range(rt) for r0, rt in zip(self._range0, self._range_t)
+        ]
+
+    @_range.setter
+    def _range(self, value: Any) -> None:
+        self._range0 = [(float(r[0]), float(r[1])) for r in value]
+        self._range_t = [None, None]
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
             "bins": self._bins,
-            "range": tuple(self._range),
+            "range": self._init_range,
             "keep_individual": self._keep_individual,
         }
 
     def _adapt_batch(self, step: int) -> bool:
         return any(a.needs_grad_batch and a.should_compute(step) for a in self._adapt)
 
-    def _ext(self, global_step: int) -> GradHist | None:
+    def _ext(self, global_step: int) -> MonitorGradHist | None:
         hist = self.should_compute(global_step)
         absmax = self._adapt_batch(global_step)
         if not (hist or absmax):
             return None
-        return GradHist(
+        dynamic = any(r is not None for r in self._range_t)
+        return MonitorGradHist(
             bins=None,
             bins2d=self._bins if hist else None,
-            range2d=(self._range[0], self._range[1]),
+            range2d=(self._range0[0], self._range0[1]),
             abs_max=absmax,
+            range2d_dev=(self._range_t[0], self._range_t[1]),
+            range2d_id=id(self) if dynamic else 0,
         )
 
     def extensions(self, global_step: int) -> list[Extension]:
@@ -173,23 +249,45 @@ class GradHist2d(SingleStepQuantity):
                 m = None
                 if adapt.needs_grad_batch:
                     assert ext is not None
-                    m = max(float(r["abs_max"]) for r in data.fetch(ext))
-                self._range[dim] = adapt.compute(global_step, data.params, m, self._range[dim])
+                    m = _abs_max(data.fetch(ext), data)
+                rt = self._range_t[dim]
+                current = self._range0[dim] if rt is None else rt
+                new = adapt.compute(global_step, data.params, m, current)
+                self._range0[dim], self._range_t[dim] = _adapted(new, self._range0[dim], rt, data)
 
-    def _edges(self) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(  # type: ignore[return-value]
-            torch.linspace(lo, hi, b + 1, dtype=torch.float64, device="cpu").numpy()
-            for (lo, hi), b in zip(self._range, self._bins)
-        )
-
-    def _compute(self, global_step: int, data: StepData) -> dict[str, Any]:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         ext = self._ext(global_step)
         assert ext is not None
-        hists = [r["hist2d"] for r in data.fetch(ext)]
-        edges = self._edges()
-        result: dict[str, Any] = {"hist": sum(hists).cpu().numpy(), "edges": edges}
-        if self._keep_individual:
-            result["param_groups"] = len(hists)
-            for i, h in enumerate(hists):
-                result[f"param_{i}"] = {"hist": h.cpu().numpy(), "edges": edges}
-        return result
+        dev = data.device
+        hists = [r["hist2d"].to(dev) for r in data.fetch(ext)]
+        total = torch.stack(hists).sum(0)
+        tensors = [total, *(hists if self._keep_individual else [])]
+        static: list[np.ndarray | None] = []
+        for (r0, rt), b in zip(zip(self._range0, self._range_t), self._bins):
+            if rt is None:
+                static.append(_host_edges(r0, b))
+            else:
+                static.append(None)
+                tensors.append(device_edges(rt[0], rt[1], b))
+        keep = self._keep_individual
+        count = len(hists)
+
+        def build(a: list[np.ndarray]) -> dict[str, Any]:
+            pos = 1 + (count if keep else 0)
+            edges = []
+            for e in static:
+                if e is None:
+                    edges.append(a[pos])
+                    pos += 1
+                else:
+                    edges.append(e)
+            pair = (edges[0], edges[1])
+            counts = [x.astype(np.int64) for x in a[: 1 + (count if keep else 0)]]
+            result: dict[str, Any] = {"hist": counts[0], "edges": pair}
+            if keep:
+                result["param_groups"] = count
+                for i in range(count):
+                    result[f"param_{i}"] = {"hist": counts[1 + i], "edges": pair}
+            return result
+
+        return Pending(tensors, build)

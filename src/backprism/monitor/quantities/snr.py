@@ -12,6 +12,7 @@ With ``gₙ = ∇ℓₙ``, ``g = (1/N)Σₙgₙ`` (mean reduction) and the engin
   ``σ² = (N²·sum_grad_squared − N g²)/(N − 1)``, the criterion
   ``1 − N · mean_i(g_i² / (σ_i² + ε))``, ``ε = 1e-5``; stop training when it is ``> 0``.
 
+Computed on the device in float64, moved to the host with the other values of the step.
 CABS and EarlyStopping are only defined for SGD without momentum/weight decay (``ValueError``
 otherwise, as in Cockpit); they need ``info['optimizer']`` and ``info['batch_size']``.
 """
@@ -22,7 +23,13 @@ from typing import Any
 
 from backprism.extensions import SumGradSquared
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Schedule, SingleStepQuantity, StepData, flat_cat
+from backprism.monitor.quantities.base import (
+    Pending,
+    Schedule,
+    SingleStepQuantity,
+    StepData,
+    flat_cat,
+)
 from backprism.monitor.quantities.optim import is_sgd_default_kwargs, single_lr
 
 __all__ = ["CABS", "EarlyStopping", "MeanGSNR"]
@@ -61,10 +68,10 @@ class MeanGSNR(_SGSEpsilon):
     def info_keys(self, global_step: int) -> set[str]:
         return {"batch_size"} if self.should_compute(global_step) else set()
 
-    def _compute(self, global_step: int, data: StepData) -> float:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         grad, sgs, n = self._stats(data)
         g2 = grad.square()
-        return float((g2 / (n * sgs - g2 + self._epsilon)).mean())
+        return Pending.scalar((g2 / (n * sgs - g2 + self._epsilon)).mean())
 
 
 def _check_sgd(optimizer: Any) -> None:
@@ -78,13 +85,15 @@ class CABS(_SGS):
     def info_keys(self, global_step: int) -> set[str]:
         return {"batch_size", "optimizer", "loss"} if self.should_compute(global_step) else set()
 
-    def _compute(self, global_step: int, data: StepData) -> dict[str, float]:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         optimizer = data.get("optimizer", self)
         _check_sgd(optimizer)
         lr = single_lr(optimizer)
         grad, sgs, n = self._stats(data)
-        loss = float(data.get("loss", self).detach())
-        return {"cabs": float(lr * (n**2 * sgs - n * grad.square()).sum() / (n * loss))}
+        loss = data.get("loss", self)
+        loss = loss.detach().double() if hasattr(loss, "detach") else float(loss)
+        value = lr * (n**2 * sgs - n * grad.square()).sum() / (n * loss)
+        return Pending([value], lambda a: {"cabs": float(a[0])})
 
     def nan_value(self) -> Any:
         return {"cabs": float("nan")}
@@ -100,10 +109,10 @@ class EarlyStopping(_SGSEpsilon):
     def info_keys(self, global_step: int) -> set[str]:
         return {"batch_size", "optimizer"} if self.should_compute(global_step) else set()
 
-    def _compute(self, global_step: int, data: StepData) -> float:
+    def _compute(self, global_step: int, data: StepData) -> Pending:
         _check_sgd(data.get("optimizer", self))
         grad, sgs, n = self._stats(data)
         g2 = grad.square()
         var = (n**2 * sgs - n * g2) / (n - 1)
         snr = g2 / (var + self._epsilon)
-        return float(1 - n * snr.mean())
+        return Pending.scalar(1 - n * snr.mean())
