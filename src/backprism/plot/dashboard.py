@@ -323,8 +323,12 @@ def _draw_series(ax: Any, s: Series) -> Any:
     if s.style == "step":
         return ax.step(x, y, where="post", color=s.color, linestyle=ls, label=s.label,
                        alpha=alpha, linewidth=1.4)[0]
+    # a quantity tracked on few steps (HessMaxEV every 200th step) also gets markers, or a
+    # single value would draw nothing
+    few = not s.faint and len(x) <= 30
     return ax.plot(x, y, color=s.color, linestyle=ls, label=s.label, alpha=alpha,
-                   linewidth=0.8 if s.faint else 1.6)[0]
+                   linewidth=0.8 if s.faint else 1.6, marker="o" if few else None,
+                   markersize=3.5)[0]
 
 
 def _draw_shape(ax: Any, shape: Shape) -> Any:
