@@ -120,7 +120,7 @@ class Transfer:
             flat = parts[0] if len(parts) == 1 else torch.cat(parts)
             event = None
             if device.type == "cuda":
-                host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+                host = torch.empty(flat.shape, dtype=dtype, device="cpu", pin_memory=True)
                 host.copy_(flat, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))

@@ -98,6 +98,7 @@ from backprism.monitor.quantities.base import (
     StepData,
     extension_key,
     finish_entries,
+    grad_norms,
     missing_info_message,
 )
 
@@ -601,18 +602,17 @@ class _StepContext:
         return False
 
     def _finite(self) -> Tensor:
-        """Whether the loss and every gradient are finite, as a 0-dim device tensor (one fused
-        max-norm over the gradients; NaN and ±inf propagate)."""
+        """Whether the loss and every gradient are finite, as a 0-dim device tensor, from the
+        gradients' 2-norms (one fused reduction, shared with GradNorm and the gradient tests;
+        NaN and ±inf propagate; a float32 gradient element above ~1e19 counts as infinite)."""
         ref = self.monitor.params[0]
         wide = torch.float32 if ref.device.type == "mps" else torch.float64
         parts: list[Tensor] = []
         loss = self.info.get("loss")
         if isinstance(loss, Tensor):
             parts.append(loss.detach().reshape(-1)[:1].to(ref.device, wide))
-        grads = [p.grad.detach() for p in self.monitor.params if p.grad is not None]
-        if grads:
-            norms = torch._foreach_norm(grads, float("inf"))
-            parts += [n.reshape(1).to(ref.device, wide) for n in norms]
+        norms = [n for n in grad_norms(self.data) if n is not None]
+        parts += [n.reshape(1).to(ref.device, wide) for n in norms]
         if not parts:
             return torch.ones((), dtype=torch.bool, device=ref.device)
         return torch.isfinite(torch.cat(parts)).all()

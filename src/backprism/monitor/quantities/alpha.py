@@ -228,9 +228,8 @@ class Alpha(TwoStepQuantity):
         n = int(data.get("batch_size", self))
         dev = data.device
         dots_end = torch.stack([n * r.to(dev, torch.float64) for r in data.fetch(ext)]).sum(0)
-        sq = torch.stack(
-            [dirs[id(p)].to(dev, torch.float64).square().sum() for p in data.params]
-        ).sum()
+        norms = torch._foreach_norm([dirs[id(p)] for p in data.params], 2)
+        sq = torch.stack([n.to(dev, torch.float64) for n in norms]).square().sum()
         if mode == "fast":
             dots_start = self.load_from_cache(start, "dots_start")
         else:

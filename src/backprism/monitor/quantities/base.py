@@ -89,6 +89,11 @@ class StepData:
         self.finite_t: Tensor | None = None
 
     @property
+    def finite(self) -> bool:
+        """Host copy of :attr:`finite_t` (a host read: not for use inside a step)."""
+        return True if self.finite_t is None else bool(self.finite_t)
+
+    @property
     def device(self) -> torch.device:
         """The device of the first monitored parameter (where step values are computed)."""
         return self.params[0].device
@@ -370,6 +375,18 @@ class TwoStepQuantity(Quantity):
                 del entries[key]
             if not entries:
                 del self._cache[step]
+
+
+def grad_norms(data: StepData) -> list[Tensor | None]:
+    """``‖∇_{θ_p} L‖₂`` per monitored parameter (``None`` without gradient), one fused
+    reduction per step shared by the finiteness flag, GradNorm and the gradient tests."""
+    if "grad_norms" not in data.cache:
+        present = [p.grad.detach() for p in data.params if p.grad is not None]
+        it = iter(torch._foreach_norm(present, 2) if present else [])
+        data.cache["grad_norms"] = [
+            None if p.grad is None else next(it) for p in data.params
+        ]
+    return data.cache["grad_norms"]
 
 
 class PendingEntry:

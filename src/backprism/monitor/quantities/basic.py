@@ -30,6 +30,7 @@ from backprism.monitor.quantities.base import (
     Schedule,
     StepData,
     TwoStepQuantity,
+    grad_norms,
 )
 
 __all__ = ["Distance", "GradNorm", "Loss", "Parameters", "Time", "UpdateSize"]
@@ -74,7 +75,11 @@ class GradNorm(ByproductQuantity):
     """Per-parameter gradient norms ``[‖∇_{θ_p} L‖₂ for p]``."""
 
     def _compute(self, global_step: int, data: StepData) -> Pending:
-        return Pending.floats(norms([_grad(p, self).detach() for p in data.params]))
+        for p in data.params:
+            _grad(p, self)
+        ref = data.params[0]
+        values = [n.to(ref.device, torch.float64) for n in grad_norms(data)]  # type: ignore[union-attr]
+        return Pending.floats(torch.stack(values))
 
 
 def norms(tensors: list[Tensor]) -> Tensor:

@@ -38,17 +38,21 @@ from torch import Tensor
 
 from backprism.extensions import BatchL2Grad, BatchProjGrad
 from backprism.extensions.base import Extension
-from backprism.monitor.quantities.base import Pending, SingleStepQuantity, StepData
+from backprism.monitor.quantities.base import Pending, SingleStepQuantity, StepData, grad_norms
 
 __all__ = ["InnerTest", "NormTest", "OrthoTest"]
 
 
 def grad_l2_squared(data: StepData) -> Tensor:
     """``‖g‖² = Σ_p ‖∇_{θ_p} L‖²`` in float64, computed once per step (the three gradient tests
-    share it)."""
+    share it): one fused norm over the gradients in their dtype (no float64 copy of them),
+    squared and summed in float64."""
     if "grad_l2_squared" not in data.cache:
-        parts = [p.grad.detach().double().square().sum() for p in data.params]
-        data.cache["grad_l2_squared"] = torch.stack([t.to(parts[0].device) for t in parts]).sum()
+        norms = [n for n in grad_norms(data) if n is not None]
+        dev = data.device
+        data.cache["grad_l2_squared"] = torch.stack(
+            [n.to(dev, torch.float64) for n in norms]
+        ).square().sum()
     return data.cache["grad_l2_squared"]
 
 
