@@ -15,14 +15,12 @@ on the concatenated outputs, so ``∂L/∂θₙ = ∇(ℓₙ/N)``) with a Python
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from backprism import collect, extend
 from backprism.engine.rule import Call, get_rule
@@ -30,7 +28,7 @@ from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSq
 from backprism.rules import generic
 from common import first_order_expected
 
-from reference import per_sample_grads
+from reference import per_sample_grads, per_sample_grads_loop
 
 FIRST_ORDER = (BatchGrad, BatchL2Grad, SumGradSquared, Variance, BatchDotGrad)
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
@@ -38,31 +36,6 @@ DT = torch.float64
 
 
 # -- references and checks ------------------------------------------------------------------
-def loop_per_sample_grads(
-    model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], X: Tensor | tuple, y: Tensor
-) -> dict[str, Tensor]:
-    """``{name: [N, *p]}``, ``∂L/∂θₙ`` with a parameter copy per sample, by a loop over samples
-    (for models ``vmap`` cannot handle). Inputs are sliced along axis 0."""
-    xs = X if isinstance(X, tuple) else (X,)
-    n = xs[0].shape[0]
-    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
-    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
-    buffers = dict(model.named_buffers())
-    copies = [{k: v.clone().requires_grad_(True) for k, v in params.items()} for _ in range(n)]
-    outs = [
-        functional_call(model, {**c, **frozen, **buffers}, tuple(x[i : i + 1] for x in xs))
-        for i, c in enumerate(copies)
-    ]
-    loss = loss_fn(torch.cat(outs), y)
-    leaves = [c[k] for c in copies for k in params]
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(leaves, grads)]
-    k = len(params)
-    return {
-        name: torch.stack([grads[i * k + j] for i in range(n)]) for j, name in enumerate(params)
-    }
-
-
 def run_first_order(model: nn.Module, lossfunc: nn.Module, X: Tensor | tuple, y: Tensor) -> None:
     xs = X if isinstance(X, tuple) else (X,)
     model.zero_grad()
@@ -217,7 +190,7 @@ def test_rnn(kind, n, t, layers, bidir, init, seed):
     h0 = torch.randn(n, 2, layers * (2 if bidir else 1), h, dtype=DT)
     y = _labels(n, 3, seed)
     lossfunc = extend(nn.CrossEntropyLoss())
-    ref = loop_per_sample_grads(model, lossfunc, (x, h0), y)
+    ref = per_sample_grads_loop(model, lossfunc, (x, h0), y)
     check_first_order(model, lossfunc, (x, h0), y, ref)
 
 
@@ -317,7 +290,7 @@ def test_loop_fallback_warns_once_and_is_correct():
     x[:2] *= -1
     y = _labels(5, 2, 1)
     lossfunc = extend(nn.CrossEntropyLoss())
-    ref = loop_per_sample_grads(model, lossfunc, x, y)
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
     generic._WARNED.discard(Branchy)
     with pytest.warns(RuntimeWarning, match="loop over samples"):
         check_first_order(model, lossfunc, x, y, ref)
