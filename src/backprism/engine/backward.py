@@ -255,8 +255,7 @@ class BackwardPass:
             )
         residual = [e for e in self.second if e.needs_residual]
         if residual:
-            from_residual = _residual_checks()
-            from_residual(self, residual)
+            RESIDUAL_CHECK[0](self, residual)
 
     def _param_name(self, p: nn.Parameter) -> str:
         for root in self.roots:
@@ -586,12 +585,6 @@ class BackwardPass:
                 for ext in exts:
                     if not ext.additive:
                         self.store(p, ext, ext.from_dense(d, call, w))
-
-
-def _residual_checks() -> Callable[[BackwardPass, list[Any]], None]:
-    """The DiagHessian-family checks (kept in :mod:`backprism.engine.residual`, registered
-    there; the engine core does not depend on it)."""
-    return RESIDUAL_CHECK[0]
 
 
 def _no_residual_check(bp: BackwardPass, exts: list[Any]) -> None:
