@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from backprism import collect, extend
 from backprism.extensions import BatchGrad, BatchL2Grad
 from common import ResNetBlock, TinyGPT
-from test_rules_generic import check_first_order, loop_per_sample_grads
+from test_rules_generic import check_first_order
 
-from reference import per_sample_grads
+from reference import per_sample_grads, per_sample_grads_loop
 
 DT = torch.float64
 N = 3
@@ -150,7 +150,7 @@ CASES: dict[str, Case] = {
     ),
     "lstm": (
         LSTMClassifier, lambda: torch.randn(N, 3, 3, dtype=DT), lambda: _labels((N,), 3),
-        loop_per_sample_grads,
+        per_sample_grads_loop,
     ),
     "shared_linear": (
         SharedLinear, lambda: torch.randn(N, 3, dtype=DT), lambda: _labels((N,), 2), _vmap_ref
