@@ -7,8 +7,8 @@ their own parameters used nonlinearly; the loop fallback for non-vmappable forwa
 ``M > 1`` through the rule directly; the errors (dropout in train mode, ``batch_first=False``).
 
 References: ``reference.per_sample_grads`` (vmap over per-sample parameter copies) where the model
-is vmappable; for RNNs, whose kernels have no batching rule, :func:`reference.per_sample_grads_loop` — the
-same definition (every sample gets its own parameter copy ``θₙ = θ``; the real loss is evaluated
+is vmappable; for RNNs, whose kernels have no batching rule,
+``reference.per_sample_grads_loop`` — the same definition (every sample gets its own parameter copy ``θₙ = θ``; the real loss is evaluated
 on the concatenated outputs, so ``∂L/∂θₙ = ∇(ℓₙ/N)``) with a Python loop instead of ``vmap``.
 """
 
