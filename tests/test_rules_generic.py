@@ -8,8 +8,9 @@ their own parameters used nonlinearly; the loop fallback for non-vmappable forwa
 
 References: ``reference.per_sample_grads`` (vmap over per-sample parameter copies) where the model
 is vmappable; for RNNs, whose kernels have no batching rule,
-``reference.per_sample_grads_loop`` — the same definition (every sample gets its own parameter copy ``θₙ = θ``; the real loss is evaluated
-on the concatenated outputs, so ``∂L/∂θₙ = ∇(ℓₙ/N)``) with a Python loop instead of ``vmap``.
+``reference.per_sample_grads_loop`` — the same definition (every sample gets its own
+parameter copy ``θₙ = θ``; the real loss is evaluated on the concatenated outputs, so
+``∂L/∂θₙ = ∇(ℓₙ/N)``) with a Python loop instead of ``vmap``.
 """
 
 from __future__ import annotations
