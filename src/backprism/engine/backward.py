@@ -300,12 +300,41 @@ class BackwardPass:
                 )
             record.pass_ = self
             self._marked.append(record)
+        # gradients reach the pass through pre-hooks on the output nodes, registered only now
+        # (forwards whose backward collects nothing carry no hook); calls with several outputs
+        # got a multi-grad hook at forward time
+        for call, edges in self.calls.items():
+            if len(edges) == 1 and edges[0] is not None:
+                node, nr = edges[0]
+                self._handles.append(node.register_prehook(self._output_hook(call, nr)))
+        for record, node in self.view.losses:
+            self._handles.append(node.register_prehook(self._loss_hook(record)))
+        for site, node in self.view.site_nodes:
+            hook = site.node_hook(self, node)
+            if hook is not None:
+                self._handles.append(node.register_prehook(hook))
         if any(e.needs_param_grad for e in self.first):
             for pid, (p, _) in self.view.params.items():
                 if self.param_count[pid]:
                     self._handles.append(p.register_hook(self._param_hook(p)))
         if self.distributed is not None:  # distributed: which .grad are empty before the pass
             self.distributed.start(self)
+
+    def _output_hook(self, call: Call, nr: int) -> Callable[[tuple], None]:
+        def hook(grad_outputs: tuple) -> None:
+            grad = grad_outputs[nr]
+            if grad is not None and not self.in_columns and call.pass_ is self:
+                self.on_output_grad(call, (grad,))
+
+        return hook
+
+    def _loss_hook(self, record: LossRecord) -> Callable[[tuple], None]:
+        def hook(grad_outputs: tuple) -> None:
+            grad = grad_outputs[record.output_nr]
+            if grad is not None and not self.in_columns and record.pass_ is self:
+                self.on_loss_grad(record, grad)
+
+        return hook
 
     def _param_hook(self, p: nn.Parameter) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:

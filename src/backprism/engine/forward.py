@@ -8,8 +8,10 @@ to autograd. For each call of a hooked module under ``torch.enable_grad()`` the 
 * builds a :class:`~backprism.engine.state.Call` (detached inputs, their gradient edges, the
   parameters the call is responsible for) and stores it in the metadata of the autograd node
   that produced each output, together with the output's index (:func:`capture`);
-* registers a hook on each output that hands ``∂L/∂out`` to the backward pass that marked the
-  call (``call.pass_``), if any.
+* registers nothing else for a single-output call: a backward pass that collects registers a
+  pre-hook on the output's node when it starts, which hands ``∂L/∂out`` to it; a forward whose
+  backward collects nothing pays for no hook. Calls with several outputs get a multi-grad hook
+  on their outputs at forward time (their gradients must arrive together).
 
 The loss hook stores a :class:`~backprism.engine.state.LossRecord` on the loss output's node; the
 root hooks store a :class:`~backprism.engine.state.RootRecord` on the outputs of every top-level
@@ -179,8 +181,15 @@ def capture(
 
 
 def attach(call: Call, outs: list[Tensor]) -> bool:
-    """Store ``call`` in the metadata of its outputs' nodes and register the hook that hands
-    ``∂L/∂out`` to the backward pass marking it; ``False`` if no output requires grad."""
+    """Store ``call`` in the metadata of its outputs' nodes; ``False`` if no output requires
+    grad.
+
+    The hand-over of ``∂L/∂out`` to a backward pass is registered by that pass, on the output's
+    node, when it starts (:meth:`~backprism.engine.backward.BackwardPass.start`): a forward whose
+    backward collects nothing pays for no hook. Calls with several outputs are the exception:
+    their gradients must arrive together, which only a multi-grad hook on the output tensors can
+    arrange, so it is registered here.
+    """
     grad_outs = []
     for i, o in enumerate(outs):
         if o.requires_grad and o.grad_fn is not None:
@@ -188,35 +197,30 @@ def attach(call: Call, outs: list[Tensor]) -> bool:
             grad_outs.append((i, o))
     if not grad_outs:
         return False
-    # the hook holds the call, never the outputs (that would be a cycle through the node)
     if len(outs) == 1:
+        return True
+    # the hook holds the call, never the outputs (that would be a cycle through the node)
+    index = [i for i, _ in grad_outs]
+    n_out = len(outs)
 
-        def hook(grad: Tensor) -> None:
-            bp = call.pass_
-            if bp is not None and not bp.in_columns:
-                bp.on_output_grad(call, (grad,))
+    def multi_hook(grads: Any) -> None:
+        bp = call.pass_
+        if bp is None or bp.in_columns:
+            return
+        full: list[Tensor | None] = [None] * n_out
+        for i, gr in zip(index, grads):
+            full[i] = gr
+        bp.on_output_grad(call, tuple(full))
 
-        grad_outs[0][1].register_hook(hook)
-    else:
-        index = [i for i, _ in grad_outs]
-        n_out = len(outs)
-
-        def multi_hook(grads: Any) -> None:
-            bp = call.pass_
-            if bp is None or bp.in_columns:
-                return
-            full: list[Tensor | None] = [None] * n_out
-            for i, gr in zip(index, grads):
-                full[i] = gr
-            bp.on_output_grad(call, tuple(full))
-
-        torch.autograd.graph.register_multi_grad_hook([o for _, o in grad_outs], multi_hook)
+    torch.autograd.graph.register_multi_grad_hook([o for _, o in grad_outs], multi_hook)
     return True
 
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:
     """The autocast dtype of ``x``'s device if autocast is on there (results are then computed
     in the parameters' dtype)."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
     dev = x.device.type
     with contextlib.suppress(Exception):
         if torch.is_autocast_enabled(dev):
@@ -261,12 +265,6 @@ def _loss_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
     record = LossRecord(
         module=module,
         inputs=[a if isinstance(a, Tensor) and a.requires_grad else _detach(a) for a in inputs],
+        output_nr=output.output_nr,
     )
     output.grad_fn.metadata[LOSS] = record
-
-    def hook(grad: Tensor) -> None:
-        bp = record.pass_
-        if bp is not None and not bp.in_columns:
-            bp.on_loss_grad(record, grad)
-
-    output.register_hook(hook)

@@ -45,6 +45,8 @@ class GraphView:
     losses: list[tuple[LossRecord, Any]] = field(default_factory=list)
     roots: list[RootRecord] = field(default_factory=list)
     sites: list[Any] = field(default_factory=list)
+    #: sites that want a hook on the node holding them, with that node
+    site_nodes: list[tuple[Any, Any]] = field(default_factory=list)
     #: hooked parameters that receive a gradient, by id, with their AccumulateGrad node
     params: dict[int, tuple[nn.Parameter, Any]] = field(default_factory=dict)
     #: (parameter, consumer node) for parameter uses no claiming call's region contains
@@ -139,7 +141,10 @@ def analyse(roots: list[Tensor]) -> GraphView:
             root = md.get(ROOT)
             if root is not None:
                 view.roots.append(root)
-            view.sites.extend(md.get(SITES, ()))
+            sites = md.get(SITES)
+            if sites:
+                view.sites.extend(sites)
+                view.site_nodes.extend((s, fn) for s in sites if hasattr(s, "node_hook"))
         for f, _ in fn.next_functions:
             if f is None:
                 continue

@@ -30,8 +30,9 @@ How the nonlinearities are found
   ``F.gelu``, ``x.sigmoid()``, and the calls made inside ``nn.Tanh``, ``nn.GELU``, …) and, for each
   smooth elementwise nonlinearity whose input ``z`` requires grad, stores a
   :class:`ResidualSite` (holding ``z`` and the function, upstream of ``a``: no reference cycle
-  through autograd nodes) in the metadata of ``a``'s node and registers a hook on ``a``; nothing
-  is computed unless a DiagHessian-family backward pass reaches the site and marks it.
+  through autograd nodes) in the metadata of ``a``'s node; nothing is computed (and no hook is
+  registered) unless a DiagHessian-family backward pass reaches the site, which then registers
+  a pre-hook on that node.
 * Non-elementwise nonlinear operations between parameters and loss leave an
   :class:`ErrorSite`; a DiagHessian-family pass that reaches one refuses before anything is
   written (:func:`check_pass`).
@@ -42,8 +43,8 @@ Overhead when no DiagHessian is requested: a forward that runs inside ``collect(
 DiagHessian-family extension is not recorded at all (its calls are marked ``unrecorded``, and
 such an extension in a later backward refuses them with a clear error). A forward outside any
 context is recorded, since its backward may ask for DiagHessian: one Python dispatch per
-operation, one closure per smooth nonlinearity (holding ``z``, usually kept alive anyway as the
-output of a captured layer), and a cheap early return in its backward hook.
+operation and one small record per smooth nonlinearity (holding ``z``, usually kept alive
+anyway as the output of a captured layer).
 ``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
 
 Only the forward of an extended model is watched: a nonlinearity applied to its output outside
@@ -250,16 +251,31 @@ class ErrorSite:
 
 class ResidualSite:
     """``a = fn(z)`` for a smooth elementwise ``fn``; holds ``z`` (upstream of ``a``), never
-    ``a``. A hook on ``a`` pushes the residual columns when a DiagHessian-family pass marked
-    the site (``pass_``)."""
+    ``a``. A DiagHessian-family pass that reaches the site registers a pre-hook on ``a``'s node
+    (:meth:`node_hook`) that pushes the residual columns."""
 
-    __slots__ = ("fn", "name", "pass_", "z")
+    __slots__ = ("fn", "name", "output_nr", "pass_", "z")
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
+    def __init__(self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int) -> None:
         self.fn = fn
         self.z = z
         self.name = name
+        self.output_nr = nr
         self.pass_: Any = None
+
+    def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
+        """The pre-hook pass ``bp`` registers on ``a``'s node, or ``None`` if it builds no
+        residual terms."""
+        exts = [e for e in bp.second if e.needs_residual]
+        if not exts:
+            return None
+
+        def hook(grad_outputs: tuple) -> None:
+            grad_a = grad_outputs[self.output_nr]
+            if grad_a is not None and self.pass_ is bp and not bp.in_columns:
+                push_residual(bp, exts, self.fn, self.z, grad_a)
+
+        return hook
 
 
 def _add_site(out: Tensor, site: Any) -> None:
@@ -272,19 +288,7 @@ def _add_error(out: Tensor, what: str, nll_output: weakref.ref | None = None) ->
 
 
 def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
-    site = ResidualSite(fn, z, name)
-    _add_site(out, site)
-
-    def hook(grad_a: Tensor) -> None:
-        bp = site.pass_
-        if bp is None or bp.in_columns:
-            return
-        exts = [e for e in bp.second if e.needs_residual]
-        if exts:
-            push_residual(bp, exts, site.fn, site.z, grad_a)
-
-    with contextlib.suppress(RuntimeError):  # e.g. inside a functorch transform
-        out.register_hook(hook)
+    _add_site(out, ResidualSite(fn, z, name, out.output_nr))
 
 
 def _feeds_nll(bp: Any, output: weakref.ref) -> bool:

@@ -130,11 +130,13 @@ class LossRecord:
     """One call of an extended loss: its inputs (the differentiable ones not detached; they are
     upstream of the loss output whose node holds this record)."""
 
-    __slots__ = ("inputs", "module", "pass_")
+    __slots__ = ("inputs", "module", "output_nr", "pass_")
 
-    def __init__(self, module: nn.Module, inputs: list[Any]) -> None:
+    def __init__(self, module: nn.Module, inputs: list[Any], output_nr: int = 0) -> None:
         self.module = module
         self.inputs = inputs
+        #: the loss output's index among its node's outputs
+        self.output_nr = output_nr
         self.pass_: Any = None
 
 
