@@ -56,6 +56,11 @@ def _detach(x: Any) -> Any:
     return x.detach() if isinstance(x, Tensor) else x
 
 
+def _flat(a: Any) -> bool:
+    """``a`` is a tensor or a scalar leaf (no container to walk)."""
+    return a is None or isinstance(a, (Tensor, bool, int, float, str))
+
+
 def root_pre_hook(module: nn.Module, args: Any) -> None:
     if FORWARD.suspended:
         return
@@ -137,10 +142,12 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
         if not any(o.requires_grad for o in outs):
             return
-    if not kwargs and all(isinstance(a, Tensor) for a in args):
-        arg_tensors: list[Tensor] = list(args)
-        call_args: tuple = tuple(a.detach() for a in args)
-        call_kwargs: dict[str, Any] = {}
+    if all(_flat(a) for a in args) and all(_flat(v) for v in kwargs.values()):
+        # tensors and scalars only (``attn_mask=None, need_weights=False``): no pytree walks
+        arg_tensors: list[Tensor] = [a for a in args if isinstance(a, Tensor)]
+        arg_tensors += [v for v in kwargs.values() if isinstance(v, Tensor)]
+        call_args: tuple = tuple(_detach(a) for a in args)
+        call_kwargs: dict[str, Any] = {k: _detach(v) for k, v in kwargs.items()}
     else:
         arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         call_args = tuple(tree_map(_detach, a) for a in args)

@@ -30,6 +30,7 @@ operation serves both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -88,14 +89,15 @@ def _is_owned(p: nn.Parameter) -> bool:
 
 
 def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
-    """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter or a view of one."""
-    if isinstance(a, nn.Parameter):
-        if getattr(a, "_backprism_hooked", False) and a.requires_grad:
-            return a, _identity, "param"
+    """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter or a view of one.
+
+    Called on every operand of every operation of an extended forward: plain attribute
+    lookups only (``isinstance(a, nn.Parameter)`` runs a Python-level metaclass check)."""
+    if not isinstance(a, Tensor):
         return None
-    if isinstance(a, Tensor):
-        return getattr(a, _VIEW, None)
-    return None
+    if getattr(a, "_backprism_hooked", False):
+        return (a, _identity, "param") if a.requires_grad else None  # type: ignore[return-value]
+    return getattr(a, _VIEW, None)
 
 
 def _identity(q: Tensor) -> Tensor:
@@ -224,14 +226,15 @@ def _outputs(out: Any) -> list[Tensor]:
     return []
 
 
-def attribute(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
     views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
     if not views or all(_is_owned(v[0]) for _, v in views):
         return
     if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
         return  # a parameter passed by keyword: left to the graph check, which refuses it
-    name = _op_name(func)
+    if name is None:
+        name = _op_name(func)
     tensors = [
         (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
     ]
@@ -365,14 +368,12 @@ def _expand_arg(a: Any, n: int) -> Any:
     return a
 
 
-def _broadcast_calls(name: str, args: tuple) -> tuple:
+def _broadcast_calls(args: tuple) -> tuple:
     """Batch-1 calls broadcast over the samples by an elementwise op (position embeddings of
     ``position_ids`` of shape ``[1, T]`` added to ``[N, T, d]`` token embeddings): the operand
     is expanded to the batch explicitly, and its call is replaced by the same call on inputs
     expanded to ``N`` whose output is the expanded tensor — so the per-sample gradient of its
     parameters is each sample's slice after the broadcast."""
-    if name not in _BROADCASTING or len(args) != 2:
-        return args
     a, b = args
     if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() != b.dim() or not a.dim():
         return args
@@ -401,9 +402,43 @@ def _broadcast_calls(name: str, args: tuple) -> tuple:
     return tuple(new)
 
 
+#: operations that only read a tensor's metadata (``x.shape``, ``x.dtype``, ``x.dim()``, …):
+#: nothing to attribute or record; a large share of the operations a forward dispatches
+_INERT = frozenset(
+    {
+        "shape", "dtype", "device", "dim", "ndim", "ndimension", "size", "numel", "nelement",
+        "is_nested", "is_floating_point", "is_complex", "is_contiguous", "is_cuda", "is_cpu",
+        "is_meta", "is_sparse", "is_quantized", "layout", "requires_grad", "stride",
+        "storage_offset", "element_size", "get_device", "data_ptr", "names", "__len__",
+        "is_leaf", "grad_fn", "output_nr", "_version", "is_inference", "__bool__", "item",
+        "tolist", "__format__", "__repr__", "__hash__", "__index__", "__int__", "__float__",
+    }
+)
+#: function → (op name, inert); functions are few and long-lived
+_INFO: dict[Any, tuple[str, bool]] = {}
+
+
+def _info(func: Any) -> tuple[str, bool]:
+    try:
+        return _INFO[func]
+    except (KeyError, TypeError):
+        pass
+    name = _op_name(func)
+    info = (name, name in _INERT)
+    if len(_INFO) > 4096:  # bounded even if callables are created on the fly
+        _INFO.clear()
+    with contextlib.suppress(TypeError):  # unhashable callable: not cached
+        _INFO[func] = info
+    return info
+
+
 class ForwardMode(TorchFunctionMode):
     """Active during every top-level forward of an extended model: attributes functional
-    parameter uses and, when ``record``, records nonlinearities for DiagHessian."""
+    parameter uses and, when ``record``, records nonlinearities for DiagHessian.
+
+    Every operation of the forward passes through :meth:`__torch_function__`, so the common
+    cases leave early: metadata reads, and results that are not tensors requiring grad (no
+    parameter can have been used differentiably)."""
 
     def __init__(self, record: bool) -> None:
         super().__init__()
@@ -411,14 +446,20 @@ class ForwardMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        active = torch.is_grad_enabled() and not FORWARD.suspended
-        if active and len(args) == 2:
-            args = _broadcast_calls(_op_name(func), args)
+        name, inert = _info(func)
+        if inert or FORWARD.suspended or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if len(args) == 2 and name in _BROADCASTING:
+            args = _broadcast_calls(args)
         out = func(*args, **kwargs)
-        if active:
-            if self.record:
-                residual.record(func, args, kwargs, out)
-            attribute(func, args, kwargs, out)
+        if isinstance(out, Tensor):
+            if not out.requires_grad:
+                return out
+        elif not isinstance(out, (tuple, list)):
+            return out
+        if self.record:
+            residual.record(func, args, kwargs, out)
+        attribute(func, args, kwargs, out, name)
         return out
 
 

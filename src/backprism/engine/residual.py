@@ -481,14 +481,14 @@ def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
 
 def record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Classify one operation and register what DiagHessian will need (cheap)."""
+    kind, name = _classify(func)
+    if kind == _LINEAR:
+        return
     if isinstance(out, (tuple, list)):
         out = next((o for o in out if isinstance(o, Tensor) and o.requires_grad), None)
     if not isinstance(out, Tensor) or not out.requires_grad or not out.is_floating_point():
         return
-    kind, name = _classify(func)
     inside_module = bool(FORWARD.call_stack)
-    if kind == _LINEAR:
-        return
     if kind == _SMOOTH_KIND:
         z = args[0] if args else None
         others = _grad_tensors(args[1:], kwargs)
