@@ -562,3 +562,25 @@ def test_inplace_after_captured_output(name: str, ext_name: str) -> None:
             _close(b.kflr[0], B, f"{layer}.bias B")
             _close(w.kflr[0], B, f"{layer}.weight B")
             _close(w.kflr[1], h.t() @ h / n, f"{layer}.weight A")
+
+
+# ------------------------------------------------- the loss's factor from an explicit gradient
+@pytest.mark.parametrize("entry", ["backward", "autograd_backward", "autograd_grad"])
+def test_explicit_seed_scales_curvature(entry: str) -> None:
+    """``loss.backward(gradient=c)`` (and the autograd entry points with a seed) makes the loss
+    enter the objective with factor ``c``: the GGN diagonal is ``c`` times the reference. (The
+    implicit seed is known to be 1 without reading it; an explicit one is read.)"""
+    torch.manual_seed(5)
+    model, lf = extend(_mlp().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(6, 4, dtype=DT), _labels((6,), 3, 6)
+    ref = {k: 2.5 * v for k, v in diag_ggn(model, lf, X, y).items()}
+    seed = torch.tensor(2.5, dtype=DT)
+    with collect(DiagGGNExact()):
+        loss = lf(model(X), y)
+        if entry == "backward":
+            loss.backward(seed)
+        elif entry == "autograd_backward":
+            torch.autograd.backward(loss, grad_tensors=seed)
+        else:
+            torch.autograd.grad(loss, list(model.parameters()), grad_outputs=seed)
+    _check_diag(model, "diag_ggn_exact", ref)

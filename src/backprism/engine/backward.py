@@ -160,6 +160,10 @@ class BackwardPass:
         #: > 0 while columns are pushed through the graph (hooks ignore that inner pass)
         self.in_columns = 0
         self._handles: list[Any] = []
+        #: the single scalar root of the pass when it starts from the implicit gradient ``1``
+        #: (``loss.backward()``): an extended loss that is this root enters with factor 1,
+        #: known without reading the gradient (a host synchronisation on accelerators)
+        self.unit_root: Tensor | None = None
         self._marked: list[Any] = []
         #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
         self.distributed: _distributed.DistributedPass | None = None
@@ -509,7 +513,7 @@ class BackwardPass:
             )
         if not self.second:
             return
-        scale = float(grad.detach().reshape(()))
+        scale = self._loss_scale(record, grad)
         if scale < 0:
             raise ValueError(
                 f"backprism: the loss of {type(module).__name__} enters the objective with a "
@@ -531,6 +535,17 @@ class BackwardPass:
             if scale != 1.0:
                 cols = cols.scaled(scale**0.5)
             self.process_columns(calls, origins, cols, exts, None)
+
+    def _loss_scale(self, record: LossRecord, grad: Tensor) -> float:
+        """The factor ``∂(objective)/∂(loss output)`` the loss enters the backward with: ``1``
+        when the pass starts from the implicit gradient at this loss's output itself (no host
+        read), else the gradient's value (one synchronisation)."""
+        root = self.unit_root
+        if root is not None and root.grad_fn is not None:
+            for rec, node in self.view.losses:
+                if rec is record and node is root.grad_fn and root.output_nr == rec.output_nr:
+                    return 1.0
+        return float(grad.detach().reshape(()))
 
     def process_columns(
         self,

@@ -54,6 +54,20 @@ def _roots(func: Any, args: tuple, kwargs: dict) -> list[Tensor] | None:
     return [t for t in tensors if isinstance(t, Tensor)]
 
 
+def _implicit_seed(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the backward entry point starts from the implicit gradient (``1`` for a scalar
+    root): no ``gradient``/``grad_tensors``/``grad_outputs`` given."""
+    if func is Tensor.backward:
+        seed = args[1] if len(args) > 1 else kwargs.get("gradient")
+    elif func is torch.autograd.backward:
+        seed = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+    else:  # torch.autograd.grad(outputs, inputs, grad_outputs)
+        seed = args[2] if len(args) > 2 else kwargs.get("grad_outputs")
+    if isinstance(seed, (tuple, list)):
+        return all(g is None for g in seed)
+    return seed is None
+
+
 class _BackwardMode(TorchFunctionMode):
     """Sees the backward entry points called inside a :class:`collect` (module docstring)."""
 
@@ -176,6 +190,8 @@ class collect:
         if self._running is not None:  # a backward started by our own code: plain
             return func(*args, **kwargs)
         bp = BackwardPass(self, analyse(roots))
+        if len(roots) == 1 and roots[0].dim() == 0 and _implicit_seed(func, args, kwargs):
+            bp.unit_root = roots[0]
         if bp.calls:
             self._saw_calls = True
         bp.check()

@@ -423,9 +423,12 @@ def push_residual(
     batched = r.dim() > 0 and r.shape[0] == n_calls
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
-    active = (flat != 0).any(0).nonzero().flatten()  # [K] element indices
-    if active.numel() == 0:
-        return
+    if flat.device.type == "cpu":  # skip elements whose residual vanishes for every sample
+        active = (flat != 0).any(0).nonzero().flatten()  # [K] element indices
+        if active.numel() == 0:
+            return
+    else:  # on an accelerator that selection would read back to the host: keep them all
+        active = torch.arange(flat.shape[1], device=flat.device)
     sqrt_abs = flat.abs().sqrt()[:, active]  # [n, K]
     signs = flat.sign()[:, active].t()  # [K, n]
     weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()  # [K, N]

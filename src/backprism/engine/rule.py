@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from backprism.engine.state import Call
 
 __all__ = [
+    "KRONECKER_DIAGONAL_MAX_BYTES",
     "Call",
     "Rule",
     "get_rule",
@@ -97,29 +98,83 @@ class Rule:
             if k in ps
         }
 
+    # -- Kronecker factors (KFAC / KFLR / KFRA) ------------------------------------------------
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
         """Input-side Kronecker factor ``A`` per weight-like parameter (KFAC/KFLR/KFRA)."""
         raise NotImplementedError(
-            f"Kronecker factors are not available for {type(call.module).__name__}"
+            f"backprism: {type(call.module).__name__}'s rule ({type(self).__name__}) defines no "
+            "input-side Kronecker factor (kfac_input); Rule.kronecker_factors gives its "
+            "parameters the single diagonal factor (kronecker_diagonal) instead"
         )
 
     def kfac_output(self, call: Call, g: Any) -> dict[str, Tensor]:
         """Output-side Kronecker factor ``B = Σₘ Σₙ gₘₙ gₘₙᵀ`` per parameter (KFAC/KFLR)."""
         raise NotImplementedError(
-            f"Kronecker factors are not available for {type(call.module).__name__}"
+            f"backprism: {type(call.module).__name__}'s rule ({type(self).__name__}) defines no "
+            "output-side Kronecker factor (kfac_output); Rule.kronecker_factors gives its "
+            "parameters the single diagonal factor (kronecker_diagonal) instead"
         )
+
+    def kronecker_form(self, call: Call) -> bool:
+        """Whether :meth:`kronecker_factors` gives ``call``'s parameters Kronecker factors
+        (``[B, A]`` / ``[B]`` from :meth:`kfac_input` and :meth:`kfac_output`); ``False``: every
+        parameter gets the single diagonal factor of :meth:`kronecker_diagonal`.
+
+        By default, whether the rule's class defines ``kfac_input`` or ``kfac_output``: norm
+        layers, the generic ``torch.func`` rule and other rules without them take the diagonal.
+        Rules may decide per call (a layout without Kronecker structure)."""
+        cls = type(self)
+        return cls.kfac_input is not Rule.kfac_input or cls.kfac_output is not Rule.kfac_output
 
     def kronecker_factors(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
         """Kronecker factors per parameter in BackPACK's order: ``[B, A]`` for a weight-like
         parameter (``B`` output side, ``A`` input side, so the block is ``≈ B ⊗ A``) and ``[B]``
-        for a bias. Rules whose parameter axes differ (Embedding) override this."""
+        for a bias. Rules whose parameter axes differ (Embedding) override this. Without a
+        Kronecker form (:meth:`kronecker_form`), the single diagonal factor of
+        :meth:`kronecker_diagonal`."""
+        if not self.kronecker_form(call):
+            return self.kronecker_diagonal(call, g)
         a, b = self.kfac_input(call), self.kfac_output(call, g)
         return {k: [b[k], a[k]] if k in a else [b[k]] for k in b}
+
+    def kronecker_diagonal(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
+        r"""The single-factor form of a parameter without Kronecker structure (elementwise
+        parameters: norm scales and shifts, parameters of generic modules):
+
+        .. math:: [D], \qquad D = \operatorname{diag}\Big(\sum_m \sum_n
+            \operatorname{vec}(V_{mn})^{\odot 2}\Big) \quad [P, P],\ P = θ.\mathrm{numel}(),
+
+        with ``Vₘₙ = Jₙᵀ gₘₙ`` (:meth:`per_sample`) and ``vec`` the row-major flattening — the
+        diagonal of the GGN block ``Σₘₙ vec(Vₘₙ) vec(Vₘₙ)ᵀ`` that a bias's ``[B]`` holds in full,
+        as a dense diagonal matrix in the bias's ``[B]`` format (a list with one ``[P, P]``
+        factor). The scaling is that of ``g`` (``1/√N`` of a mean loss, ``1/√M`` of ``M`` MC
+        columns), so ``D = diag(diag_ggn_exact)`` for exact columns and ``diag(diag_ggn_mc)``
+        for MC ones. Refused when ``[P, P]`` would exceed :data:`KRONECKER_DIAGONAL_MAX_BYTES`."""
+        for name, p in call.params.items():
+            size = p.numel() ** 2 * p.element_size()
+            if size > KRONECKER_DIAGONAL_MAX_BYTES:
+                raise NotImplementedError(
+                    f"backprism: the parameter {name!r} of {type(call.module).__name__} "
+                    f"({p.numel()} entries) has no Kronecker factors (its rule "
+                    f"{type(self).__name__} has none), so KFAC/KFLR/KFRA would store its GGN "
+                    f"diagonal as a [{p.numel()}, {p.numel()}] diagonal matrix "
+                    f"({size / 2**30:.1f} GiB; the limit is "
+                    "backprism.engine.rule.KRONECKER_DIAGONAL_MAX_BYTES). Take its curvature "
+                    "from DiagGGNExact/DiagGGNMC (and freeze it with requires_grad_(False) for "
+                    "the Kronecker pass), or register a Rule with kfac_input/kfac_output for "
+                    f"{type(call.module).__name__}"
+                )
+        return {k: [torch.diag(v.reshape(-1))] for k, v in self.sum_squared(call, g).items()}
 
     def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
         """Which of :meth:`kronecker_factors`' factors depend on the backpropagated columns
         (summed over column chunks) rather than on the inputs only (computed once per call)."""
         return [True] + [False] * (n_factors - 1)
+
+
+#: largest single diagonal Kronecker factor ``[P, P]`` (bytes) that :meth:`Rule.kronecker_diagonal`
+#: builds (a norm weight of 16384 entries in float64 takes 2 GiB)
+KRONECKER_DIAGONAL_MAX_BYTES = 2**31
 
 
 def _weighted_square_sum(v: Tensor, weights: Tensor | None, dims: tuple[int, ...]) -> Tensor:
