@@ -196,11 +196,22 @@ def test_kronecker_shapes(name, ext):
 
 
 @pytest.mark.parametrize("name", ["resnet", "transformer"])
-def test_kronecker_unsupported_layer_is_named(name):
+def test_kronecker_factors_for_every_parameter(name):
+    """Norm layers no longer stop KFLR: every parameter gets factors — ``[B, A]``/``[B]`` for
+    Linear-like and Conv layers, one diagonal factor for elementwise parameters, equal to the
+    exact GGN diagonal (tests/extensions/test_kronecker_norms.py checks them in detail)."""
     model, lossfunc, X, y, _ = build(name, seed=2)
     extend(model), extend(lossfunc)
-    with pytest.raises(NotImplementedError, match=r"BatchNorm2d|LayerNorm|MultiheadAttention"):
-        backward(model, lossfunc, X, y, KFLR())
+    backward(model, lossfunc, X, y, KFLR(), DiagGGNExact())
+    for pname, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert 1 <= len(p.kflr) <= 2, pname
+        if len(p.kflr) == 1 and p.kflr[0].shape[0] == p.numel() and p.dim() == 1:
+            diag = torch.diagonal(p.kflr[0])
+            if not torch.equal(p.kflr[0], torch.diag(diag)):
+                continue  # a bias's full [B] block, not the diagonal form
+            torch.testing.assert_close(diag, p.diag_ggn_exact.reshape(-1), **TOL)
 
 
 def test_kflr_tied_chunk_invariant():

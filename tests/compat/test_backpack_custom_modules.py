@@ -183,12 +183,21 @@ def test_module_extensions_second_order_square_root_and_kronecker():
     torch.testing.assert_close(B, v.T @ v)
 
 
-def test_uncovered_parameter_without_rule_is_refused_clearly():
+def test_uncovered_parameter_gets_the_single_diagonal_factor():
+    """A parameter the user's module extension leaves out (``bias``) gets KFLR's stated
+    treatment of parameters without Kronecker factors: the exact GGN diagonal as one factor."""
     model, lossfunc, X, y = affine_problem()
     kf = KFLR()
     kf.set_module_extension(Affine, AffineWeight("kflr"))
-    with pytest.raises(NotImplementedError, match="not \\['bias'\\]"), backpack(kf):
+    with backpack(kf):
         lossfunc(model(X), y).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    bias = model[1].bias
+    start = sum(p.numel() for p in params[: [id(p) for p in params].index(id(bias))])
+    idx = list(range(start, start + bias.numel()))
+    G = ggn_columns(model, lossfunc, X, y, idx)[:, idx]
+    assert len(bias.kflr) == 1
+    torch.testing.assert_close(bias.kflr[0], torch.diag(torch.diagonal(G)))
 
 
 def test_second_order_module_extension_has_no_output_gradient():

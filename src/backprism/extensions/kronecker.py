@@ -9,15 +9,29 @@ list ``[B, A]`` (``param.kfac`` / ``param.kflr``), for a bias as ``[B]``, follow
   exact (KFLR). ``B`` alone is the exact/MC GGN block of the bias.
 
 For ``N = 1`` and no positions, ``B ⊗ A`` equals the exact GGN block of the weight (KFLR).
+
 A parameter used by several calls (weight sharing) gets the sums of the calls' ``A`` and ``B``
 factors (the "expand" convention for shared weights). Embedding weights ``[V, D]`` store
 ``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
+
+**Parameters without Kronecker structure** — elementwise ones (LayerNorm, RMSNorm (also Hugging
+Face's ``LlamaRMSNorm`` & co.), GroupNorm and eval-mode BatchNorm scales and shifts) and those of
+any module whose rule has no Kronecker form (the generic ``torch.func`` rule): the single-factor
+form of a bias, ``[D]`` with ``D = diag(Σₘ Σₙ vec(Vₘₙ)²)`` (``[P, P]``, ``P = θ.numel()``,
+row-major ``vec``), ``Vₘₙ = Jₙᵀ gₘₙ`` the per-sample, per-column gradients of the same columns:
+the MC GGN diagonal for KFAC (``mc_samples`` sampled labels, ``D = diag(diag_ggn_mc)`` of
+``DiagGGNMC(mc_samples)``), the exact GGN diagonal for KFLR and KFRA
+(``D = diag(diag_ggn_exact)``). See :meth:`~backprism.engine.rule.Rule.kronecker_diagonal`.
+A parameter without Kronecker structure used by several calls gets the sum of the calls'
+diagonals (the same "expand" convention, so for tied parameters it is not ``diag_ggn_*``, which
+squares the per-sample sum over the calls).
 
 Under distributed data parallelism (:mod:`backprism.engine.distributed`) the factors are those of
 the global batch on every rank: ``B = Σ_r ρ_r B_r`` (loss weights, ``ρ = N_r/N`` for a mean
 loss) and ``A = Σ_r (N_r/N) A_r`` (batch averages). KFRA's recursion averages over the batch at
 every layer, so in a distributed pass it all-reduces those averages as it goes (one collective
-call per nonlinearity or sample-dependent pooling layer, plus one at the loss).
+call per nonlinearity, per-sample normalisation or sample-dependent pooling layer, plus one
+at the loss).
 """
 
 from __future__ import annotations
@@ -86,8 +100,16 @@ class _Kronecker(SecondOrderExtension):
 
 
 class KFAC(_Kronecker):
-    """Kronecker-factored approximate curvature with a Monte-Carlo ``B`` factor
-    (``mc_samples`` sampled labels), stored in ``param.kfac``."""
+    r"""Kronecker-factored approximate curvature with a Monte-Carlo ``B`` factor
+    (``mc_samples`` sampled labels), stored in ``param.kfac``.
+
+    ``[B, A]`` per weight of Linear, Conv, ConvTranspose, Embedding (``[A_tokens, B]``), GPT-2
+    ``Conv1D`` (``[A, B]``) and attention projections, ``[B]`` per bias. Every other trainable
+    parameter (norm scales and shifts, parameters of generic modules) gets ``[D]``, the MC GGN
+    diagonal of the same ``mc_samples`` columns as a ``[P, P]`` diagonal matrix:
+    ``D = diag(Σₘ Σₙ vec(Vₘₙ)²)``, ``Vₘₙ = Jₙᵀ gₘₙ`` with the columns scaled ``1/√M`` (and
+    ``1/√N`` for a mean loss), so ``E[D]`` is the exact GGN diagonal.
+    """
 
     savefield = "kfac"
 
@@ -100,7 +122,11 @@ class KFAC(_Kronecker):
 
 class KFLR(_Kronecker):
     """Kronecker-factored low-rank curvature: exact ``B`` factor from the exact loss-Hessian
-    square root, stored in ``param.kflr``."""
+    square root, stored in ``param.kflr``.
+
+    Layers and formats as :class:`KFAC`; parameters without Kronecker structure (norm scales
+    and shifts, generic modules) get ``[D]`` with ``D`` the exact GGN diagonal
+    (``diag(diag_ggn_exact)``, ``[P, P]``)."""
 
     savefield = "kflr"
 
@@ -145,6 +171,21 @@ _SAMPLE_INDEPENDENT = (
     nn.ConstantPad3d,
 )
 _SAMPLE_DEPENDENT = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+#: modules whose weights KFRA's recursion gives ``[Ḡ_out, A]``
+_KRONECKER_TYPES = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+#: normalisation layers (per-sample in eval mode; their parameters get the exact GGN diagonal)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, *_BATCHNORM) + (
+    (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
+)
 
 
 def _chain(module: nn.Module) -> list[nn.Module]:
@@ -169,10 +210,23 @@ class KFRA(SecondOrderExtension):
     convolution / pooling: through autograd). A weight gets ``[Ḡ_out, A]`` (for convolutions
     ``Ḡ_out`` summed over output positions, as BackPACK does), a bias ``[Ḡ_out]``.
 
+    Parameters without Kronecker structure — the scales and shifts of LayerNorm, RMSNorm,
+    GroupNorm and eval-mode BatchNorm, and the parameters of any other module in the chain whose
+    rule has no Kronecker form (a module of its own with the generic ``torch.func`` rule, e.g. a
+    hand-written RMSNorm) — get ``[D]`` with ``D`` the **exact** GGN diagonal
+    ``diag(Σₖ Σₙ vec(Vₖₙ)²)`` (``[P, P]``, as :class:`KFLR`; ``Vₖₙ = Jₙᵀ gₖₙ`` from the exact
+    loss-Hessian square root, ``1/√N`` of a mean loss included), not a recursion value: the
+    exact columns are pushed back to those layers' outputs once (their cost is that of KFLR
+    for those layers). The recursion passes through them (``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ``
+    with autograd; BatchNorm in eval mode with its sample-independent Jacobian).
+
     Only for models that are chains (``nn.Sequential``, nested allowed) of Linear, Conv,
-    elementwise activations, pooling, Flatten and Dropout in eval mode; anything else raises.
-    ``Ḡ`` is dense over a layer's flattened output, so KFRA is practical only for small
-    convolutional feature maps.
+    elementwise activations, pooling, Flatten, Dropout in eval mode, LayerNorm, RMSNorm,
+    GroupNorm, BatchNorm in eval mode (with running statistics) and parameter-owning modules
+    without Kronecker form (no parameter-owning descendants; they must not mix samples, as for
+    every per-sample rule); anything else raises — residual connections and attention are not
+    chains: use KFLR or KFAC there. ``Ḡ`` is dense over a layer's flattened output, so KFRA is
+    practical only for small convolutional feature maps.
     """
 
     savefield = "kfra"
@@ -202,15 +256,40 @@ class KFRA(SecondOrderExtension):
             )
         root, args = roots[0]
         chain = _chain(root)
+        by_call = {id(c.module): c for c, _ in calls}
+        diagonal: set[int] = set()  # modules whose parameters get the exact GGN diagonal
         for m in chain:
-            ok = isinstance(
-                m, (nn.Linear, *_ELEMENTWISE, *_IDENTITY, *_SAMPLE_INDEPENDENT, *_SAMPLE_DEPENDENT)
+            if isinstance(m, _BATCHNORM) and (m.training or m.running_mean is None):
+                raise NotImplementedError(
+                    f"KFRA: {type(m).__name__} normalises with the statistics of the current "
+                    "batch (train mode or track_running_stats=False), which mixes the samples. "
+                    "Call model.eval() with track_running_stats=True for the backward pass"
+                )
+            call = by_call.get(id(m))
+            if (
+                call is not None
+                and not isinstance(m, _KRONECKER_TYPES)
+                and _owns_all_parameters(m)
+                and not get_rule(m).kronecker_form(call)
+            ):
+                diagonal.add(id(m))
+            ok = id(m) in diagonal or isinstance(
+                m,
+                (
+                    nn.Linear,
+                    *_ELEMENTWISE,
+                    *_IDENTITY,
+                    *_SAMPLE_INDEPENDENT,
+                    *_SAMPLE_DEPENDENT,
+                    *_NORMS,
+                ),
             )
             if not ok or (isinstance(m, nn.Dropout) and m.training and m.p > 0):
                 raise NotImplementedError(
                     f"KFRA does not support {type(m).__name__} in the chain; supported: Linear, "
                     "Conv, ConvTranspose, elementwise activations, pooling, Flatten, Dropout "
-                    "(eval). Use KFLR or KFAC instead"
+                    "(eval), LayerNorm, RMSNorm, GroupNorm, BatchNorm (eval) and parameter-owning "
+                    "modules without Kronecker form. Use KFLR or KFAC instead"
                 )
         cols = loss_hessian_sqrt(record.module, record.inputs, ("exact",), n).materialize()
         if len(cols) != 1:
@@ -225,13 +304,21 @@ class KFRA(SecondOrderExtension):
             for m in chain:
                 xs.append(m(xs[-1]))
         first_param = next((i for i, m in enumerate(chain) if _trainable(m)), len(chain))
-        by_call = {id(c.module): c for c, _ in calls}
         for i in reversed(range(first_param, len(chain))):
             m, x = chain[i], xs[i]
-            if _trainable(m):
+            if _trainable(m) and id(m) not in diagonal:
                 self._store_factors(bp, by_call.get(id(m)), m, G, xs[i + 1])
             if i > first_param:
                 G = self._backprop(m, x, G, None if dp is None else dp.batch_average)
+        # parameters without Kronecker structure: the exact GGN diagonal from the exact
+        # loss-Hessian square root pushed back to their outputs (as KFLR would)
+        diag_calls = [(c, e) for c, e in calls if id(c.module) in diagonal]
+        if diag_calls:
+            exact = loss_hessian_sqrt(record.module, record.inputs, ("exact",), n)
+            origins = [record.inputs[i] for i in exact.inputs]
+            if scale != 1.0:
+                exact = exact.scaled(scale**0.5)
+            bp.process_columns(diag_calls, origins, exact, [_KFRADiagonal()], None)
         return None
 
     def _store_factors(self, bp, call, m, G, out) -> None:
@@ -282,12 +369,14 @@ class KFRA(SecondOrderExtension):
         if isinstance(m, _IDENTITY):
             return G
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), suspended():
             if isinstance(m, _ELEMENTWISE):
                 (d,) = torch.autograd.grad(m(x).sum(), x)
                 d = d.reshape(n, -1)
                 return G * average(d.t() @ d / n)
-            sample_independent = isinstance(m, _SAMPLE_INDEPENDENT)
+            # eval-mode BatchNorm is affine with running statistics: the same Jacobian for
+            # every sample; other normalisations and generic modules act per sample
+            sample_independent = isinstance(m, (*_SAMPLE_INDEPENDENT, *_BATCHNORM))
             xin = x[:1] if sample_independent else x
             out = m(xin)
             L = _psd_factor(G)  # [D_out, r]
@@ -305,3 +394,22 @@ class KFRA(SecondOrderExtension):
 
 def _trainable(m: nn.Module) -> bool:
     return any(p.requires_grad for p in m.parameters(recurse=False))
+
+
+def _owns_all_parameters(m: nn.Module) -> bool:
+    """``m`` has trainable parameters of its own and its descendants have none (one call of
+    its rule covers them)."""
+    return _trainable(m) and not any(
+        p.requires_grad for sub in m.modules() if sub is not m for p in sub.parameters(False)
+    )
+
+
+class _KFRADiagonal(_Kronecker):
+    """KFRA's exact GGN diagonal ``[D]`` for parameters without Kronecker structure (the rules'
+    :meth:`~backprism.engine.rule.Rule.kronecker_diagonal` on exact columns), stored in
+    ``param.kfra``; reduced over ranks like KFLR's ``B`` (a loss-weighted local sum)."""
+
+    savefield = "kfra"
+
+    def column_key(self) -> Hashable:
+        return ("exact",)

@@ -23,6 +23,9 @@ with a one-time warning, to plain autograd in a loop over samples — same numbe
 All statistics (``summed``, ``sum_squared``, ``batch_l2``, ``batch_dot``, …) are the
 :class:`~backprism.engine.rule.Rule` defaults built from the materialised ``V``; the result of one
 ``(call, g)`` is cached while ``g`` is alive, so several extensions share one recomputation.
+The rule has no Kronecker form: KFAC / KFLR / KFRA store each parameter's GGN diagonal (MC or
+exact) as the single factor ``[diag(Σₘ Σₙ vec(Vₘₙ)²)]``
+(:meth:`~backprism.engine.rule.Rule.kronecker_diagonal`).
 
 Which inputs are per-sample:
 

@@ -27,7 +27,8 @@ class the rule checks that structure on the first two samples of a real call (``
 elementwise in ``w``, samples independent); a class that fails the check, or a call with other
 trainable parameters, takes the generic ``torch.func`` rule. Statistics are the
 :class:`~backprism.engine.rule.Rule` defaults on the ``[M, N, *w.shape]`` gradients (``w`` is
-small).
+small); KFAC / KFLR / KFRA give ``w`` the single diagonal factor ``[diag(Σₘ Σₙ Vₘₙ²)]`` (MC or
+exact GGN diagonal, :meth:`~backprism.engine.rule.Rule.kronecker_diagonal`).
 """
 
 from __future__ import annotations
