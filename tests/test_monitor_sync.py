@@ -66,7 +66,6 @@ CURVATURE_VARIANTS = [
     ("TICTrace", "diag_ggn_mc"),
     ("TICTrace", "diag_ggn_exact"),
 ]
-#: quantities that push loss-Hessian columns (the engine reads the loss-gradient scale)
 
 
 def make_model(device: str = "cpu", dtype=torch.float32):

@@ -522,11 +522,6 @@ def test_example_trace_estimation():
             torch.testing.assert_close(p.diag_h.reshape(-1)[flat], col.reshape(-1)[flat])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="engine: results are not differentiable (backward(create_graph=True) gives "
-    "detached quantities); needed by BackPACK's gradient-of-variance example",
-)
 def test_example_gradient_of_variance():
     torch.manual_seed(0)
     model = extend(nn.Sequential(nn.Linear(5, 1, bias=False)).to(DT))

@@ -164,6 +164,10 @@ class BackwardPass:
         #: (``loss.backward()``): an extended loss that is this root enters with factor 1,
         #: known without reading the gradient (a host synchronisation on accelerators)
         self.unit_root: Tensor | None = None
+        #: the pass runs with ``create_graph=True``: first-order results stay differentiable
+        #: (rules see the calls' live inputs and undetached output gradients)
+        self.create_graph = False
+        self._detached_args: list[tuple[Call, tuple, dict]] = []
         self._marked: list[Any] = []
         #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
         self.distributed: _distributed.DistributedPass | None = None
@@ -187,6 +191,8 @@ class BackwardPass:
                     f"backprism: {type(rec.module).__name__}(reduction={reduction!r}) gives no "
                     "per-sample scaling; use reduction='mean' or 'sum'"
                 )
+        if self.create_graph and self.first:
+            self._check_differentiable()
         per_sample = [e for e in exts if e.per_sample]
         sizes = sorted({c.batch_size for c in self.calls if c.params})
         if 0 in sizes:
@@ -286,6 +292,11 @@ class BackwardPass:
             for f in fields:
                 if f in p.__dict__:
                     delattr(p, f)
+        if self.create_graph and self.first:  # rules see live inputs (differentiable results)
+            for call in self.calls:
+                if call.params and call.live is not None:
+                    self._detached_args.append((call, call.args, call.kwargs))
+                    call.args, call.kwargs = call.live
         for call in self.calls:
             if call.dtype is not None:  # ran under autocast: rules work in the parameter dtype
                 dt = _param_dtype(call)
@@ -359,6 +370,9 @@ class BackwardPass:
             for record in self._marked:
                 if record.pass_ is self:
                     record.pass_ = None
+            for call, args, kwargs in self._detached_args:
+                call.args, call.kwargs = args, kwargs
+            self._detached_args.clear()
             self._handles.clear()
             self._marked.clear()
 
@@ -405,12 +419,30 @@ class BackwardPass:
         with _Running(self):
             self._on_output_grad(call, grads)
 
+    def _check_differentiable(self) -> None:
+        """``create_graph=True`` with first-order extensions: every call's rule must compute
+        differentiably from the call's live inputs (refused before anything is written)."""
+        for call in self.calls:
+            if not call.params:
+                continue
+            rule = get_rule(call.module)
+            if not getattr(rule, "differentiable", False) or call.live is None:
+                names = _names(self.first)
+                raise RuntimeError(
+                    f"backprism {names}: backward(create_graph=True) asks for results that are "
+                    f"differentiable, but the rule of {call.name} ({type(rule).__name__}) does "
+                    "not compute them differentiably, so their derivatives would be wrong. "
+                    "Differentiable first-order results are available for Linear, Embedding, "
+                    "Conv and norm layers; run this backward without create_graph=True (or "
+                    "compute the quantity with torch.func for this model)."
+                )
+
     def _on_output_grad(self, call: Call, grads: tuple[Tensor | None, ...]) -> None:
         module = call.module
         params = call.params
         if self.first and params and any(g is not None for g in grads):
             rule = _Memo(get_rule(module))
-            g = _with_column_axis(grads, call)
+            g = _with_column_axis(grads, call, self.create_graph)
             single, multi = {}, {}
             for name, p in params.items():
                 self.fired[id(p)] += 1
@@ -477,7 +509,9 @@ class BackwardPass:
             return
         with _Running(self):
             for ext, partial, _, _ in items:
-                self.store(param, ext, ext.finish(partial, grad.detach().to(param.dtype)))
+                if not self.create_graph:
+                    grad = grad.detach()
+                self.store(param, ext, ext.finish(partial, grad.to(param.dtype)))
             for module in {id(m): m for _, _, m, _ in items}.values():
                 call = self.module_call.get(id(module))
                 if call is not None:
@@ -501,7 +535,9 @@ class BackwardPass:
         return hit
 
     def on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
-        with _Running(self):
+        # second-order results are never part of a graph (under create_graph=True the hooks run
+        # with grad mode on; the columns are pushed with autograd.grad, which needs none)
+        with _Running(self), torch.no_grad():
             self._on_loss_grad(record, grad)
 
     def _on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
@@ -720,13 +756,21 @@ def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
     return value
 
 
-def _with_column_axis(grads: tuple[Tensor | None, ...], call: Call) -> Any:
+def _with_column_axis(
+    grads: tuple[Tensor | None, ...], call: Call, keep_graph: bool = False
+) -> Any:
+    """The output gradients with a leading column axis of size 1 (first order), detached
+    unless ``keep_graph`` (a ``create_graph=True`` pass)."""
+
+    def prep(g: Tensor) -> Tensor:
+        return g if keep_graph else g.detach()
+
     if len(grads) == 1:
-        return _cast_columns(grads[0].detach().unsqueeze(0), call)
+        return _cast_columns(prep(grads[0]).unsqueeze(0), call)
     ref = next(g for g in grads if g is not None)
     return tuple(
         _cast_columns(
-            (g.detach() if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
+            (prep(g) if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
             call,
         )
         for j, g in enumerate(grads)

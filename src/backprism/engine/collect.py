@@ -68,6 +68,13 @@ def _implicit_seed(func: Any, args: tuple, kwargs: dict) -> bool:
     return seed is None
 
 
+def _creates_graph(func: Any, args: tuple, kwargs: dict) -> bool:
+    """The ``create_graph`` argument of a backward entry point."""
+    index = 4 if func is torch.autograd.grad else 3  # Tensor.backward counts ``self``
+    value = args[index] if len(args) > index else kwargs.get("create_graph", False)
+    return bool(value)
+
+
 class _BackwardMode(TorchFunctionMode):
     """Sees the backward entry points called inside a :class:`collect` (module docstring)."""
 
@@ -103,6 +110,14 @@ class collect:
             process group: reduce over it in every pass. ``None``: local values. In a
             distributed pass ``extension_hook`` runs at the end of the pass, after the
             reduction.
+        differentiable: under ``backward(create_graph=True)`` (or ``autograd.grad(...,
+            create_graph=True)``), first-order results (``grad_batch``, ``batch_l2``,
+            ``sum_grad_squared``, ``variance``, …) are part of the graph, so a function of them
+            can be differentiated w.r.t. the parameters (default ``True``). Rules that cannot
+            compute differentiably (the generic ``torch.func`` rule, attention, RNNs) are then
+            refused before anything is written. ``False``: results are always detached (e.g.
+            when the graph is created only for Hessian-vector products). Second-order results
+            are never part of the graph.
 
     Example:
         >>> with collect(BatchGrad(), DiagGGNExact()):
@@ -117,6 +132,7 @@ class collect:
         chunk_size: int | None = None,
         memory_budget: int = 2**30,
         process_group: Any = "auto",
+        differentiable: bool = True,
     ) -> None:
         for ext in extensions:
             if isinstance(ext, type) and issubclass(ext, Extension):
@@ -153,6 +169,7 @@ class collect:
                 f"{process_group!r}"
             )
         self.process_group = process_group
+        self.differentiable = differentiable
         #: what the last distributed backward pass communicated (a
         #: :class:`~backprism.engine.distributed.Communication`), ``None`` before one ran
         self.communication: Any = None
@@ -192,6 +209,7 @@ class collect:
         bp = BackwardPass(self, analyse(roots))
         if len(roots) == 1 and roots[0].dim() == 0 and _implicit_seed(func, args, kwargs):
             bp.unit_root = roots[0]
+        bp.create_graph = self.differentiable and _creates_graph(func, args, kwargs)
         if bp.calls:
             self._saw_calls = True
         bp.check()

@@ -154,7 +154,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
     if not arg_tensors:
         return
-    capture(module, call_args, call_kwargs, arg_tensors, outs, call_params(module, ran))
+    params = call_params(module, ran)
+    capture(module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs))
 
 
 def capture(
@@ -165,9 +166,11 @@ def capture(
     outs: list[Tensor],
     params: dict[str, nn.Parameter],
     batch_size: int | None = None,
+    live: tuple[tuple, dict] | None = None,
 ) -> Call | None:
     """Record one call (of a module, or a functional use of parameters with a stand-in
-    ``module``) whose outputs ``outs`` were computed from ``arg_tensors``."""
+    ``module``) whose outputs ``outs`` were computed from ``arg_tensors``; ``args``/``kwargs``
+    detached, ``live`` the same as passed (not detached)."""
     first = arg_tensors[0] if arg_tensors else outs[0]
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
@@ -183,6 +186,7 @@ def capture(
         input_edges=[get_gradient_edge(a) for a in arg_tensors if a.requires_grad],
         dtype=_autocast_dtype(first),
         unrecorded=FORWARD.unrecorded > 0,
+        live=live,
     )
     return call if attach(call, outs) else None
 

@@ -226,6 +226,11 @@ def _outputs(out: Any) -> list[Tensor]:
     return []
 
 
+def _capture_one(module: nn.Module, x: Tensor, outs: list[Tensor], params: dict) -> None:
+    """Capture a stand-in call with the single per-sample input ``x``."""
+    capture(module, (x.detach(),), {}, [x], outs, params, live=((x,), {}))
+
+
 def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
     views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
@@ -251,7 +256,9 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         src = args[pos]
         if _expands_batch(name, src, out):
             module = ParamBroadcast(p, rebuild)
-            capture(module, (), {}, [], [out], {"p0": p}, batch_size=out.shape[0])
+            capture(
+                module, (), {}, [], [out], {"p0": p}, batch_size=out.shape[0], live=((), {})
+            )
             return
         two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
         new_kind = "T" if kind == "param" and two_d_transpose else "view"
@@ -272,13 +279,13 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         ):
             module = _linear_stand_in(w[0], None if b is None else b[0])
             params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
-            capture(module, (x.detach(),), {}, [x], outs, params)
+            _capture_one(module, x, outs, params)
             return
     if name == "embedding" and len(args) >= 2 and tensors[0][0] == 0:
         w = _param_view(args[1])
         if w is not None and w[2] == "param" and len(views) == 1:
             module = _embedding_stand_in(w[0], kwargs, tuple(args[2:]))
-            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0]})
+            _capture_one(module, x, outs, {"weight": w[0]})
             return
     if name in _CONV_TYPES and len(args) >= 2 and tensors[0][0] == 0:
         w = _param_view(args[1])
@@ -289,19 +296,19 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
                 name, w[0], None if b is None else b[0], kwargs, tuple(args[3:])
             )
             params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
-            capture(module, (x.detach(),), {}, [x], outs, params)
+            _capture_one(module, x, outs, params)
             return
     if name == "addmm" and len(args) == 3 and tensors[0][0] == 1 and not kwargs:
         b, w = _param_view(args[0]), _param_view(args[2])
         if b is not None and w is not None and b[2] == "param" and w[2] == "T":
             module = _linear_stand_in(w[0], b[0])
-            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0], "bias": b[0]})
+            _capture_one(module, x, outs, {"weight": w[0], "bias": b[0]})
             return
     if name in _MATMULS and len(args) == 2 and tensors[0][0] == 0 and views[0][0] == 1:
         w = views[0][1]
         if w[2] == "T" and x.dim() >= 2:
             module = _linear_stand_in(w[0], None)
-            capture(module, (x.detach(),), {}, [x], outs, {"weight": w[0]})
+            _capture_one(module, x, outs, {"weight": w[0]})
             return
     # everything else: the generic rule on a stand-in re-running the operation
     params: list[nn.Parameter] = []
@@ -328,6 +335,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         xs,
         outs,
         {f"p{i}": p for i, p in enumerate(params)},
+        live=(tuple(xs), {}),
     )
 
 
@@ -395,6 +403,12 @@ def _broadcast_calls(args: tuple) -> tuple:
             out_shapes=[wide.shape],
             batch_size=n,
             pass_=None,
+            live=None
+            if call.live is None
+            else (
+                tuple(_expand_arg(x, n) for x in call.live[0]),
+                {k: _expand_arg(v, n) for k, v in call.live[1].items()},
+            ),
         )
         if attach(expanded, [wide]):
             call.superseded = True

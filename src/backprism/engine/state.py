@@ -84,6 +84,9 @@ class Call:
         unrecorded: the forward ran without recording nonlinearities (DiagHessian refuses it).
         superseded: replaced by a call expanded to the batch (a batch-1 call whose output was
             broadcast over the samples, see :mod:`backprism.engine.functional`); ignored.
+        live: ``(args, kwargs)`` as passed, not detached (upstream of the call's output, so no
+            reference cycle): what rules see in a ``create_graph=True`` pass, whose first-order
+            results are differentiable.
         pass_: the backward pass processing this call right now (set and cleared by it).
     """
 
@@ -99,6 +102,7 @@ class Call:
     dtype: torch.dtype | None = None
     unrecorded: bool = False
     superseded: bool = False
+    live: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     pass_: Any = None
 
     @property

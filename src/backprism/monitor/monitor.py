@@ -446,7 +446,8 @@ class _StepContext:
                 if hasattr(p, self.batch_field):
                     delattr(p, self.batch_field)
         if exts:
-            self.ctx = collect(*exts, extension_hook=self._hook)
+            # the graph is created for Hessian-vector products, never to differentiate results
+            self.ctx = collect(*exts, extension_hook=self._hook, differentiable=False)
             self.ctx.__enter__()
         return self
 

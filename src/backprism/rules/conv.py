@@ -24,6 +24,10 @@ __all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]
 
 
 class _ConvRule(UnfoldRule):
+    #: statistics are polynomials in the unfolded live input and the output gradient (and
+    #: ``convolution_backward``, which has a derivative of its own)
+    differentiable = True
+
     def unfold_input(self, call: Call) -> Tensor:
         mod = call.module
         return unfold_conv(

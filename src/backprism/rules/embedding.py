@@ -120,6 +120,9 @@ def _weighted(sq: Tensor, weights: Tensor | None, sample: Tensor) -> Tensor:
 class EmbeddingRule(Rule):
     """Per-sample quantities of ``nn.Embedding`` from token indices (see the module docstring)."""
 
+    #: every statistic is a scatter of (squares of) the output gradient
+    differentiable = True
+
     def builds_per_sample(self, call: Call) -> bool:
         return False  # statistics come from the compact (sample, token) table
 

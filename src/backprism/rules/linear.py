@@ -76,6 +76,9 @@ def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:
 
 @register_rule(nn.Linear)
 class LinearRule(Rule):
+    #: every statistic is a polynomial in the live input and the output gradient
+    differentiable = True
+
     def builds_per_sample(self, call: Call) -> bool:
         return call.input.dim() != 2  # without middle axes every statistic has a closed form
 
@@ -149,7 +152,7 @@ class LinearRule(Rule):
         else:
             out["weight"] = torch.cat([
                 torch.linalg.vector_norm(_vmat(g[:, sl], x[sl]).flatten(2), dim=-1)
-                .square_().sum(0)
+                .square().sum(0)
                 for sl in _chunks(x.shape[0], g.shape[0] * o * i)
             ])
         if call.module.bias is not None:

@@ -26,6 +26,10 @@ PyTorch's own normalisation kernels without affine parameters (``F.layer_norm``,
 ``F.rms_norm``, ``F.group_norm``), so it is the layer's own arithmetic; it is computed once
 per call: the last one is cached (keyed on the call and its input's version counter) and
 dropped at the end of the backward pass.
+
+The parameters are elementwise, without Kronecker structure: KFAC / KFLR / KFRA store for each
+the single factor ``[diag(Σₘ Σₙ Vₘₙ²)]`` (``[P, P]``), the MC (KFAC) or exact (KFLR, KFRA) GGN
+diagonal (:meth:`~backprism.engine.rule.Rule.kronecker_diagonal`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class _AffineNormRule(Rule):
     axis 1 (``channel = True``) or the trailing axes."""
 
     channel: bool = False
+    #: ``x̂`` is computed from the live input, and the statistics are polynomials in it and in
+    #: the output gradient
+    differentiable = True
 
     def validate(self, call: Call) -> None:
         """Raise if per-sample quantities are undefined for this call."""

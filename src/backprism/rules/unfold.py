@@ -321,7 +321,7 @@ class UnfoldRule(Rule):
         if self._has_weight(call):
             v = self._cache.get_v(call, g)
             if v is not None:
-                out["weight"] = torch.linalg.vector_norm(v.flatten(2), dim=-1).square_().sum(0)
+                out["weight"] = torch.linalg.vector_norm(v.flatten(2), dim=-1).square().sum(0)
             else:
                 out["weight"] = self._batch_l2_weight(call, g)
         if self._has_bias(call):
@@ -347,7 +347,7 @@ class UnfoldRule(Rule):
                 v = self._vmat(g5[:, sl], x[sl])
                 k = v.shape[1]
                 # fused norm: no squared temporary
-                norms = torch.linalg.vector_norm(v.reshape(m, k, -1), dim=-1).square_()
+                norms = torch.linalg.vector_norm(v.reshape(m, k, -1), dim=-1).square()
                 parts.append(norms.sum(0))
         return torch.cat(parts)
 
