@@ -49,7 +49,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -210,20 +209,45 @@ def _affine(v: Tensor, scale: float, lo: float, hi: float, bins: int) -> tuple[f
 def _affine_cached(
     double: bool, scale: float, lo: float, hi: float, bins: int
 ) -> tuple[float, float]:
-    """``(a, c)`` with bin coordinate ``t = a·v + c = (scale·v − lo)·bins/(hi − lo)``, ``c``
-    representable in ``v``'s dtype and nudged (by at most a unit in the last place) so that an
-    exact zero — frequent (ReLU), and often a bin edge — lands in the bin ``numpy.histogram``
-    gives it (its edges are ``numpy.linspace(lo, hi, bins + 1)``)."""
-    npdt = np.float64 if double else np.float32
-    a = scale * bins / (hi - lo)
-    c = npdt(-lo * bins / (hi - lo))
-    edges = np.linspace(lo, hi, bins + 1)
-    zero = int(np.clip(np.searchsorted(edges, 0.0, side="right") - 1, 0, bins - 1))
-    if zero > 0 and c < zero:
-        c = npdt(zero)
-    if zero < bins - 1 and c >= zero + 1:
-        c = np.nextafter(npdt(zero + 1), npdt(-np.inf))
-    return a, float(c)
+    """``(a, c)`` with bin coordinate ``t = a·v + c = (scale·v − lo)·bins/(hi − lo)``: a static
+    range's :func:`affine_tensors` as Python floats (computed on the CPU once per range)."""
+    dtype = torch.float64 if double else torch.float32
+    lo_t, hi_t = (torch.tensor(x, dtype=torch.float64, device="cpu") for x in (lo, hi))
+    _, c = affine_tensors(scale, lo_t, hi_t, bins, dtype)
+    return scale * bins / (hi - lo), float(c)
+
+
+def device_edges(lo: Tensor, hi: Tensor, bins: int) -> Tensor:
+    """``numpy.linspace(lo, hi, bins + 1)`` in float64 on ``lo``'s device (numpy's arithmetic:
+    ``arange·step + lo`` with ``step = (hi − lo)/bins``, the last edge exactly ``hi``)."""
+    lo, hi = lo.double(), hi.double()
+    steps = torch.arange(bins + 1, dtype=torch.float64, device=lo.device)
+    edges = steps * ((hi - lo) / bins) + lo
+    return torch.cat([edges[:-1], hi.reshape(1)])
+
+
+def affine_tensors(
+    scale: float, lo: Tensor, hi: Tensor, bins: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(a, c)`` of the bin coordinate ``t = a·v + c = (scale·v − lo)·bins/(hi − lo)`` for
+    ``bins`` equal bins over ``[lo, hi]`` (0-dim tensors, on ``lo``'s device, never read on the
+    host): ``a`` in float64, ``c`` in ``dtype`` (``v``'s), nudged (by at most a unit in the
+    last place) so that an exact zero — frequent (ReLU), and often a bin edge — lands in the
+    bin ``numpy.histogram`` gives it (its edges are ``numpy.linspace(lo, hi, bins + 1)``,
+    :func:`device_edges`). Serves static ranges (:func:`_affine`) and the monitor's ranges
+    that live on the device (:mod:`backprism.monitor.histograms`)."""
+    lo, hi = lo.double(), hi.double()
+    width = hi - lo
+    a = (scale * bins) / width
+    c = (-lo * bins / width).to(dtype)
+    edges = device_edges(lo, hi, bins)
+    origin = torch.zeros(1, dtype=torch.float64, device=lo.device)
+    zero = torch.searchsorted(edges, origin, right=True)[0] - 1
+    zero = zero.clamp(0, bins - 1).to(dtype)
+    c = torch.where((zero > 0) & (c < zero), zero, c)
+    below = torch.nextafter(zero + 1, torch.full_like(zero, -float("inf")))
+    c = torch.where((zero < bins - 1) & (c >= zero + 1), below, c)
+    return a, c
 
 
 def bin_index(v: Tensor, scale: float, lo: float, hi: float, bins: int) -> Tensor:

@@ -19,6 +19,9 @@ not bias them). Clocks are read
 after ``torch.cuda.synchronize()`` on CUDA. The model's parameters, gradients and buffers are
 restored afterwards; the optimizer used for timing is a fresh ``torch.optim.SGD`` (``lr``)
 unless ``optimizer`` builds another one from the parameters.
+
+From a terminal: ``backprism cost [MODULE:CALLABLE] --config full [--json]`` (:mod:`backprism.cli`;
+:meth:`CostReport.to_dict` is its JSON).
 """
 
 from __future__ import annotations
@@ -59,17 +62,58 @@ class CostReport:
     tracked: dict[str, int] = field(default_factory=dict)
     """Quantity key → number of steps within the horizon at which it does work."""
 
+    def quantity_keys(self) -> list[str]:
+        """The monitor's quantity keys (those timed alone first)."""
+        return list({**self.per_quantity, **self.tracked})
+
+    def amortised_of(self, key: str) -> float:
+        """The step with quantity ``key`` alone on its schedule, over the plain step, averaged
+        over the horizon: ``1 + (per step − 1)·(active steps)/horizon`` (NaN if it was not
+        timed alone). Quantities that share work cost less together than these add up to."""
+        ratio = self.per_quantity.get(key, float("nan"))
+        return 1.0 + (ratio - 1.0) * self.tracked.get(key, 0) / max(1, self.horizon)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data: the table's rows under ``"quantities"`` (``None``
+        where a ratio was not timed, i.e. NaN)."""
+
+        def num(x: float) -> float | None:
+            return None if x != x else x
+
+        return {
+            "plain_s": self.plain_s,
+            "horizon": self.horizon,
+            "quantities": [
+                {
+                    "key": key,
+                    "per_step": num(self.per_quantity.get(key, float("nan"))),
+                    "active_steps": self.tracked.get(key, 0),
+                    "amortised": num(self.amortised_of(key)),
+                }
+                for key in self.quantity_keys()
+            ],
+            "together": num(self.together),
+            "amortised": self.amortised,
+            "patterns": [
+                {"steps": n, "quantities": list(keys), "ratio": ratio}
+                for n, keys, ratio in self.patterns
+            ],
+        }
+
     def __str__(self) -> str:
         lines = [
             f"plain step: {self.plain_s * 1e3:.1f} ms",
             f"{'quantity':24s} {'per step':>9s} {'active steps':>13s} {'amortised':>10s}",
         ]
-        for key, ratio in self.per_quantity.items():
+        for key in self.quantity_keys():
             n = self.tracked.get(key, 0)
-            extra = (ratio - 1.0) * n / max(1, self.horizon)
-            lines.append(
-                f"{key:24s} {ratio:8.2f}× {n:6d}/{self.horizon:<6d} {1 + extra:9.3f}×"
-            )
+            if key in self.per_quantity:
+                ratio, amortised = self.per_quantity[key], self.amortised_of(key)
+                lines.append(
+                    f"{key:24s} {ratio:8.2f}× {n:6d}/{self.horizon:<6d} {amortised:9.3f}×"
+                )
+            else:  # not timed alone (per_quantity=False)
+                lines.append(f"{key:24s} {'—':>9s} {n:6d}/{self.horizon:<6d} {'—':>10s}")
         if self.together == self.together:  # not NaN
             lines.append(f"{'all at every step':24s} {self.together:8.2f}×")
         lines.append(
@@ -158,6 +202,7 @@ def cost_estimate(
     verbose: bool = True,
     per_quantity: bool = True,
     clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> CostReport:
     """Time a plain step and ``monitor``'s quantities on ``model`` (module doc).
 
@@ -180,6 +225,9 @@ def cost_estimate(
             and 3 of the module doc; ``False``: only the amortised estimate).
         clock: the clock (default ``time.perf_counter``, wall time; ``time.process_time``
             counts this process's CPU time, steadier on a CPU shared with other work).
+        progress: called as ``progress(done, total, label)`` before every timed variant
+            (``done`` of ``total`` timed so far, ``label`` names the next one) and once at the
+            end (``done == total``, ``label == ""``); e.g. for a progress bar.
     """
     import backprism
     from backprism.monitor.monitor import Monitor
@@ -224,6 +272,24 @@ def cost_estimate(
             out.append(c)
         return out
 
+    qs = monitor.quantities
+    # steps grouped by (pattern of the step before, pattern of the step): the step before
+    # decides which caches exist and how much fresh memory the step touches
+    counts: dict[tuple[frozenset[int], frozenset[int]], list[int]] = {}
+    before: frozenset[int] = frozenset()
+    for s in range(steps):
+        now = _pattern(qs, s)
+        counts.setdefault((before, now), []).append(s)
+        before = now
+    labels = [*(q.key for q in qs), "all at every step"] if per_quantity else []
+    n_patterns = sum(1 for _, pat in counts if pat)
+    labels += [f"schedule pattern {i + 1}/{n_patterns}" for i in range(n_patterns)]
+    done = 0
+
+    def tell() -> None:
+        if progress is not None:
+            progress(done, len(labels), labels[done] if done < len(labels) else "")
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -232,30 +298,28 @@ def cost_estimate(
             per_q: dict[str, float] = {}
             together = float("nan")
             if per_quantity:
-                for q in monitor.quantities:
+                for q in qs:
+                    tell()
                     mon = Monitor(params, fresh([q], every=True))
                     per_q[q.key] = timed(mon, [0, 1], 1)
-                mon = Monitor(params, fresh(monitor.quantities, every=True))
+                    done += 1
+                tell()
+                mon = Monitor(params, fresh(qs, every=True))
                 together = timed(mon, [0, 1], 1)
-            qs = monitor.quantities
-            # steps grouped by (pattern of the step before, pattern of the step): the step
-            # before decides which caches exist and how much fresh memory the step touches
-            counts: dict[tuple[frozenset[int], frozenset[int]], list[int]] = {}
-            before: frozenset[int] = frozenset()
-            for s in range(steps):
-                now = _pattern(qs, s)
-                counts.setdefault((before, now), []).append(s)
-                before = now
+                done += 1
             patterns: list[tuple[int, list[str], float]] = []
             for (_, pat), members in counts.items():
                 s = members[0]
                 if not pat:
                     patterns.append((len(members), [], 1.0))
                     continue
+                tell()
                 mon = Monitor(params, fresh(qs, every=False))
                 seq = [s - 1, s] if s > 0 else [s]
                 keys = [qs[i].key for i in sorted(pat)]
                 patterns.append((len(members), keys, timed(mon, seq, s)))
+                done += 1
+            tell()
     finally:
         with torch.no_grad():
             for p, v, g in zip(params, saved_params, saved_grads):

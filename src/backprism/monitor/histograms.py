@@ -16,9 +16,10 @@ with two differences:
 * **Ranges on the device.** A range moved by a bin-adaptation policy is a pair of 0-dim device
   tensors (``range_dev``/``range2d_dev``), never read on the host during the step: the bin
   coordinate ``t = a·v + c`` takes ``a = s·bins/(hi − lo)`` and ``c = −lo·bins/(hi − lo)`` as
-  tensors, ``c`` nudged exactly as :func:`backprism.extensions.projections._affine` does so that
-  exact zeros land in the bin ``numpy.histogram`` gives them (the edges are computed on the
-  device with ``numpy.linspace``'s arithmetic, :func:`device_edges`).
+  tensors, ``c`` nudged so that exact zeros land in the bin ``numpy.histogram`` gives them (the
+  edges are computed on the device with ``numpy.linspace``'s arithmetic, :func:`device_edges`):
+  the engine's :func:`~backprism.extensions.projections.affine_tensors`, the one computation of
+  ``(a, c)`` that static ranges use too.
 
 Bin index of an element: ``⌊clamp(a·v + c, 0, bins − 1)⌋`` (clipping into the outermost bins;
 GradHist2d's clipping to the outermost bin centres gives the same index), counted as
@@ -41,6 +42,8 @@ from backprism.extensions.projections import (
     _raw,
     _slice_call,
     _slice_cols,
+    affine_tensors,
+    device_edges,
 )
 from backprism.monitor.deferred import host_fast_paths
 
@@ -52,29 +55,11 @@ _HISTC_ELEMENTS = 2**24
 Range = tuple[Tensor, Tensor]
 
 
-def device_edges(lo: Tensor, hi: Tensor, bins: int) -> Tensor:
-    """``numpy.linspace(lo, hi, bins + 1)`` in float64 on ``lo``'s device (numpy's arithmetic:
-    ``arange·step + lo`` with ``step = (hi − lo)/bins``, the last edge exactly ``hi``)."""
-    lo, hi = lo.double(), hi.double()
-    steps = torch.arange(bins + 1, dtype=torch.float64, device=lo.device)
-    edges = steps * ((hi - lo) / bins) + lo
-    return torch.cat([edges[:-1], hi.reshape(1)])
-
-
 def _device_affine(v: Tensor, scale: float, rng: Range, bins: int) -> tuple[Tensor, Tensor]:
     """``(a, c)`` of the bin coordinate ``a·v + c`` for a device range (0-dim tensors in
-    ``v``'s dtype), ``c`` nudged so that an exact zero lands in numpy's bin."""
-    lo, hi = rng[0].double(), rng[1].double()
-    width = hi - lo
-    a = (scale * bins) / width
-    c = (-lo * bins / width).to(v.dtype)
-    edges = device_edges(lo, hi, bins)
-    zero = torch.searchsorted(edges, torch.zeros(1, dtype=torch.float64, device=lo.device),
-                              right=True)[0] - 1
-    zero = zero.clamp(0, bins - 1).to(v.dtype)
-    c = torch.where((zero > 0) & (c < zero), zero, c)
-    below = torch.nextafter(zero + 1, torch.full_like(zero, -float("inf")))
-    c = torch.where((zero < bins - 1) & (c >= zero + 1), below, c)
+    ``v``'s dtype), :func:`~backprism.extensions.projections.affine_tensors` as for a static
+    range."""
+    a, c = affine_tensors(scale, rng[0], rng[1], bins, v.dtype)
     return a.to(v.dtype), c
 
 

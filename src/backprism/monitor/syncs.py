@@ -52,6 +52,7 @@ __all__ = ["HOST_ONLY", "SyncCounter", "SyncEvent", "count_syncs"]
 #: ``(file suffix, function)`` whose host reads are of host tensors on every device
 HOST_ONLY: set[tuple[str, str]] = {
     ("engine/loss_hessian.py", "_seed"),  # torch.randint(...) on the CPU generator
+    ("extensions/projections.py", "_affine_cached"),  # a static bin range's (a, c), on the CPU
 }
 
 aten = torch.ops.aten
