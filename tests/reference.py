@@ -12,11 +12,13 @@ evaluate the *real* loss module on the stacked outputs. Then
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, hessian, jacrev, vmap
+from torch.autograd.functional import jacobian
+from torch.func import functional_call, hessian, jacrev, vjp, vmap
 
 
 def trainable(model: nn.Module) -> dict[str, Tensor]:
@@ -190,3 +192,98 @@ def param_blocks(model: nn.Module, M: Tensor) -> dict[str, Tensor]:
         out[k] = M[i : i + v.numel(), i : i + v.numel()]
         i += v.numel()
     return out
+
+
+def ggn_blocks_loop(model: nn.Module, lossfunc: nn.Module, X: Any, y: Tensor) -> Tensor:
+    """``[N, N, P, P]`` GGN blocks without ``vmap`` (``padding_idx`` breaks its batching rule):
+    ``G[n, n] = Jₙᵀ (∂²L/∂fₙ²) Jₙ`` from a looped Jacobian of sample ``n``'s output and the
+    Hessian of the *batch* loss w.r.t. that output (other outputs fixed); ``G[n, m≠n] = 0`` for
+    the sample-separable losses used here."""
+    names = [k for k in trainable(model)]
+    shapes = [p.shape for p in trainable(model).values()]
+    sizes = [p.numel() for p in trainable(model).values()]
+    flat = torch.cat([p.detach().reshape(-1) for p in trainable(model).values()])
+    xs = X if isinstance(X, tuple) else (X,)
+    n = xs[0].shape[0]
+    with torch.no_grad():
+        out = model(*xs)
+    G = flat.new_zeros(n, n, flat.numel(), flat.numel())
+    for i in range(n):
+
+        def f(theta: Tensor, i: int = i) -> Tensor:
+            p = {k: t.reshape(s) for k, t, s in zip(names, torch.split(theta, sizes), shapes)}
+            return functional_call(model, p, tuple(x[i : i + 1] for x in xs))[0]
+
+        def loss_i(o: Tensor, i: int = i) -> Tensor:
+            return lossfunc(torch.cat([out[:i], o[None], out[i + 1 :]]), y)
+
+        J = jacobian(f, flat).reshape(-1, flat.numel())  # looped, no vmap
+        H = hessian(loss_i)(out[i]).reshape(J.shape[0], J.shape[0])
+        G[i, i] = J.T @ H @ J
+    return G
+
+
+def ggn_mean_over_samples(model, lossfunc, X, y, subsampling=None) -> Tensor:
+    """GGN of the mean loss over the kept samples: ``(1/N') Σ_{n∈𝒮} N·B[n, n]``."""
+    B = ggn_blocks(model, lossfunc, X, y)[0]
+    n = B.shape[0]
+    idx = list(range(n)) if subsampling is None else subsampling
+    return torch.stack([n * B[i, i] for i in idx]).mean(0)
+
+
+def vjp_per_sample(module: nn.Module, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+    """``{name: [M, N, *p]}``: ``vjp`` of the module's forward on sample ``n`` with ``g[m, n]``."""
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def one(xn: Tensor, gn: Tensor) -> dict[str, Tensor]:
+        def f(p: dict[str, Tensor]) -> Tensor:
+            return functional_call(module, p, (xn.unsqueeze(0),)).squeeze(0)
+
+        return vjp(f, params)[1](gn)[0]
+
+    over_columns = vmap(one, in_dims=(None, 0))
+    return vmap(over_columns, in_dims=(0, 1), out_dims=1)(x, g)
+
+
+def _replace_sample(model: nn.Module, x: Tensor, n: int, params: dict[str, Tensor]) -> Tensor:
+    """Model outputs of the batch, with sample ``n``'s output computed from ``params``."""
+    with torch.no_grad():
+        out = model(x)
+    out_n = functional_call(model, params, (x[n : n + 1],))
+    return torch.cat([out[:n], out_n, out[n + 1 :]])
+
+
+def per_sample_grads_replacing(model: nn.Module, loss_fn: nn.Module, x: Tensor, y: Tensor):
+    """``{name: [N, *p]}``: ``∂L/∂θ`` through sample ``n``'s output only, one sample at a time.
+
+    ``reference.per_sample_grads`` vmaps over per-sample weights, and PyTorch's batching rule of
+    ``embedding`` backward with a batched weight masks ``padding_idx`` for the first sample only
+    (torch 2.13), so padded embeddings are checked against this loop instead."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    rows = []
+    for n in range(x.shape[0]):
+        p = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        loss = loss_fn(_replace_sample(model, x, n, p), y)
+        rows.append(dict(zip(p, torch.autograd.grad(loss, list(p.values())))))
+    return {k: torch.stack([r[k] for r in rows]) for k in params}
+
+
+def batch_diag_ggn_loop(model: nn.Module, loss_fn: nn.Module, x: Tensor, y: Tensor):
+    """``{name: [N, *p]}``: ``diag(Jₙᵀ (∂²L/∂fₙ²) Jₙ)`` from dense Jacobians and Hessians."""
+    params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    rows = []
+    with torch.no_grad():
+        out = model(x)
+    for n in range(x.shape[0]):
+        xn, before, after = x[n : n + 1], out[:n], out[n + 1 :]
+
+        def f_n(p: dict[str, Tensor], xn: Tensor = xn) -> Tensor:
+            return functional_call(model, p, (xn,))[0]
+
+        def loss_n(o: Tensor, before: Tensor = before, after: Tensor = after) -> Tensor:
+            return loss_fn(torch.cat([before, o[None], after]), y)
+
+        jac = jacrev(f_n)(params)
+        hess = hessian(loss_n)(out[n])
+        rows.append({k: torch.einsum("c...,cd,d...->...", j, hess, j) for k, j in jac.items()})
+    return {k: torch.stack([r[k] for r in rows]) for k in params}

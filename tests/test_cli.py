@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 from backprism.cli import main
-from test_plot import write_synthetic_log
+from tests.synthetic_log import write_synthetic_log
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:

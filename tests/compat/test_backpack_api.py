@@ -1,5 +1,8 @@
 """BackPACK 1.7's public names and keywords through ``backprism.compat.backpack``, checked
-against dense float64 references (``tests/reference.py``, ``torch.func``)."""
+against dense float64 references (``tests/reference.py``, ``torch.func``).
+
+Also: a script written for BackPACK runs after changing only its imports.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,16 @@ from torch import nn
 
 from backprism.compat.backpack import backpack, disable, extend
 from backprism.compat.backpack import extensions as ext
-
-from reference import diag_blocks, ggn_blocks, loss_hessian, param_blocks, per_sample_grads, split
+from backprism.compat.backpack.extensions import BatchGrad, DiagGGNExact, SumGradSquared
+from tests.reference import (
+    diag_blocks,
+    ggn,
+    ggn_blocks,
+    loss_hessian,
+    param_blocks,
+    per_sample_grads,
+    split,
+)
 
 N = 6
 
@@ -332,3 +343,21 @@ def test_set_module_extension_refusals():
 
     with pytest.raises(NotImplementedError, match="bias"):
         Incomplete()
+
+
+def test_backpack_style_script():
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 4, dtype=torch.double), torch.randint(0, 2, (5,))
+    loss = lossfunc(model(X), y)
+    calls = []
+    with backpack(BatchGrad(), SumGradSquared(), DiagGGNExact(), extension_hook=calls.append):
+        loss.backward()
+    gb = per_sample_grads(model, lossfunc, X, y)
+    diag = split(torch.diagonal(ggn(model, lossfunc, X, y)), model)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, gb[name])
+        torch.testing.assert_close(p.sum_grad_squared, gb[name].square().sum(0))
+        torch.testing.assert_close(p.diag_ggn_exact, diag[name])
+    assert set(calls) == {model[0], model[2]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compat_refs import ggn_columns
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
@@ -30,8 +29,8 @@ from backprism.compat.backpack.extensions import (
 from backprism.compat.backpack.extensions.firstorder.base import FirstOrderModuleExtension
 from backprism.compat.backpack.extensions.module_extension import ModuleExtension
 from backprism.compat.backpack.extensions.secondorder.diag_ggn import DiagGGNExact
-
-from reference import per_sample_grads
+from tests.compat.compat_refs import ggn_columns
+from tests.reference import per_sample_grads
 
 
 class MyScale(nn.Module):

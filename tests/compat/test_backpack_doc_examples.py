@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from compat_refs import ggn_columns, hessian_block_product, trainable_params
 from torch import nn
 from torch.nn.functional import cross_entropy, relu
 
@@ -44,8 +43,8 @@ from backprism.compat.backpack.extensions import (
 )
 from backprism.compat.backpack.hessianfree.hvp import hessian_vector_product
 from backprism.compat.backpack.utils.examples import autograd_diag_ggn_exact
-
-from reference import per_sample_grads, per_sample_grads_loop
+from tests.compat.compat_refs import ggn_columns, hessian_block_product, trainable_params
+from tests.reference import per_sample_grads, per_sample_grads_loop
 
 DT = torch.double
 

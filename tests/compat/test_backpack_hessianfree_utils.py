@@ -12,9 +12,7 @@ from torch.func import functional_call, hessian, jacrev
 
 from backprism.compat.backpack import extend
 from backprism.compat.backpack.core.derivatives.convnd import weight_jac_t_save_memory
-from backprism.compat.backpack.core.derivatives.crossentropyloss import (
-    CrossEntropyLossDerivatives,
-)
+from backprism.compat.backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
 from backprism.compat.backpack.core.derivatives.linear import LinearDerivatives
 from backprism.compat.backpack.core.derivatives.mseloss import MSELossDerivatives
 from backprism.compat.backpack.core.derivatives.sigmoid import SigmoidDerivatives
@@ -32,8 +30,7 @@ from backprism.compat.backpack.utils.examples import (
     load_one_batch_mnist,
 )
 from backprism.compat.backpack.utils.kroneckers import kfacs_to_mat
-
-from reference import ggn, loss_hessian
+from tests.reference import ggn, loss_hessian
 
 N = 4
 

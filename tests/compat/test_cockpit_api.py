@@ -1,5 +1,9 @@
 """Cockpit 1.0's public names, output formats and example flows through
-``backprism.compat.cockpit`` (+ ``backprism.compat.backpack``), with float64 references."""
+``backprism.compat.cockpit`` (+ ``backprism.compat.backpack``), with float64 references.
+
+Also: a Cockpit script runs with changed imports on an extended MLP; ``CockpitPlotter`` runs on
+backprism's dashboard, from a Cockpit or its written log.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,19 @@ import importlib
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+import backprism
 from backprism.compat.backpack import extend, extensions
 from backprism.compat.cockpit import Cockpit, CockpitPlotter, quantities
 from backprism.compat.cockpit.utils import schedules
 from backprism.compat.cockpit.utils.configuration import configuration
-
-from reference import loss_hessian, per_sample_grads
+from tests.common import monitor_setup
+from tests.reference import loss_hessian, per_sample_grads
 
 DT = torch.double
 
@@ -222,3 +228,67 @@ def test_plotter_discard_and_animation(tmp_path):
                      discard=epoch)
     plotter.build_animation(logpath + ".json")
     assert (tmp_path / "run__primary.gif").stat().st_size > 0
+
+
+def test_cockpit_script_runs_with_changed_imports() -> None:
+    from backprism.compat.cockpit import Cockpit
+    from backprism.compat.cockpit import quantities as cq
+    from backprism.compat.cockpit.utils import schedules as cs
+    from backprism.compat.cockpit.utils.configuration import configuration as cconf
+
+    model, lossf = monitor_setup()
+    indiv = nn.CrossEntropyLoss(reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=[*cconf("economy"), cq.MeanGSNR(cs.linear(2))])
+    for step in range(3):
+        X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+        opt.zero_grad()
+        out = model(X)
+        loss, losses = lossf(out, y), indiv(out, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(
+                step,
+                info={"batch_size": 6, "individual_losses": losses, "loss": loss, "optimizer": opt},
+            ):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        opt.step()
+    cockpit.log(2, 0, 1.0, 1.1, 1.2, 0.5, 0.4, 0.3, 0.1)
+    out = cockpit.get_output()
+    assert set(out[0]) >= {"Loss", "Alpha", "GradHist1d", "MeanGSNR", "UpdateSize"}
+    assert out[2]["epoch_count"] == 0 and out[2]["learning_rate"] == 0.1
+
+
+def test_cockpit_plotter_from_object_and_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from backprism.compat.cockpit import Cockpit, CockpitPlotter
+    from backprism.compat.cockpit.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = backprism.extend(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+    lossfunc = backprism.extend(nn.CrossEntropyLoss())
+    individual = nn.CrossEntropyLoss(reduction="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    for step in range(4):
+        X, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        opt.zero_grad()
+        out = model(X)
+        loss, losses = lossfunc(out, y), individual(out, y)
+        info = {"batch_size": 16, "individual_losses": losses, "loss": loss, "optimizer": opt}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        opt.step()
+    cockpit.write(os.fspath(tmp_path / "log"))
+    plotter = CockpitPlotter()
+    fig = plotter.plot(cockpit, show_plot=False, save_plot=True, savedir=tmp_path)
+    titles = {ax.get_title(loc="left") for ax in fig.axes}
+    assert "Gradient norm" in titles and "α gauge" in titles
+    plotter.plot(
+        tmp_path / "log.json", show_plot=False, save_plot=True, savename_append="_f", discard=1
+    )
+    assert (tmp_path / "cockpit.png").stat().st_size > 0
+    assert (tmp_path / "cockpit_f.png").stat().st_size > 0

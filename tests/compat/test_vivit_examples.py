@@ -1,5 +1,8 @@
 """The flows of ViViT 1.0's documentation examples through ``backprism.compat.vivit`` and
-``backprism.compat.backpack`` (imports changed), against dense float64 GGN references."""
+``backprism.compat.backpack`` (imports changed), against dense float64 GGN references.
+
+Also: ViViT's module paths name ``backprism.spectral``'s classes.
+"""
 
 from __future__ import annotations
 
@@ -19,11 +22,8 @@ from backprism.compat.vivit.linalg.eigvalsh import EigvalshComputation
 from backprism.compat.vivit.optim.directional_damped_newton import (
     DirectionalDampedNewtonComputation,
 )
-from backprism.compat.vivit.optim.directional_derivatives import (
-    DirectionalDerivativesComputation,
-)
-
-from reference import ggn, ggn_blocks, per_sample_grads
+from backprism.compat.vivit.optim.directional_derivatives import DirectionalDerivativesComputation
+from tests.reference import ggn, ggn_blocks, per_sample_grads
 
 N, D_in, D_hidden, D_out = 4, 7, 5, 3
 DT = torch.double
@@ -201,3 +201,22 @@ def test_vivit_ggn_functions():
         gram = fns["gram_mat"]()
         assert gram.shape == (D_out, N, D_out, N)
         assert p.vivit_ggn_mc["gram_mat"]().shape == (2, N, 2, N)
+
+
+def test_vivit_compat_paths():
+    from backprism import spectral
+    from backprism.compat import vivit
+    from backprism.compat.vivit.linalg.eigh import EighComputation as E2
+    from backprism.compat.vivit.linalg.eigvalsh import EigvalshComputation as E1
+    from backprism.compat.vivit.optim.directional_damped_newton import (
+        DirectionalDampedNewtonComputation as E4,
+    )
+    from backprism.compat.vivit.optim.directional_derivatives import (
+        DirectionalDerivativesComputation as E3,
+    )
+
+    assert (
+        spectral.EigvalshComputation, spectral.EighComputation,
+        spectral.DirectionalDerivativesComputation, spectral.DirectionalDampedNewtonComputation,
+    ) == (E1, E2, E3, E4)
+    assert vivit.EighComputation is spectral.EighComputation

@@ -1,0 +1,244 @@
+"""One backward pass (``backprism.engine.backward``): the checks that run before anything is
+written (train-mode BatchNorm, empty batches, a loss that is not the extended one, terms between
+the model and the loss, samples mixed across the batch), results that must not survive into the
+next pass, and the column chunks a ``memory_budget`` implies (equal results; room left for the
+per-sample gradients built from a chunk).
+
+References are dense float64 from the definitions (``tests/reference.py``); a clear error is a
+``RuntimeError``/``ValueError``/``NotImplementedError`` whose message names the problem, and
+after it no parameter carries a (possibly partial) result.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev
+
+from backprism import collect, extend
+from backprism.extensions import (
+    BatchDiagGGNExact,
+    BatchGrad,
+    DiagGGNExact,
+    DiagHessian,
+)
+from tests.common import (
+    CLEAR_ERRORS,
+    FAMILY_DT,
+    FAMILY_TOL,
+    assert_close_labelled,
+    assert_nothing_written,
+    backward,
+    check_diag_attr,
+    clear_error_or_raise,
+    gather,
+    labels,
+    seeded_labels,
+    small_mlp,
+    trainable,
+)
+from tests.reference import diag_ggn, loss_hessian, per_sample_grads, split
+
+DT = torch.float64
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 5)
+        self.head1 = nn.Linear(5, 3)
+        self.head2 = nn.Linear(5, 3)
+        self.use_second = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head1(h) + self.head2(h) if self.use_second else self.head1(h)
+
+
+@pytest.mark.parametrize("ext", [DiagGGNExact, BatchGrad], ids=["diag_ggn_exact", "grad_batch"])
+def test_no_stale_results(ext: type) -> None:
+    torch.manual_seed(4)
+    model, lf = extend(TwoHeads().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 4, dtype=DT), seeded_labels((5,), 3)
+    attr = "diag_ggn_exact" if ext is DiagGGNExact else "grad_batch"
+    with collect(ext()):
+        lf(model(X), y).backward()
+    assert all(hasattr(p, attr) for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    model.use_second = False
+    X2, y2 = torch.randn(3, 4, dtype=DT), seeded_labels((3,), 3, 1)
+    if ext is DiagGGNExact:
+        ref = diag_ggn(model, lf, X2, y2)
+    else:
+        ref = per_sample_grads(model, lf, X2, y2)
+    with collect(ext()):
+        lf(model(X2), y2).backward()
+    for name, p in model.head2.named_parameters():
+        assert getattr(p, attr, None) is None, f"stale head2.{name}.{attr} from the first pass"
+    for name, p in trainable(model):
+        if not name.startswith("head2"):
+            assert_close_labelled(getattr(p, attr), ref[name], name)
+
+
+@pytest.mark.parametrize("ext", [BatchGrad, DiagGGNExact], ids=["BatchGrad", "DiagGGNExact"])
+def test_only_loss_extended(ext: type) -> None:
+    torch.manual_seed(8)
+    model, lf = small_mlp().to(DT), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 4, dtype=DT), seeded_labels((4,), 3)
+    with pytest.raises((RuntimeError, ValueError), match="extend"), collect(ext()):
+        lf(model(X), y).backward()
+    assert_nothing_written(model)
+
+
+def test_functional_penalty_on_outputs_second_order() -> None:
+    torch.manual_seed(9)
+    model, lf = extend(small_mlp().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 4, dtype=DT), seeded_labels((4,), 3)
+    out = model(X)
+    loss = lf(out, y) + 0.1 * out.pow(2).mean()
+    with pytest.raises(CLEAR_ERRORS) as info, collect(DiagGGNExact()):
+        loss.backward()
+    clear_error_or_raise(info.value, r"term|loss")
+    assert_nothing_written(model)
+
+
+def test_nonlinearity_between_model_and_loss_diag_hessian() -> None:
+    torch.manual_seed(10)
+    model, lf = extend(small_mlp().to(DT)), extend(nn.MSELoss())
+    X, y = torch.randn(4, 4, dtype=DT), torch.randn(4, 3, dtype=DT)
+    ref = split(torch.diagonal(loss_hessian(model, lambda o, t: lf(torch.tanh(o), t), X, y)), model)
+    try:
+        with collect(DiagHessian()):
+            lf(torch.tanh(model(X)), y).backward()
+    except CLEAR_ERRORS as err:
+        clear_error_or_raise(err, r"tanh|loss|between|extend|output")
+        assert_nothing_written(model)
+        return
+    check_diag_attr(model, "diag_h", ref)
+
+
+@pytest.mark.parametrize("ext", [BatchGrad, DiagGGNExact], ids=["BatchGrad", "DiagGGNExact"])
+def test_batchnorm_train_mode_writes_nothing(ext: type) -> None:
+    torch.manual_seed(11)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(DT))
+    lf = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3, dtype=DT), seeded_labels((5,), 2)
+    model.zero_grad(set_to_none=True)
+    bn = r"(?i)eval\(\)|batchnorm"
+    with pytest.raises((RuntimeError, ValueError), match=bn), collect(ext()):
+        lf(model(X), y).backward()
+    assert_nothing_written(model, grad_too=True)
+
+
+@pytest.mark.parametrize("ext", [BatchGrad, DiagGGNExact], ids=["BatchGrad", "DiagGGNExact"])
+def test_empty_batch(ext: type) -> None:
+    torch.manual_seed(12)
+    model, lf = extend(small_mlp().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(0, 4, dtype=DT), torch.zeros(0, dtype=torch.long)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises((RuntimeError, ValueError)) as info, collect(ext()):
+        lf(model(X), y).backward()
+    clear_error_or_raise(info.value, r"empty|no samples|zero samples|\bN\s*=\s*0|batch size 0")
+    assert_nothing_written(model, grad_too=True)
+
+
+def test_broadcast_position_embedding_is_refused():
+    class Pos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(4, 3)
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):  # x [N, T, 3]
+            return self.lin(x + self.pos(torch.arange(x.shape[1]))).mean(1)
+
+    model = extend(Pos())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 4, 3), torch.randint(0, 2, (5,))
+    with pytest.raises(RuntimeError, match="batch sizes 4 and 5"), collect(BatchGrad()):
+        lossfunc(model(X), y).backward()
+
+
+# ------------------------------------------------------------------------------------ column chunks
+def test_thousand_classes_many_chunks():
+    """C = 1000 exact columns through a small ``memory_budget`` (≥ 20 chunks): equal to the
+    unchunked result, and to the reference on a subset of entries (per-sample looped
+    Jacobians restricted to those entries, Hessian of the loss w.r.t. the logits)."""
+    torch.manual_seed(12)
+    classes, n = 1000, 2
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, classes)).to(FAMILY_DT)
+    lossfunc = nn.CrossEntropyLoss()
+    X, y = torch.randn(n, 3, dtype=FAMILY_DT), labels(n, classes, seed=12)
+    extend(model), extend(lossfunc)
+    per_col = (4 + classes) * n * 8  # bytes of the captured outputs per column
+    exts = (DiagGGNExact(), BatchDiagGGNExact())
+    backward(model, lossfunc, X, y, *exts, memory_budget=per_col * 40)
+    chunked = [gather(model, a, k) for a, k in (("diag_ggn_exact", 0), ("diag_ggn_exact_batch", 1))]
+    backward(model, lossfunc, X, y, *exts)
+    full = [gather(model, a, k) for a, k in (("diag_ggn_exact", 0), ("diag_ggn_exact_batch", 1))]
+    for a, b in zip(chunked, full):
+        torch.testing.assert_close(a, b, atol=1e-14, rtol=1e-12)
+
+    # reference on a subset: all first-layer entries, a few rows of the head, some biases
+    sizes = [p.numel() for p in model.parameters()]
+    offsets = torch.tensor([0, *sizes]).cumsum(0)
+    idx = torch.cat(
+        [
+            torch.arange(offsets[2]),  # first layer
+            offsets[2] + torch.tensor([0, 1, 4 * int(y[0]), 4 * int(y[0]) + 3, 4 * 999 + 2]),
+            offsets[3] + torch.tensor([0, int(y[1]), 500, 999]),
+        ]
+    )
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    shapes = [p.shape for p in model.parameters()]
+    names = [k for k, _ in model.named_parameters()]
+    with torch.no_grad():
+        logits = model(X)
+    ref = []
+    for i in range(n):
+
+        def f(sub: Tensor, i: int = i) -> Tensor:
+            theta = flat.index_put((idx,), sub)
+            p = {k: t.reshape(s) for k, t, s in zip(names, torch.split(theta, sizes), shapes)}
+            return functional_call(model, p, (X[i : i + 1],))[0]
+
+        J = jacrev(f)(flat[idx])  # [C, |idx|]
+        H = hessian(lambda o, i=i: lossfunc(torch.cat([logits[:i], o[None], logits[i + 1 :]]), y))(
+            logits[i]
+        )
+        ref.append(torch.einsum("cp,cd,dp->p", J, H, J))
+    ref_batch = torch.stack(ref)
+    torch.testing.assert_close(full[1][:, idx], ref_batch, **FAMILY_TOL)
+    torch.testing.assert_close(full[0][idx], ref_batch.sum(0), **FAMILY_TOL)
+
+
+def test_memory_budget_counts_per_sample_gradients(monkeypatch):
+    """The column chunk leaves room for the per-sample gradients the rules build from it: with
+    tied embeddings every column carries an ``[N, V, d]`` gradient of the shared matrix (a
+    2048-token decoder overran a 512 MiB budget 23-fold before). Chunked results are equal."""
+    from backprism.engine import backward as engine_backward
+    from tests.common import TinyGPT
+
+    chunks: list[int] = []
+    real = engine_backward.backprop_columns
+
+    def spy(origins, cols, outputs, chunk):
+        chunks.append(chunk)
+        yield from real(origins, cols, outputs, chunk)
+
+    torch.manual_seed(3)
+    vocab, d, t, n = 40, 64, 1, 2  # the tied [V, d] matrix outweighs all outputs
+    model = TinyGPT(vocab=vocab, d=d, t_max=t).to(FAMILY_DT)
+    lossfunc = nn.CrossEntropyLoss()
+    X = torch.randint(0, vocab, (n, t))
+    y = torch.randint(0, vocab, (n, t))
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, DiagGGNExact())
+    full = gather(model, "diag_ggn_exact", 0)
+    budget = 2**16
+    monkeypatch.setattr(engine_backward, "backprop_columns", spy)
+    backward(model, lossfunc, X, y, DiagGGNExact(), memory_budget=budget)
+    assert chunks and max(chunks) * n * vocab * d * 8 <= budget  # the tied matrix's share
+    assert max(chunks) < vocab * t  # K = C·T columns per sample: several chunks
+    torch.testing.assert_close(gather(model, "diag_ggn_exact", 0), full, atol=1e-13, rtol=1e-10)

@@ -1,0 +1,190 @@
+"""Hessian residual terms of elementwise nonlinearities (``backprism.engine.residual``, the
+non-GGN part of ``DiagHessian``): the recording of nonlinearities during the forward (switch,
+no reference cycles, forwards inside a context without the DiagHessian family) and the clear
+refusals, before anything is written, of what has no residual decomposition (in-place
+nonlinearities, attention, LayerNorm between parameters, products of parameter-dependent
+values, a parameter used by several calls, parameters entering a generic-rule module
+nonlinearly, parameter-only values broadcast into the activations).
+
+The values of ``DiagHessian`` against dense Hessians are tested in
+``tests/extensions/test_hessian.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.engine.residual import NonlinearityError
+from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
+from backprism.extensions.secondorder import DiagGGNExact
+from tests.common import LayerNormBetween, SoftmaxAttention
+from tests.reference import loss_hessian
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(DT)
+    yield
+    torch.set_default_dtype(old)
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(self.l1(x).tanh_())
+
+
+def test_inplace_nonlinearity_refused():
+    model, lf = extend(InPlace()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(2, 3), torch.randint(0, 3, (2,))
+    with pytest.raises(NonlinearityError, match="in-place"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+
+
+def test_recording_switch():
+    from backprism.engine.residual import record_nonlinearities
+
+    model, lf = extend(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))), extend(
+        nn.CrossEntropyLoss()
+    )
+    X, y = torch.randn(2, 3), torch.randint(0, 2, (2,))
+    assert record_nonlinearities(False) is True
+    try:
+        with pytest.raises(RuntimeError, match="record_nonlinearities"), collect(DiagHessian()):
+            lf(model(X), y).backward()
+        with collect(DiagGGNExact()):  # unaffected
+            lf(model(X), y).backward()
+    finally:
+        assert record_nonlinearities(True) is False
+
+
+def test_recording_keeps_no_reference_cycles():
+    """The residual hook on ``a = tanh(z)`` holds ``z`` only: after the backward pass both are
+    freed by reference counting alone (a cycle through an autograd node would leak)."""
+    model = extend(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    lf = extend(nn.MSELoss())
+    refs = []
+    model[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    X, y = torch.randn(2, 3), torch.randn(2, 3)
+    for ctx in (contextlib.nullcontext(), collect(DiagHessian())):
+        out = model(X)
+        refs.append(weakref.ref(out))
+        with ctx:
+            lf(out, y).backward()
+        del out
+        assert all(r() is None for r in refs)
+
+
+# -- refusals --------------------------------------------------------------------------------------
+class Product(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(self.a(x) * self.b(x))
+
+
+class Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class OwnParam(nn.Module):
+    """Generic-rule module: its parameter enters nonlinearly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.w.exp()
+
+
+class FunctionalParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)) + self.a.bias.sum())
+
+
+CASES = {
+    "attention": (SoftmaxAttention, (4, 2, 3), "matmul|softmax"),
+    "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
+    "product": (Product, (4, 3), "product of two parameter-dependent"),
+    "shared": (Shared, (4, 3), "several calls"),
+    "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refuses_non_elementwise_nonlinearities(case: str):
+    torch.manual_seed(8)
+    make, shape, what = CASES[case]
+    X, y = torch.randn(*shape), torch.randint(0, 3, (shape[0],))
+    model, lf = extend(make()), extend(nn.CrossEntropyLoss())
+    for ext in (DiagHessian(), BatchDiagHessian()):
+        with pytest.raises(NonlinearityError, match=what) as info, collect(ext):
+            lf(model(X), y).backward()
+        assert "HutchinsonDiagHessian" in str(info.value)
+    # other extensions and plain backward passes are unaffected
+    if case != "generic":
+        with collect(DiagGGNExact()):
+            lf(model(X), y).backward()
+    lf(model(X), y).backward()
+
+
+def test_parameter_only_op_broadcast_into_activations_is_refused():
+    """``x + self.a.bias.sum()``: a parameter-only value broadcast over the samples has no
+    per-sample decomposition the engine knows; every extension refuses it before writing."""
+    torch.manual_seed(8)
+    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    model, lf = extend(FunctionalParam()), extend(nn.CrossEntropyLoss())
+    for ext in (DiagHessian(), DiagGGNExact()):
+        with pytest.raises(RuntimeError, match="outside the forward"), collect(ext):
+            lf(model(X), y).backward()
+        assert all(p.grad is None for p in model.parameters())
+    lf(model(X), y).backward()
+
+
+def test_forward_not_recorded_inside_a_context_without_diag_hessian():
+    """A forward inside ``collect()`` without the DiagHessian family skips the nonlinearity
+    recording; a later DiagHessian backward of that graph refuses instead of missing terms,
+    while forwards outside any context or inside a DiagHessian context are exact."""
+    from backprism.extensions import BatchL2Grad
+
+    torch.manual_seed(3)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    lossfunc = extend(nn.MSELoss())
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    # (a context that sees no backward complains on exit; the graph stays usable)
+    with pytest.raises(RuntimeError, match="no extended module"), collect(BatchL2Grad()):
+        loss = lossfunc(model(X), y)
+    with pytest.raises(RuntimeError, match="not recorded"), collect(DiagHessian()):
+        loss.backward()
+    model.zero_grad()
+    H = torch.diagonal(loss_hessian(model, lossfunc, X, y))
+    for inside in (False, True):
+        loss = None if inside else lossfunc(model(X), y)  # forward outside any context
+        with collect(DiagHessian()):
+            (loss if loss is not None else lossfunc(model(X), y)).backward()
+        got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, H, rtol=1e-8, atol=1e-10)

@@ -1,0 +1,431 @@
+"""DiagHessian, BatchDiagHessian and HutchinsonDiagHessian against dense float64 references.
+
+References: ``reference.loss_hessian`` (``torch.func.hessian`` of the mini-batch loss) and, for
+the per-sample terms, the Hessian of ``θ ↦ L(outputs where only sample n depends on θ)``, i.e. of
+``ℓₙ/N`` with the loss's own scaling, built here with ``torch.func`` from the definition.
+
+On every device (the ``device`` fixture): ``DiagHessian``/``BatchDiagHessian`` on the models it
+supports (MLPs, a CNN) and ``HutchinsonDiagHessian`` within 6 standard deviations on seven
+models, every stored tensor on the device. The nonlinearity recording and the refusals of
+``backprism.engine.residual`` are tested in ``tests/engine/test_residual.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.func import functional_call, hessian
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from backprism import collect, extend
+from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
+from backprism.extensions.secondorder import DiagGGNExact
+from tests.common import (
+    DEVICE_MODELS,
+    DEVICE_N,
+    DEVICE_TOL,
+    LayerNormBetween,
+    Siamese,
+    SoftmaxAttention,
+    build_on_device,
+    check_stored,
+    fresh_backward,
+    gather,
+)
+from tests.reference import loss_hessian, split, trainable
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(DT)
+    yield
+    torch.set_default_dtype(old)
+
+
+def per_sample_hessian_diags(model: nn.Module, loss_fn, X: Tensor, y: Tensor) -> Tensor:
+    """``[N, P]``: diagonal of the Hessian of the loss when only sample ``n``'s output depends
+    on the parameters (the other outputs frozen at their values), i.e. of ``ℓₙ/N``."""
+    params = trainable(model)
+    names = list(params)
+    sizes = [params[k].numel() for k in names]
+    shapes = [params[k].shape for k in names]
+    flat = torch.cat([params[k].reshape(-1) for k in names])
+    with torch.no_grad():
+        out0 = model(X)
+    rows = []
+    for n in range(X.shape[0]):
+        mask = torch.zeros(X.shape[0], dtype=torch.bool)
+        mask[n] = True
+
+        def L(theta: Tensor, mask: Tensor = mask) -> Tensor:
+            p = {k: t.reshape(s) for k, t, s in zip(names, torch.split(theta, sizes), shapes)}
+            out = functional_call(model, p, (X,))
+            m = mask.reshape(-1, *([1] * (out.dim() - 1)))
+            return loss_fn(torch.where(m, out, out0), y)
+
+        rows.append(torch.diagonal(hessian(L)(flat)))
+    return torch.stack(rows)
+
+
+def run(model: nn.Module, loss_fn: nn.Module, X: Tensor, y: Tensor, *exts) -> None:
+    extend(model)
+    extend(loss_fn)
+    with collect(*exts):
+        loss_fn(model(X), y).backward()
+
+
+def check_diag(model: nn.Module, loss_fn: nn.Module, X: Tensor, y: Tensor, batch: bool = True):
+    ref = copy.deepcopy(model)
+    H = loss_hessian(ref, loss_fn, X, y)
+    exts = [DiagHessian(), BatchDiagHessian()] if batch else [DiagHessian()]
+    run(model, copy.deepcopy(loss_fn), X, y, *exts)
+    expected = split(torch.diagonal(H), ref)
+    per_sample = split(per_sample_hessian_diags(ref, loss_fn, X, y), ref, lead=1) if batch else {}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)
+        if batch:
+            assert p.diag_h_batch.shape == (X.shape[0], *p.shape)
+            torch.testing.assert_close(p.diag_h_batch, per_sample[name], rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(p.diag_h_batch.sum(0), p.diag_h, rtol=1e-8, atol=1e-10)
+
+
+def data(n: int, d: int, c: int, loss: str):
+    X = torch.randn(n, d)
+    if loss == "ce":
+        return X, torch.randint(0, c, (n,)), nn.CrossEntropyLoss()
+    return X, torch.randn(n, c), nn.MSELoss()
+
+
+ACTS = [
+    nn.Tanh(),
+    nn.Sigmoid(),
+    nn.GELU(),
+    nn.GELU(approximate="tanh"),
+    nn.SiLU(),
+    nn.Softplus(beta=2.0),
+    nn.ELU(alpha=0.7),
+    nn.LeakyReLU(0.1),
+    nn.ReLU(),
+]
+
+
+@pytest.mark.parametrize("act", ACTS, ids=lambda a: repr(a))
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_activation_modules(act: nn.Module, loss: str):
+    torch.manual_seed(0)
+    X, y, lf = data(4, 3, 3, loss)
+    model = nn.Sequential(
+        nn.Linear(3, 4), copy.deepcopy(act), nn.Linear(4, 3), copy.deepcopy(act), nn.Linear(3, 3)
+    )
+    check_diag(model, lf, X, y)
+
+
+def test_residual_is_nonzero_for_smooth_activations():
+    """DiagHessian differs from the GGN diagonal (the residual term matters here)."""
+    torch.manual_seed(1)
+    X, y, lf = data(4, 3, 2, "ce")
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    run(model, lf, X, y, DiagHessian(), DiagGGNExact())
+    w = model[0].weight
+    assert (w.diag_h - w.diag_ggn_exact).abs().max() > 1e-4
+
+
+class Functional(nn.Module):
+    """Functional nonlinearities inside a custom (parameter-free) module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(3, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        h = torch.cat(
+            [
+                torch.tanh(h[:, :1]),
+                F.gelu(h[:, 1:2]),
+                h[:, 2:3].sigmoid(),
+                F.silu(h[:, 3:4]),
+                F.softplus(h[:, 4:5], beta=1.5),
+                F.elu(h[:, 5:]),
+            ],
+            1,
+        )
+        h = self.l2(h)
+        h = F.leaky_relu(h, 0.2) + torch.relu(h) + h.tanh() + torch.exp(0.1 * h) + h**2
+        return self.l3(h)
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_functional_nonlinearities(loss: str):
+    torch.manual_seed(2)
+    X, y, lf = data(3, 3, 2, loss)
+    check_diag(Functional(), lf, X, y)
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.block = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        h = h + torch.tanh(self.block(h))
+        return self.out(nn.functional.dropout(h, 0.5, training=False))
+
+
+def test_residual_mlp_mse():
+    torch.manual_seed(3)
+    X, y, lf = data(4, 3, 2, "mse")
+    check_diag(ResidualMLP(), lf, X, y)
+
+
+@pytest.mark.parametrize("act", [nn.Sigmoid(), nn.ReLU()], ids=repr)
+def test_maxpool_cnn(act: nn.Module):
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1),
+        copy.deepcopy(act),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2, 2, 2),
+        nn.Tanh(),
+        nn.AvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2, 3),
+    )
+    X, y = torch.randn(3, 1, 4, 4), torch.randint(0, 3, (3,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_log_softmax_nll_is_part_of_the_loss():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3), nn.LogSoftmax(dim=1))
+    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    check_diag(model, nn.NLLLoss(), X, y)
+
+
+def test_sum_reduction_and_scaled_backward():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sigmoid(), nn.Linear(3, 2))
+    X, y = torch.randn(4, 3), torch.randn(4, 2)
+    lf = nn.MSELoss(reduction="sum")
+    check_diag(model, lf, X, y, batch=False)
+    # (3 L).backward(): the Hessian of 3 L
+    ref = copy.deepcopy(model)
+    H = 3 * loss_hessian(ref, lf, X, y)
+    lf = extend(lf)
+    with collect(DiagHessian()):
+        (3 * lf(model(X), y)).backward()
+    expected = split(torch.diagonal(H), ref)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    d=st.integers(1, 3),
+    h=st.integers(1, 4),
+    c=st.integers(2, 3),
+    loss=st.sampled_from(["ce", "mse"]),
+    seed=st.integers(0, 2**16),
+)
+def test_hypothesis_shapes(n: int, d: int, h: int, c: int, loss: str, seed: int):
+    torch.set_default_dtype(DT)
+    torch.manual_seed(seed)
+    X, y, lf = data(n, d, c, loss)
+    model = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, c, bias=seed % 2 == 0))
+    check_diag(model, lf, X, y)
+
+
+class Transposed(nn.Module):
+    """The nonlinearity acts on a tensor whose first axis is not the batch axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.l1(x).t()).t())
+
+
+def test_nonlinearity_without_leading_batch_axis():
+    torch.manual_seed(14)
+    X, y, lf = data(3, 3, 2, "ce")
+    check_diag(Transposed(), lf, X, y)
+
+
+def test_chunked_residual_columns():
+    """A tiny memory budget forces one column per chunk; results are unchanged."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    X, y = torch.randn(3, 3), torch.randint(0, 2, (3,))
+    ref = copy.deepcopy(model)
+    H = loss_hessian(ref, nn.CrossEntropyLoss(), X, y)
+    lf = extend(nn.CrossEntropyLoss())
+    extend(model)
+    with collect(DiagHessian(), memory_budget=1):
+        lf(model(X), y).backward()
+    expected = split(torch.diagonal(H), ref)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)
+
+
+def test_batchnorm_eval_and_layernorm_on_data_are_fine():
+    """Eval-mode BatchNorm is affine in its input; LayerNorm of the data (no parameter before it)
+    is linear in its own parameters: both are exact."""
+    torch.manual_seed(11)
+    model = nn.Sequential(
+        nn.LayerNorm(3), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Sigmoid(), nn.Linear(4, 2)
+    )
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-1, 1)
+        model[2].running_var.uniform_(0.5, 2)
+    model.eval()
+    X, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+class MoreFunctional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(2, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        h = torch.sin(h) + 2**h + torch.sqrt(h.square() + 1) + F.logsigmoid(h) + F.mish(h)
+        return self.l2(F.max_pool1d(h[:, None], 1)[:, 0].clamp(-5, 5).abs() + h.sigmoid())
+
+
+def test_more_elementwise_ops():
+    torch.manual_seed(12)
+    X, y, lf = data(3, 2, 2, "mse")
+    check_diag(MoreFunctional(), lf, X, y)
+
+
+def test_parallel_shared_parameter():
+    torch.manual_seed(13)
+    X, y, lf = data(3, 6, 2, "ce")
+    check_diag(Siamese(), lf, X, y)
+
+
+# -- Hutchinson ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make", [LayerNormBetween, SoftmaxAttention], ids=["layernorm", "attention"]
+)
+def test_hutchinson_unbiased(make):
+    """E[v ⊙ Hv] = diag H; with S samples Var = (1/S) Σ_{j≠i} H_ij², checked to 5 std."""
+    torch.manual_seed(9)
+    model = make()
+    shape = (3, 2, 3) if make is SoftmaxAttention else (3, 3)
+    X, y = torch.randn(*shape), torch.randint(0, 3, (3,))
+    ref = copy.deepcopy(model)
+    H = loss_hessian(ref, nn.CrossEntropyLoss(), X, y)
+    S = 300
+    run(model, nn.CrossEntropyLoss(), X, y, HutchinsonDiagHessian(samples=S))
+    diag = torch.diagonal(H)
+    std = ((H.square().sum(1) - diag.square()) / S).sqrt()
+    est = torch.cat([p.diag_h_hutchinson.reshape(-1) for p in model.parameters()])
+    assert (est - diag).abs().le(5 * std + 1e-10).all()
+    # and it is not trivially exact: the estimate differs from the diagonal somewhere
+    assert (est - diag).abs().max() > 0
+
+
+def test_hutchinson_exact_for_diagonal_hessian():
+    """A single parameter vector: Hv ⊙ v = diag H exactly (no off-diagonal terms)."""
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(3, 1, bias=False))
+    ref = copy.deepcopy(model)
+    X = torch.diag(torch.tensor([1.0, 2.0, 3.0]))  # H = (2/N) XᵀX is diagonal
+    y = torch.randn(3, 1)
+    H = loss_hessian(ref, nn.MSELoss(), X, y)
+    run(model, nn.MSELoss(), X, y, HutchinsonDiagHessian())
+    torch.testing.assert_close(model[0].weight.diag_h_hutchinson.reshape(-1), torch.diagonal(H))
+    # (2 L).backward() estimates the Hessian of 2 L
+    lf = extend(nn.MSELoss())
+    with collect(HutchinsonDiagHessian(samples=2)):
+        (2 * lf(model(X), y)).backward()
+    torch.testing.assert_close(
+        model[0].weight.diag_h_hutchinson.reshape(-1), 2 * torch.diagonal(H)
+    )
+
+
+def test_hutchinson_bad_samples():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="samples"):
+            HutchinsonDiagHessian(samples=bad)
+
+
+def test_hutchinson_fused_attention_names_the_way_out():
+    """The CPU fused attention kernel has no second derivative: a clear error with the fix,
+    and under the math kernel the estimator runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.head = attn, nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    model, lossfunc = extend(Model()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
+    fix = r"HutchinsonDiagHessian.*SDPBackend\.MATH"
+    with pytest.raises(RuntimeError, match=fix), collect(HutchinsonDiagHessian()):
+        lossfunc(model(X), y).backward()
+    with sdpa_kernel(SDPBackend.MATH), collect(HutchinsonDiagHessian()):
+        lossfunc(model(X), y).backward()
+    assert torch.isfinite(model.head.weight.diag_h_hutchinson).all()
+
+
+# -------------------------------------------------------------------------------------- on a device
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("name", ["mlp", "mlp_mse", "cnn"])
+def test_diag_hessian_on_device(name, device):
+    model, lossfunc, X, y, ref_loss = build_on_device(name, device, seed=3)
+    H = loss_hessian(model, ref_loss, X, y)
+    extend(model), extend(lossfunc)
+    fresh_backward(model, lossfunc, X, y, DiagHessian(), BatchDiagHessian())
+    check_stored(model, device, "diag_h", "diag_h_batch")
+    torch.testing.assert_close(gather(model, "diag_h", 0), torch.diagonal(H), **DEVICE_TOL)
+    batch = gather(model, "diag_h_batch", 1)
+    assert batch.shape[0] == DEVICE_N
+    torch.testing.assert_close(batch.sum(0), torch.diagonal(H), **DEVICE_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("name", DEVICE_MODELS)
+def test_hutchinson_on_device(name, device):
+    """Unbiased with ``Var[d̂ᵢ] = (1/S) Σ_{j≠i} H_ij²``: within 6 standard deviations.
+
+    Attention runs on SDPA's math backend: the fused CPU kernel has neither the forward-mode
+    derivative ``torch.func.hessian`` needs nor a double backward (HVPs); on CUDA, float64 gets
+    the math backend anyway."""
+    samples = 32
+    model, lossfunc, X, y, ref_loss = build_on_device(name, device, seed=4)
+    with sdpa_kernel(SDPBackend.MATH):
+        H = loss_hessian(model, ref_loss, X, y)
+        extend(model), extend(lossfunc)
+        torch.manual_seed(0)
+        fresh_backward(model, lossfunc, X, y, HutchinsonDiagHessian(samples))
+    check_stored(model, device, "diag_h_hutchinson")
+    est = gather(model, "diag_h_hutchinson", 0)
+    off = H - torch.diag(torch.diagonal(H))
+    sd = (off.square().sum(1) / samples).sqrt()
+    err = (est - torch.diagonal(H)).abs()
+    bad = err > 6 * sd + 1e-10
+    assert not bad.any(), f"off by {err[bad]} (sd {sd[bad]})"

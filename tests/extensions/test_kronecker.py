@@ -1,0 +1,191 @@
+"""KFAC / KFLR against the dense GGN in their exact limits, and MC in expectation.
+
+Also: KFLR in its exact limit (N = 1, one output position) on ``layer → tanh → Linear`` for
+Linear, Conv1d/2d/3d and Embedding (``tests.common.check_kflr_exact``); on every device (the
+``device`` fixture), KFLR/KFAC factor shapes, symmetry and finiteness on seven models (layers
+without Kronecker factors frozen), every factor on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.extensions.kronecker import KFAC, KFLR, KFRA
+from tests.common import (
+    DEVICE_MODELS,
+    Head,
+    build_on_device,
+    check_kflr_exact,
+    check_stored,
+    expected_kronecker_shapes,
+    freeze_kronecker_unsupported,
+    fresh_backward,
+    labels,
+    trainable,
+)
+from tests.reference import ggn
+
+DT = torch.float64
+
+
+def _blocks(model, G):
+    out, i = {}, 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        out[name] = G[i : i + n, i : i + n]
+        i += n
+    return out
+
+
+def _kron(factors):
+    m = factors[0]
+    for f in factors[1:]:
+        m = torch.kron(m, f)
+    return m
+
+
+@pytest.mark.parametrize("lossfunc", [nn.CrossEntropyLoss(), nn.MSELoss(reduction="sum")])
+def test_kflr_exact_for_single_sample(lossfunc):
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3))).double()
+    lossfunc = extend(lossfunc)
+    X = torch.randn(1, 4, dtype=torch.double)
+    y = (
+        torch.randint(0, 3, (1,))
+        if isinstance(lossfunc, nn.CrossEntropyLoss)
+        else torch.randn(1, 3, dtype=torch.double)
+    )
+    with collect(KFLR()):
+        lossfunc(model(X), y).backward()
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_kron(p.kflr), blocks[name])
+
+
+def test_kflr_factors_definition_batch():
+    """B is the exact bias GGN block; A the mean input outer product."""
+    torch.manual_seed(1)
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.Sigmoid(), nn.Linear(3, 2))).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(6, 4, dtype=torch.double), torch.randint(0, 2, (6,))
+    with collect(KFLR(), chunk_size=1):  # chunking must not scale A
+        lossfunc(model(X), y).backward()
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    h = torch.sigmoid(model[0](X)).detach()
+    torch.testing.assert_close(model[2].weight.kflr[1], h.t() @ h / 6)
+    torch.testing.assert_close(model[2].weight.kflr[0], blocks["2.bias"])
+    torch.testing.assert_close(model[0].bias.kflr[0], blocks["0.bias"])
+    torch.testing.assert_close(model[0].weight.kflr[1], X.t() @ X / 6)
+
+
+def test_kfac_unbiased_for_bias_block():
+    torch.manual_seed(2)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3, dtype=torch.double), torch.randint(0, 3, (5,))
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    with collect(KFAC(mc_samples=4000)):
+        lossfunc(model(X), y).backward()
+    # MC average over 4000 samples: relative error ~ 1/sqrt(4000) ≈ 1.6 %, allow 8 %
+    for name in ("0.bias", "2.bias"):
+        est = dict(model.named_parameters())[name].kfac[0]
+        assert (est - blocks[name]).norm() <= 0.08 * blocks[name].norm()
+
+
+def test_kfra_exact_for_single_sample_and_last_layer():
+    torch.manual_seed(3)
+    model = extend(
+        nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3))
+    ).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(1, 4, dtype=torch.double), torch.randint(0, 3, (1,))
+    with collect(KFRA()):
+        lossfunc(model(X), y).backward()
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(_kron(p.kfra), blocks[name])
+    # batch: the last layer's B is the batch-averaged loss Hessian = exact bias GGN
+    X, y = torch.randn(6, 4, dtype=torch.double), torch.randint(0, 3, (6,))
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    torch.testing.assert_close(model[4].bias.kfra[0], model[4].bias.kflr[0])
+    torch.testing.assert_close(model[4].weight.kfra[1], model[4].weight.kflr[1])
+
+
+def test_kfra_conv_chain_single_sample():
+    torch.manual_seed(4)
+    model = extend(
+        nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
+    ).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(1, 1, 5, 5, dtype=torch.double), torch.randint(0, 3, (1,))
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    for p in model.parameters():
+        for a, b in zip(p.kfra, p.kflr):
+            torch.testing.assert_close(a, b)
+
+
+def test_kfra_rejects_non_chain():
+    class Res(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return x + self.lin(x)
+
+    model = extend(Res())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with pytest.raises(NotImplementedError, match="KFLR"), collect(KFRA()):
+        lossfunc(model(torch.randn(2, 3)), torch.tensor([0, 1])).backward()
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(["linear", "conv1d", "conv2d", "conv3d", "embedding"]),
+    k=st.integers(1, 2),
+    dil=st.integers(1, 2),
+    stride=st.integers(1, 2),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kflr_exact_limit(kind, k, dil, stride, bias, seed):
+    torch.manual_seed(seed)
+    if kind == "linear":
+        X: Tensor = torch.randn(1, 1, 3, dtype=DT)  # a leading axis of size 1
+        layer: nn.Module = nn.Linear(3, 2, bias=bias)
+    elif kind == "embedding":
+        X = torch.tensor([[2]])
+        layer = nn.Embedding(4, 3)
+    else:
+        d = int(kind[-2])
+        cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
+        X = torch.randn(1, 2, *[dil * (k - 1) + 1] * d, dtype=DT)  # one output position
+        layer = cls(2, 2, k, stride=stride, dilation=dil, bias=bias)
+    model = Head(layer, X).to(DT)
+    check_kflr_exact(model, nn.CrossEntropyLoss(), X, labels(1, seed=seed))
+
+
+# -------------------------------------------------------------------------------------- on a device
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("ext", [KFLR, KFAC])
+@pytest.mark.parametrize("name", DEVICE_MODELS)
+def test_kronecker_on_device(name, ext, device):
+    model, lossfunc, X, y, _ = build_on_device(name, device, seed=5)
+    freeze_kronecker_unsupported(model)
+    extend(model), extend(lossfunc)
+    fresh_backward(model, lossfunc, X, y, ext())
+    check_stored(model, device, ext.savefield)
+    expected = expected_kronecker_shapes(model)
+    assert expected
+    for key, p in trainable(model):
+        factors = getattr(p, ext.savefield)
+        assert [tuple(f.shape) for f in factors] == expected[key], key
+        for f in factors:
+            torch.testing.assert_close(f, f.T)

@@ -1,0 +1,445 @@
+"""Convolution and transpose-convolution rules against per-sample VJPs from ``torch.func``.
+
+References (float64): ``V[m, n] = vjp(θ ↦ module(xₙ; θ))(g[m, n])`` with ``vmap`` over samples
+and columns; ``A`` from the per-sample Jacobian of the output w.r.t. one output channel's
+weights (which *is* the unfolded input), ``B`` from the reference bias gradients.
+
+The convolution family: ``backprism.rules.conv``, ``backprism.rules.convtranspose`` and their
+shared machinery ``backprism.rules.unfold``. End to end, second order: ``DiagGGNExact``,
+``BatchDiagGGNExact`` and ``SqrtGGNExact`` on ``conv → tanh → Linear`` for random
+convolutions and transpose convolutions (1d/2d/3d, groups, stride, dilation, padding modes),
+whole and chunked, against ``tests/reference.py::ggn_blocks``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vjp, vmap
+
+import backprism
+from backprism.engine.rule import Call
+from backprism.extensions import (
+    BatchDiagGGNExact,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
+from backprism.rules import get_rule
+from tests.common import CHUNKING, SETTINGS, Head, labels, run_family
+from tests.reference import ggn_blocks, per_sample_grads
+
+CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONVT = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+
+
+# -- references ----------------------------------------------------------------------------
+def ref_per_sample(module: nn.Module, x: Tensor, g: Tensor, kwargs: dict) -> dict[str, Tensor]:
+    """``{name: [M, N, *p]}``: per-sample, per-column VJPs w.r.t. the parameters."""
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def one(xn: Tensor, gn: Tensor) -> dict[str, Tensor]:
+        def f(p: dict[str, Tensor]) -> Tensor:
+            return functional_call(module, p, (xn.unsqueeze(0),), kwargs).squeeze(0)
+
+        _, pull = vjp(f, params)
+        return vmap(pull)(gn)[0]
+
+    out = vmap(one, in_dims=(0, 1))(x, g)
+    return {k: v.transpose(0, 1) for k, v in out.items()}
+
+
+def ref_unfolded(module: nn.Module, x: Tensor, kwargs: dict, transpose: bool) -> Tensor:
+    """``[N, I, L]``: ∂out[n, 0, l] / ∂(weight of output channel 0), i.e. the unfolded input."""
+    w = module.weight.detach()
+
+    def out0(w0: Tensor, xn: Tensor) -> Tensor:
+        full = w.clone()
+        if transpose:
+            full = torch.cat([w0.unsqueeze(1), w[:, 1:]], 1)
+        else:
+            full = torch.cat([w0.unsqueeze(0), w[1:]], 0)
+        p = {"weight": full}
+        if module.bias is not None:
+            p["bias"] = module.bias.detach()
+        return functional_call(module, p, (xn.unsqueeze(0),), kwargs)[0, 0].flatten()
+
+    w0 = w[:, 0] if transpose else w[0]
+    jac = vmap(jacrev(out0), in_dims=(None, 0))(w0, x)  # [N, L, *w0.shape]
+    return jac.flatten(2).transpose(1, 2)
+
+
+# -- configurations ------------------------------------------------------------------------
+@st.composite
+def conv_case(draw: st.DrawFn, transpose: bool) -> dict:
+    dim = draw(st.sampled_from([1, 2, 3]))
+    groups = draw(st.sampled_from([1, 1, 2]))
+    cin = groups * draw(st.integers(1, 2))
+    cout = groups * draw(st.integers(1, 2 if dim == 3 else 3))
+    kmax = 2 if dim == 3 else 3
+    k = tuple(draw(st.integers(1, kmax)) for _ in range(dim))
+    s = tuple(draw(st.integers(1, 2)) for _ in range(dim))
+    d = tuple(draw(st.integers(1, 2)) for _ in range(dim))
+    n = draw(st.integers(1, 3))
+    m = draw(st.integers(1, 3))
+    bias = draw(st.booleans())
+    kwargs: dict = {}
+    if transpose:
+        pad = tuple(draw(st.integers(0, 1)) for _ in range(dim))
+        size = tuple(draw(st.integers(1, 3 if dim == 3 else 4)) for _ in range(dim))
+        opad = tuple(draw(st.integers(0, max(si, di) - 1)) for si, di in zip(s, d))
+        full = [
+            (si_ - 1) * st_ - 2 * p + dl * (kk - 1) + 1
+            for si_, st_, p, dl, kk in zip(size, s, pad, d, k)
+        ]
+        # fix the padding so that every output axis is non-empty
+        pad = tuple(0 if f <= 0 else p for f, p in zip(full, pad))
+        use_output_size = draw(st.booleans())
+        module = CONVT[dim](cin, cout, k, s, pad, 0 if use_output_size else opad, groups, bias,
+                            d)
+        if use_output_size:  # forward's output_size allows up to stride - 1 extra elements
+            kwargs["output_size"] = [
+                (si_ - 1) * st_ - 2 * p + dl * (kk - 1) + 1 + min(op, st_ - 1)
+                for si_, st_, p, dl, kk, op in zip(size, s, pad, d, k, opad)
+            ]
+    else:
+        mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "replicate", "circular"]))
+        padding_kind = draw(st.sampled_from(["int", "tuple", "same", "valid"]))
+        if padding_kind == "same":
+            s = (1,) * dim
+            pad: object = "same"
+        elif padding_kind == "valid":
+            pad = "valid"
+        elif padding_kind == "int":
+            pad = draw(st.integers(0, 2))
+        else:
+            pad = tuple(draw(st.integers(0, 2)) for _ in range(dim))
+        span = [dl * (kk - 1) + 1 for dl, kk in zip(d, k)]
+        extra = 1 if dim == 3 else 3
+        size = tuple(sp + draw(st.integers(0, extra)) for sp in span)
+        if mode in ("reflect", "circular"):  # padding must be smaller than the input
+            size = tuple(max(si_, 5) for si_ in size)
+        module = CONV[dim](cin, cout, k, s, pad, d, groups, bias, padding_mode=mode)
+    module = module.double()
+    x = torch.randn(n, cin, *size, dtype=torch.float64)
+    return {"module": module, "x": x, "m": m, "kwargs": kwargs, "transpose": transpose}
+
+
+def _call(module: nn.Module, x: Tensor, kwargs: dict) -> tuple[Call, Tensor]:
+    out = module(x, **kwargs)
+    call = Call(module=module, args=(x,), kwargs=kwargs, out_shapes=[out.shape],
+                batch_size=x.shape[0], training=True, params=dict(module.named_parameters()))
+    return call, out
+
+
+def _check_case(case: dict) -> None:
+    module, x, m, kwargs = case["module"], case["x"], case["m"], case["kwargs"]
+    rule = get_rule(module)
+    assert type(rule).__module__.startswith("backprism.rules.conv")
+    call, out = _call(module, x, kwargs)
+    n = x.shape[0]
+    g = torch.randn(m, *out.shape, dtype=torch.float64)
+    w = torch.randn(m, n, dtype=torch.float64)
+    ref = ref_per_sample(module, x, g, kwargs)
+    names = set(ref)
+
+    def expected(name: str, which: str) -> Tensor:
+        v = ref[name]
+        wv = w.reshape(m, n, *([1] * (v.dim() - 2)))
+        return {
+            "summed": v.sum(1),
+            "sum_squared": v.square().sum((0, 1)),
+            "sum_squared_w": (wv * v.square()).sum((0, 1)),
+            "batch_sum_squared": v.square().sum(0),
+            "batch_sum_squared_w": (wv * v.square()).sum(0),
+            "batch_l2": v.flatten(2).square().sum((0, 2)),
+            "batch_dot": torch.einsum("mnp,mkp->nk", v.flatten(2), v.flatten(2)),
+        }[which]
+
+    def compute(which: str) -> dict[str, Tensor]:
+        if which.endswith("_w"):
+            return getattr(rule, which[:-2])(call, g, w)
+        return getattr(rule, which)(call, g)
+
+    # "summed" twice: PyTorch's weight gradient, then the sum left by sum_squared (M = 1)
+    stats = ["summed", "sum_squared", "summed", "sum_squared_w", "batch_sum_squared",
+             "batch_sum_squared_w", "batch_l2", "batch_dot"]
+    # first without, then with the per-sample gradients cached for this columns tensor
+    for phase in ("direct", "cached"):
+        if phase == "cached":
+            ps = rule.per_sample(call, g)
+            assert set(ps) == names
+            for k in names:
+                assert ps[k].shape == ref[k].shape
+                torch.testing.assert_close(ps[k], ref[k])
+        for which in stats:
+            res = compute(which)
+            assert set(res) == names, which
+            for k in names:
+                torch.testing.assert_close(res[k], expected(k, which), msg=f"{which} {k}")
+
+    # projections onto given directions: Σₘ ⟨V[m, n], v⟩
+    vectors = {k: torch.randn(p.shape, dtype=torch.float64) for k, p in module.named_parameters()}
+    proj = rule.batch_dot_with(call, g, vectors)
+    assert set(proj) == names
+    for k in names:
+        torch.testing.assert_close(proj[k], ref[k].sum(0).flatten(1) @ vectors[k].flatten())
+
+    # Kronecker factors (groups = 1)
+    if module.groups == 1:
+        xu = ref_unfolded(module, x, kwargs, case["transpose"])  # [N, I, L]
+        a_ref = torch.einsum("nil,njl->ij", xu, xu) / n
+        gb = g.flatten(3).sum(-1)  # Σ_l g: the bias gradients' definition
+        if module.bias is not None:
+            torch.testing.assert_close(gb, ref["bias"])
+        b_ref = torch.einsum("mni,mnj->ij", gb, gb)
+        kf = rule.kronecker_factors(call, g)
+        torch.testing.assert_close(kf["weight"][1], a_ref)
+        torch.testing.assert_close(kf["weight"][0], b_ref)
+        if module.bias is not None:
+            assert len(kf["bias"]) == 1
+            torch.testing.assert_close(kf["bias"][0], b_ref)
+    else:
+        with pytest.raises(NotImplementedError, match="groups=2"):
+            rule.kronecker_factors(call, g)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=conv_case(transpose=False))
+def test_conv_rule_methods(case: dict) -> None:
+    _check_case(case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=conv_case(transpose=True))
+def test_conv_transpose_rule_methods(case: dict) -> None:
+    _check_case(case)
+
+
+def test_large_batch_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sample chunking (tiny chunk budget) and the Gram form of ``batch_l2`` agree too."""
+    from backprism.rules import unfold
+
+    monkeypatch.setattr(unfold, "CHUNK_ELEMENTS", 50)
+    for module in (
+        nn.Conv2d(2, 3, 2, padding=1, groups=1).double(),  # L large: materialise
+        nn.Conv2d(4, 2, 3, groups=2).double(),  # L = 1: Gram form
+        nn.ConvTranspose1d(2, 4, 3, stride=2, groups=2).double(),
+    ):
+        x = torch.randn(5, module.in_channels, *([3] * (module.weight.dim() - 2)),
+                        dtype=torch.float64)
+        _check_case({"module": module, "x": x, "m": 2, "kwargs": {}, "transpose": False}
+                    if isinstance(module, nn.Conv2d) else
+                    {"module": module, "x": x, "m": 2, "kwargs": {}, "transpose": True})
+
+
+def test_frozen_parameters() -> None:
+    conv = nn.Conv2d(2, 3, 3).double()
+    conv.weight.requires_grad_(False)
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    call, out = _call(conv, x, {})
+    call.params = {k: p for k, p in conv.named_parameters() if p.requires_grad}
+    g = torch.randn(1, *out.shape, dtype=torch.float64)
+    rule = get_rule(conv)
+    assert set(rule.per_sample(call, g)) == {"bias"}
+    assert set(rule.batch_l2(call, g)) == {"bias"}
+
+
+def test_unbatched_input_is_refused() -> None:
+    conv = nn.Conv2d(2, 3, 3)
+    x = torch.randn(2, 5, 5)
+    out = conv(x)
+    call = Call(module=conv, args=(x,), kwargs={}, out_shapes=[out.shape], batch_size=2,
+                training=True, params=dict(conv.named_parameters()))
+    with pytest.raises(ValueError, match="batch axis"):
+        get_rule(conv).per_sample(call, out.unsqueeze(0))
+
+
+# -- end to end ----------------------------------------------------------------------------
+class Residual(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, padding_mode="reflect")
+        self.conv2 = nn.Conv2d(c, c, 3, padding="same", groups=c, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv2(torch.relu(self.conv1(x)))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=1, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        Residual(4),
+        nn.ConvTranspose2d(4, 3, 2, stride=2, output_padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 9 * 9, 5),
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_end_to_end_first_order(reduction: str) -> None:
+    torch.manual_seed(0)
+    model = _cnn().double()
+    n = 4
+    x = torch.randn(n, 2, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 5, (n,))
+    lossfunc = nn.CrossEntropyLoss(reduction=reduction)
+    ref = per_sample_grads(model, lossfunc, x, y)
+    backprism.extend(model)
+    backprism.extend(lossfunc)
+    with backprism.collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(),
+                           BatchDotGrad()):
+        lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        r = ref[name]
+        f = r.flatten(1)
+        torch.testing.assert_close(p.grad_batch, r, msg=name)
+        torch.testing.assert_close(p.batch_l2, f.square().sum(1), msg=name)
+        torch.testing.assert_close(p.sum_grad_squared, r.square().sum(0), msg=name)
+        torch.testing.assert_close(
+            p.variance, r.square().mean(0) - r.mean(0).square(), msg=name
+        )
+        torch.testing.assert_close(p.batch_dot, f @ f.t(), msg=name)
+        torch.testing.assert_close(p.grad, r.sum(0), msg=name)
+
+
+@pytest.mark.parametrize("order", ["l2_first", "grad_first"])
+def test_end_to_end_conv_pool(order: str) -> None:
+    """Conv2d → ReLU → MaxPool → Flatten → Linear; extension order exercises the cache."""
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, dilation=1, padding=1, padding_mode="circular"),
+        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 2 * 2, 3),
+    ).double()
+    x = torch.randn(3, 3, 9, 9, dtype=torch.float64)
+    y = torch.randint(0, 3, (3,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    backprism.extend(model)
+    backprism.extend(lossfunc)
+    exts = [BatchL2Grad(), SumGradSquared(), BatchGrad()]
+    if order == "grad_first":
+        exts.reverse()
+    with backprism.collect(*exts):
+        lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        r = ref[name]
+        torch.testing.assert_close(p.grad_batch, r, msg=name)
+        torch.testing.assert_close(p.batch_l2, r.flatten(1).square().sum(1), msg=name)
+        torch.testing.assert_close(p.sum_grad_squared, r.square().sum(0), msg=name)
+
+
+def test_unfold_shapes_3d_float32() -> None:
+    """float32 path: no upcast, shape of the per-sample gradients."""
+    conv = nn.Conv3d(2, 4, (1, 2, 3), stride=(1, 2, 1), groups=2)
+    x = torch.randn(3, 2, 3, 4, 5)
+    call, out = _call(conv, x, {})
+    g = torch.randn(2, *out.shape)
+    ps = get_rule(conv).per_sample(call, g)
+    assert ps["weight"].dtype == torch.float32
+    assert ps["weight"].shape == (2, 3, *conv.weight.shape)
+    assert math.prod(ps["bias"].shape) == 2 * 3 * 4
+
+
+def test_end_to_end_second_order() -> None:
+    """GGN diagonals and square roots (M = C columns, per-column squares) through the engine."""
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 2, padding=1, padding_mode="replicate"), nn.ReLU(),
+        nn.ConvTranspose2d(2, 2, 2, stride=2, groups=2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(2 * 8 * 8, 3),
+    ).double()
+    n = 2
+    x = torch.randn(n, 1, 3, 3, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    lossfunc = nn.CrossEntropyLoss()
+    G, names, sizes = ggn_blocks(model, lossfunc, x, y)
+    backprism.extend(model)
+    backprism.extend(lossfunc)
+    with backprism.collect(DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact()):
+        lossfunc(model(x), y).backward()
+    offsets = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    params = dict(model.named_parameters())
+    for name, a, b in zip(names, offsets[:-1], offsets[1:]):
+        p = params[name]
+        block = G[:, :, a:b, a:b]  # [N, N, P, P]
+        per_sample_diag = torch.stack([torch.diagonal(block[i, i]) for i in range(n)])
+        torch.testing.assert_close(p.diag_ggn_exact_batch.flatten(1), per_sample_diag,
+                                   msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact.flatten(), per_sample_diag.sum(0),
+                                   msg=name)
+        v = p.sqrt_ggn_exact.flatten(2)  # [K, N, P]
+        for i in range(n):  # Σₖ V[k, n] V[k, n]ᵀ is sample n's GGN block
+            torch.testing.assert_close(v[:, i].t() @ v[:, i], block[i, i], msg=name)
+
+
+DT = torch.float64
+N = 2  # batch of the second-order family tests
+
+
+@st.composite
+def conv_cases(draw: st.DrawFn, transpose: bool) -> dict:
+    d = draw(st.sampled_from([1, 2, 3]))
+    groups = draw(st.sampled_from([1, 2]))
+    cin, cout = groups * draw(st.integers(1, 2)), groups * draw(st.integers(1, 2))
+    k = draw(st.integers(1, 3 if d < 3 else 2))
+    stride = draw(st.sampled_from([1, 2]))
+    dil = draw(st.sampled_from([1, 2]))
+    kw: dict[str, Any] = {"stride": stride, "dilation": dil, "groups": groups}
+    kw["bias"] = draw(st.booleans())
+    span = dil * (k - 1) + 1
+    if transpose:
+        kw["padding"] = draw(st.integers(0, min(1, span - 1)))
+        kw["output_padding"] = draw(st.integers(0, max(stride, dil) - 1))
+        size = draw(st.integers(1, 3 if d < 3 else 2))
+    else:
+        mode = draw(st.sampled_from(["zeros", "reflect", "replicate", "circular"]))
+        pad = draw(st.sampled_from([0, 1, 2] + (["same"] if stride == 1 else [])))
+        kw["padding"], kw["padding_mode"] = pad, mode
+        size = span + draw(st.integers(0, 2 if d < 3 else 1))
+        if isinstance(pad, int):
+            size = max(size, pad + 1)  # reflect needs padding < size
+    return {"d": d, "cin": cin, "cout": cout, "k": k, "kw": kw, "size": size}
+
+
+def _conv(case: dict, transpose: bool) -> nn.Module:
+    cls = {
+        (False, 1): nn.Conv1d,
+        (False, 2): nn.Conv2d,
+        (False, 3): nn.Conv3d,
+        (True, 1): nn.ConvTranspose1d,
+        (True, 2): nn.ConvTranspose2d,
+        (True, 3): nn.ConvTranspose3d,
+    }[(transpose, case["d"])]
+    return cls(case["cin"], case["cout"], case["k"], **case["kw"])
+
+
+@SETTINGS
+@given(case=conv_cases(transpose=False), chunking=CHUNKING, seed=st.integers(0, 2**16))
+def test_conv(case, chunking, seed):
+    torch.manual_seed(seed)
+    X = torch.randn(N, case["cin"], *[case["size"]] * case["d"], dtype=DT)
+    model = Head(_conv(case, False), X).to(DT)
+    run_family(model, X, labels(N, seed=seed), chunking)
+
+
+@SETTINGS
+@given(case=conv_cases(transpose=True), chunking=CHUNKING, seed=st.integers(0, 2**16))
+def test_conv_transpose(case, chunking, seed):
+    torch.manual_seed(seed)
+    X = torch.randn(N, case["cin"], *[case["size"]] * case["d"], dtype=DT)
+    model = Head(_conv(case, True), X).to(DT)
+    run_family(model, X, labels(N, seed=seed), chunking)

@@ -1,0 +1,481 @@
+"""Generic ``torch.func`` rule: modules without a registered rule against dense float64 references.
+
+Covered: ``nn.MultiheadAttention`` (self/cross attention, ``need_weights``, masks as kwargs,
+``is_causal``, separate k/v dims, ``add_bias_kv``), ``nn.LSTM``/``nn.GRU``/``nn.RNN``
+(multi-layer, bidirectional, initial states, ``h_n`` used), ``nn.Bilinear`` and custom modules with
+their own parameters used nonlinearly; the loop fallback for non-vmappable forwards; columns
+``M > 1`` through the rule directly; the errors (dropout in train mode, ``batch_first=False``).
+
+References: ``reference.per_sample_grads`` (vmap over per-sample parameter copies) where the model
+is vmappable; for RNNs, whose kernels have no batching rule,
+``reference.per_sample_grads_loop`` — the same definition (every sample gets its own
+parameter copy ``θₙ = θ``; the real loss is evaluated on the concatenated outputs, so
+``∂L/∂θₙ = ∇(ℓₙ/N)``) with a Python loop instead of ``vmap``.
+
+End to end, second order: ``DiagGGNExact``/``BatchDiagGGNExact``/``SqrtGGNExact`` on
+``layer → tanh → Linear`` for MultiheadAttention, Bilinear and a custom module under a small
+``memory_budget``, against ``tests/reference.py::ggn_blocks``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.engine.rule import Call, get_rule
+from backprism.extensions import BatchGrad
+from backprism.rules import generic
+from tests.common import check_first_order, generic_model, labels, run_family
+from tests.reference import per_sample_grads, per_sample_grads_loop
+
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
+DT = torch.float64
+
+
+def _labels(n: int, c: int, seed: int) -> Tensor:
+    return torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# -- MultiheadAttention --------------------------------------------------------------------
+class AttnModel(nn.Module):
+    """Self- or cross-attention with optional masks, attention weights used in the output."""
+
+    def __init__(
+        self, e: int, heads: int, kdim: int | None, bias: bool, bias_kv: bool, weights: bool,
+        mask: str, causal: bool, classes: int = 3,
+    ) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(
+            e, heads, batch_first=True, kdim=kdim, vdim=kdim, bias=bias, add_bias_kv=bias_kv
+        )
+        self.head = nn.Linear(e, classes)
+        self.weights, self.mask, self.causal = weights, mask, causal
+
+    def forward(self, x: Tensor, mem: Tensor, kpm: Tensor, mask3: Tensor) -> Tensor:
+        kwargs = {"need_weights": self.weights}
+        length, src = x.shape[1], mem.shape[1]
+        if self.mask == "causal":
+            kwargs["attn_mask"] = torch.triu(
+                torch.ones(length, src, dtype=torch.bool), 1
+            )
+            kwargs["is_causal"] = self.causal
+        elif self.mask == "float2d":
+            kwargs["attn_mask"] = torch.linspace(-1, 1, length * src, dtype=x.dtype).reshape(
+                length, src
+            )
+        elif self.mask == "per_sample3d":  # [N, H, L, S] input -> [N*H, L, S]
+            kwargs["attn_mask"] = mask3.reshape(-1, length, src)
+        elif self.mask == "key_padding":
+            kwargs["key_padding_mask"] = kpm
+        out, w = self.attn(x, mem, mem, **kwargs)
+        y = self.head(out.tanh().mean(1))
+        if w is not None:
+            y = y + w.square().sum((1, 2))[:, None]
+        return y
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "float2d", "per_sample3d", "key_padding"])
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(
+    n=st.integers(1, 3),
+    length=st.integers(1, 3),
+    src=st.integers(1, 3),
+    heads=st.sampled_from([1, 2]),
+    cross=st.booleans(),
+    bias=st.booleans(),
+    bias_kv=st.booleans(),
+    weights=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_multihead_attention(mask, n, length, src, heads, cross, bias, bias_kv, weights, seed):
+    torch.manual_seed(seed)
+    e = 4
+    if not cross or mask == "causal":
+        src = length
+    kdim = 3 if cross else None
+    model = extend(
+        AttnModel(e, heads, kdim, bias, bias_kv, weights, mask, causal=not weights).to(DT)
+    )
+    x = torch.randn(n, length, e, dtype=DT)
+    mem = torch.randn(n, src, kdim or e, dtype=DT) if cross else x
+    kpm = torch.zeros(n, src, dtype=torch.bool)
+    kpm[:, src - 1] = torch.rand(n) < 0.5  # never mask every key of a sample
+    mask3 = torch.randn(n, heads, length, src, dtype=DT)
+    X = (x, mem, kpm, mask3)
+    y = _labels(n, 3, seed)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    ref = per_sample_grads(model, lossfunc, X, y)
+    assert "attn.out_proj.weight" in ref
+    check_first_order(model, lossfunc, X, y, ref)
+
+
+def test_multihead_attention_batch_size_equals_length():
+    """A 2-d mask [L, S] with L == N is shared, not split over samples."""
+    torch.manual_seed(0)
+    model = extend(AttnModel(4, 2, None, True, False, True, "float2d", False).to(DT))
+    x = torch.randn(3, 3, 4, dtype=DT)
+    X = (x, x, torch.zeros(3, 3, dtype=torch.bool), torch.zeros(3, 2, 3, 3, dtype=DT))
+    y = _labels(3, 3, 0)
+    lossfunc = extend(nn.CrossEntropyLoss(reduction="sum"))
+    check_first_order(model, lossfunc, X, y, per_sample_grads(model, lossfunc, X, y))
+
+
+# -- RNNs ------------------------------------------------------------------------------------
+class RNNModel(nn.Module):
+    """RNN with initial state(s) from the input, classifying from the last output and h_n."""
+
+    def __init__(self, kind: type, f: int, h: int, layers: int, bidir: bool, init: bool) -> None:
+        super().__init__()
+        self.rnn = kind(f, h, num_layers=layers, bidirectional=bidir, batch_first=True)
+        d = 2 if bidir else 1
+        self.head = nn.Linear(d * h + layers * d * h, 3)
+        self.init = init
+
+    def forward(self, x: Tensor, h0: Tensor) -> Tensor:
+        hx = None
+        if self.init:  # h0: [N, 2, layers*dirs, H] -> [layers*dirs, N, H] (batch on axis 1)
+            h, c = h0.movedim(0, 2).contiguous().unbind(0)
+            hx = (h, c) if isinstance(self.rnn, nn.LSTM) else h
+        out, state = self.rnn(x, hx)
+        h_n = state[0] if isinstance(state, tuple) else state
+        feats = torch.cat([out[:, -1], h_n.transpose(0, 1).flatten(1).sin()], 1)
+        return self.head(feats)
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    n=st.integers(1, 3),
+    t=st.integers(1, 3),
+    layers=st.integers(1, 2),
+    bidir=st.booleans(),
+    init=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rnn(kind, n, t, layers, bidir, init, seed):
+    torch.manual_seed(seed)
+    f, h = 3, 2
+    model = extend(RNNModel(kind, f, h, layers, bidir, init).to(DT))
+    x = torch.randn(n, t, f, dtype=DT)
+    h0 = torch.randn(n, 2, layers * (2 if bidir else 1), h, dtype=DT)
+    y = _labels(n, 3, seed)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    ref = per_sample_grads_loop(model, lossfunc, (x, h0), y)
+    check_first_order(model, lossfunc, (x, h0), y, ref)
+
+
+# -- Bilinear --------------------------------------------------------------------------------
+class BilinearModel(nn.Module):
+    def __init__(self, a: int, b: int, o: int, bias: bool) -> None:
+        super().__init__()
+        self.bil = nn.Bilinear(a, b, o, bias=bias)
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        out = self.bil(x1, x2)
+        return out.flatten(1, -2).mean(1) if out.dim() > 2 else out
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 4),
+    mid=st.sampled_from([(), (2,)]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_bilinear(n, mid, bias, seed):
+    torch.manual_seed(seed)
+    model = extend(BilinearModel(3, 2, 4, bias).to(DT))
+    X = (torch.randn(n, *mid, 3, dtype=DT), torch.randn(n, *mid, 2, dtype=DT))
+    y = torch.randn(n, 4, dtype=DT)
+    lossfunc = extend(nn.MSELoss())
+    check_first_order(model, lossfunc, X, y, per_sample_grads(model, lossfunc, X, y))
+
+
+# -- custom modules --------------------------------------------------------------------------
+class Custom(nn.Module):
+    """Own parameters used nonlinearly, a frozen one, a child used functionally and one called."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(i))
+        self.W = nn.Parameter(torch.randn(i, o))
+        self.frozen = nn.Parameter(torch.randn(o), requires_grad=False)
+        self.proj = nn.Linear(o, o)  # used functionally: the custom call owns its parameters
+        self.called = nn.Linear(i, i)  # called: has its own call and rule
+        self.register_buffer("shift", torch.randn(o))
+
+    def forward(self, x: Tensor, gain: float = 1.0, *, temperature: Tensor | None = None) -> Tensor:
+        z = self.scale * self.called(x).tanh() @ self.W + self.frozen + self.shift
+        z = nn.functional.linear(torch.sigmoid(z * gain), self.proj.weight, self.proj.bias)
+        if temperature is not None:
+            z = z / temperature
+        return z
+
+
+class CustomModel(nn.Module):
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.custom = Custom(i, o)
+        self.head = nn.Linear(o, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.custom(x, 0.7, temperature=torch.tensor(1.5, dtype=x.dtype)).cos())
+
+
+@SETTINGS
+@given(n=st.integers(1, 4), mid=st.sampled_from([(), (2,)]), seed=st.integers(0, 2**16))
+def test_custom_module(n, mid, seed):
+    torch.manual_seed(seed)
+    model = extend(CustomModel(3, 4).to(DT))
+    x = torch.randn(n, *mid, 3, dtype=DT)
+    y = _labels(n, 3, seed) if not mid else torch.randn(n, *mid, 3, dtype=DT)
+    lossfunc = extend(nn.CrossEntropyLoss() if not mid else nn.MSELoss(reduction="sum"))
+    ref = per_sample_grads(model, lossfunc, x, y)
+    assert "custom.proj.weight" in ref and "custom.frozen" not in ref
+    check_first_order(model, lossfunc, x, y, ref)
+
+
+def test_generic_rule_is_the_fallback():
+    assert isinstance(get_rule(Custom(2, 2)), generic.GenericRule)
+    assert isinstance(get_rule(nn.MultiheadAttention(2, 1)), generic.GenericRule)
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow: ``vmap`` cannot run it, the loop fallback must."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = x @ self.w
+        z = torch.stack([r.tanh() if float(r.sum()) > 0 else r for r in z])  # per sample
+        return z * self.w.sum()
+
+
+def test_loop_fallback_warns_once_and_is_correct():
+    torch.manual_seed(1)
+    model = extend(nn.Sequential(Branchy(), nn.Linear(3, 2)).to(DT))
+    x = torch.randn(5, 3, dtype=DT)
+    x[:2] *= -1
+    y = _labels(5, 2, 1)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
+    generic._WARNED.discard(Branchy)
+    with pytest.warns(RuntimeWarning, match="loop over samples"):
+        check_first_order(model, lossfunc, x, y, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_first_order(model, lossfunc, x, y, ref)
+
+
+# -- columns M > 1 through the rule directly -------------------------------------------------
+@pytest.mark.parametrize("kind", ["attn", "lstm"])
+def test_per_sample_columns(kind):
+    """``per_sample(call, g)`` with ``M = 3`` columns and multi-output ``g`` against
+    ``Vₘₙ = Jₙᵀ g[m, n]`` computed by autograd on each sample separately."""
+    torch.manual_seed(2)
+    n, t, e, m = 3, 2, 4, 3
+    x = torch.randn(n, t, e, dtype=DT)
+    if kind == "attn":
+        module = nn.MultiheadAttention(e, 2, batch_first=True).to(DT)
+        args, kwargs = (x, x, x), {"need_weights": True}
+        axes = [0, 0]
+
+        def one(i: int) -> tuple:
+            return module(x[i : i + 1], x[i : i + 1], x[i : i + 1], need_weights=True)
+    else:
+        module = nn.LSTM(e, 2, num_layers=2, batch_first=True).to(DT)
+        args, kwargs = (x,), {}
+        axes = [0, 1, 1]
+
+        def one(i: int) -> tuple:
+            out, (h, c) = module(x[i : i + 1])
+            return out, h, c
+
+    outs = [o for o in one(0)]
+    out_shapes = [
+        torch.Size([*o.shape[:a], n, *o.shape[a + 1 :]]) for o, a in zip(outs, axes)
+    ]
+    g = tuple(torch.randn(m, *s, dtype=DT) for s in out_shapes)
+    params = dict(module.named_parameters())
+    call = Call(module=module, args=args, kwargs=kwargs, out_shapes=out_shapes, batch_size=n,
+                training=module.training, params=params)
+    result = generic.GenericRule().per_sample(call, g)
+    assert set(result) == set(params)
+    for i in range(n):
+        outs = one(i)
+        for k in range(m):
+            cot = [gj[k].narrow(a, i, 1) for gj, a in zip(g, axes)]
+            ref = torch.autograd.grad(outs, list(params.values()), cot, retain_graph=True)
+            for (name, _), r in zip(params.items(), ref):
+                torch.testing.assert_close(result[name][k, i], r, msg=f"{name}[{k},{i}]")
+
+
+# -- errors ----------------------------------------------------------------------------------
+def _backward(model: nn.Module, x: Tensor, classes: int = 2) -> None:
+    lossfunc = extend(nn.CrossEntropyLoss())
+    out = model(x)
+    with collect(BatchGrad()):
+        lossfunc(out, _labels(x.shape[0], classes, 0)).backward()
+
+
+class Pool(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(self.inner, nn.MultiheadAttention):
+            out = self.inner(x, x, x, need_weights=False)[0]
+        else:
+            out = self.inner(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return self.head(out.mean(1))
+
+
+class WithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(x @ self.w)
+
+
+class WithRandom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.w + 0.1 * torch.rand(x.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.MultiheadAttention(4, 2, dropout=0.2, batch_first=True),
+        lambda: nn.LSTM(4, 4, num_layers=2, dropout=0.3, batch_first=True),
+        WithDropout,
+    ],
+    ids=["mha", "lstm", "custom"],
+)
+def test_dropout_in_train_mode_is_refused_and_eval_works(make):
+    torch.manual_seed(0)
+    model = extend(Pool(make()).to(DT))
+    x = torch.randn(3, 2, 4, dtype=DT)
+    with pytest.raises(RuntimeError, match=r"dropout.*model\.eval\(\)"):
+        _backward(model, x)
+    model.eval()
+    _backward(model, x)
+    assert model.inner.parameters().__next__().grad_batch.shape[0] == 3
+
+
+def test_random_forward_is_refused():
+    model = extend(Pool(WithRandom()).to(DT))
+    with pytest.raises(RuntimeError, match="random"):
+        _backward(model, torch.randn(3, 2, 4, dtype=DT))
+
+
+def test_batchnorm_child_in_train_mode_is_refused():
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+            self.bn = nn.BatchNorm1d(2, affine=False)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.bn(x @ self.w)
+
+    model = extend(Pool(Norm()).to(DT))
+    with pytest.raises(RuntimeError, match="BatchNorm"):
+        _backward(model, torch.randn(3, 2, 4, dtype=DT))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(4, 4),
+        lambda: nn.GRU(4, 4),
+        lambda: nn.MultiheadAttention(4, 2),
+    ],
+    ids=["lstm", "gru", "mha"],
+)
+def test_batch_first_false_is_refused(make):
+    model = extend(Pool(make()).to(DT))
+    with pytest.raises(ValueError, match=r"batch_first=False.*batch_first=True"):
+        _backward(model, torch.randn(3, 2, 4, dtype=DT))
+
+
+def test_packed_sequence_is_refused():
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(4, 2, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(x, [2] * x.shape[0], batch_first=True)
+            return self.rnn(packed)[1][0]
+
+    model = extend(Packed().to(DT))
+    with pytest.raises(NotImplementedError, match="PackedSequence"):
+        _backward(model, torch.randn(3, 2, 4, dtype=DT))
+
+
+# -- the generic module as the extended root; second order through the engine ---------------
+def test_generic_module_is_the_root():
+    """The re-run of a module that is itself the extended root must not disturb the capture."""
+    torch.manual_seed(3)
+    model = extend(Custom(3, 2).to(DT))
+    x = torch.randn(4, 3, dtype=DT)
+    y = torch.randn(4, 2, dtype=DT)
+    lossfunc = extend(nn.MSELoss())
+    check_first_order(model, lossfunc, x, y, per_sample_grads(model, lossfunc, x, y))
+    check_first_order(model, lossfunc, x, y, per_sample_grads(model, lossfunc, x, y))
+
+
+@pytest.mark.parametrize("kind", ["custom", "attn"])
+def test_ggn_diagonal_through_generic_rule(kind):
+    """``DiagGGNExact`` (``M = C`` columns pushed through the rule) against the dense GGN."""
+    from backprism.extensions import BatchDiagGGNExact, DiagGGNExact
+    from tests.reference import diag_blocks, ggn_blocks, split
+
+    torch.manual_seed(4)
+    n = 3
+    if kind == "custom":
+        model = extend(CustomModel(3, 2).to(DT))
+        X: Tensor | tuple = torch.randn(n, 3, dtype=DT)
+    else:
+        model = extend(AttnModel(4, 2, None, True, False, True, "key_padding", False).to(DT))
+        x = torch.randn(n, 2, 4, dtype=DT)
+        X = (x, x, torch.zeros(n, 2, dtype=torch.bool), torch.zeros(n, 2, 2, 2, dtype=DT))
+    y = _labels(n, 3, 4)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    G, _, _ = ggn_blocks(model, lossfunc, X, y)
+    per_n = split(diag_blocks(G), model, lead=1)
+    xs = X if isinstance(X, tuple) else (X,)
+    with collect(DiagGGNExact(), BatchDiagGGNExact()):
+        lossfunc(model(*xs), y).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact_batch, per_n[name], msg=name)
+            torch.testing.assert_close(p.diag_ggn_exact, per_n[name].sum(0), msg=name)
+
+
+N = 2  # batch of the second-order family test
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("kind", ["mha", "bilinear", "custom"])
+def test_generic(kind):
+    model, X = generic_model(kind, seed=4)
+    run_family(model, X, labels(N, seed=4), {"memory_budget": 200})
