@@ -118,8 +118,12 @@ def test_nonlinearity_between_model_and_loss_diag_hessian() -> None:
     check_diag_attr(model, "diag_h", ref)
 
 
-@pytest.mark.parametrize("ext", [BatchGrad, DiagGGNExact], ids=["BatchGrad", "DiagGGNExact"])
+@pytest.mark.parametrize(
+    "ext", [BatchGrad, BatchDiagGGNExact], ids=["BatchGrad", "BatchDiagGGNExact"]
+)
 def test_batchnorm_train_mode_writes_nothing(ext: type) -> None:
+    """Per-sample quantities through train-mode BatchNorm are undefined (the whole batch's
+    GGN is not: tests/engine/test_backward_whole_batch.py)."""
     torch.manual_seed(11)
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(DT))
     lf = extend(nn.CrossEntropyLoss())

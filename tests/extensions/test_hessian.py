@@ -367,8 +367,9 @@ def test_hutchinson_bad_samples():
 
 
 def test_hutchinson_fused_attention_names_the_way_out():
-    """The CPU fused attention kernel has no second derivative: a clear error with the fix,
-    and under the math kernel the estimator runs."""
+    """The CPU fused attention kernel has no second derivative: a forward outside the collect
+    gets a clear error with the fix; a forward inside it runs attention with the math kernel
+    by itself, as does one under the user's own ``sdpa_kernel(MATH)``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
@@ -385,10 +386,17 @@ def test_hutchinson_fused_attention_names_the_way_out():
     model, lossfunc = extend(Model()), extend(nn.CrossEntropyLoss())
     X, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4,))
     fix = r"HutchinsonDiagHessian.*SDPBackend\.MATH"
+    loss = lossfunc(model(X), y)  # outside the collect: the fused kernel
     with pytest.raises(RuntimeError, match=fix), collect(HutchinsonDiagHessian()):
+        loss.backward()
+    with collect(HutchinsonDiagHessian()):
         lossfunc(model(X), y).backward()
-    with sdpa_kernel(SDPBackend.MATH), collect(HutchinsonDiagHessian()):
-        lossfunc(model(X), y).backward()
+    assert torch.isfinite(model.head.weight.diag_h_hutchinson).all()
+    del model.head.weight.diag_h_hutchinson
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = lossfunc(model(X), y)
+    with collect(HutchinsonDiagHessian()):
+        loss.backward()
     assert torch.isfinite(model.head.weight.diag_h_hutchinson).all()
 
 

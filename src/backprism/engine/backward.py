@@ -47,7 +47,7 @@ from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import loss_hessian_sqrt
-from backprism.engine.rule import get_rule
+from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import Call, LossRecord
 
 __all__ = ["BackwardPass", "current_pass"]
@@ -168,6 +168,13 @@ class BackwardPass:
         #: (rules see the calls' live inputs and undetached output gradients)
         self.create_graph = False
         self._detached_args: list[tuple[Call, tuple, dict]] = []
+        #: BatchNorm in train mode mixes the samples of this pass's batch: every extension is
+        #: a whole-batch one (``Extension.whole_batch``), columns are split per loss row
+        #: (:meth:`Columns.split_rows`) and rules see the batch as one sample
+        self.whole_batch = False
+        #: whole batch: the loss rows per loss-Hessian column, and the results to reshape
+        self._rows: int | None = None
+        self._stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
         self._marked: list[Any] = []
         #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
         self.distributed: _distributed.DistributedPass | None = None
@@ -194,6 +201,10 @@ class BackwardPass:
         if self.create_graph and self.first:
             self._check_differentiable()
         per_sample = [e for e in exts if e.per_sample]
+        if per_sample or self.second:  # a batch read off axis 0 (batch_first=False RNNs)
+            for call in self.calls:
+                if call.layout_error is not None and call.params:
+                    raise RuntimeError(call.layout_error)
         sizes = sorted({c.batch_size for c in self.calls if c.params})
         if 0 in sizes:
             raise ValueError(
@@ -205,17 +216,25 @@ class BackwardPass:
             self.n_samples = counts.most_common(1)[0][0]
         if per_sample and len(sizes) > 1:
             self._check_batch_sizes(sizes, per_sample)
+        mixing = None
         for call in self.calls:
             call.check_unmodified()
-            if per_sample and call.training and isinstance(
-                call.module, nn.modules.batchnorm._BatchNorm
-            ):
+            module = call.module
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+                call.training or module.running_mean is None
+            ):  # normalised with the batch's statistics
+                mixing = call
+        if mixing is not None and per_sample:
+            undefined = [e for e in per_sample if not e.whole_batch]
+            if undefined:
                 raise RuntimeError(
-                    f"backprism: {call.name} in train mode mixes the samples of a batch, so "
-                    f"per-sample quantities ({_names(per_sample)}) are undefined. Call "
+                    f"backprism: {mixing.name} in train mode mixes the samples of a batch, so "
+                    f"per-sample quantities ({_names(undefined)}) are undefined (the whole "
+                    "batch's DiagGGNExact/DiagGGNMC/SqrtGGNExact/SqrtGGNMC are). Call "
                     "model.eval() for the backward pass, or replace BatchNorm by "
                     "GroupNorm/LayerNorm"
                 )
+            self.whole_batch = True
         if view.unattributed:
             p, node = view.unattributed[0]
             raise RuntimeError(
@@ -249,6 +268,9 @@ class BackwardPass:
 
     def _check_second_order(self, view: GraphView) -> None:
         names = _names(list(self.second))
+        for rec, _ in view.losses:
+            if rec.layout_error is not None:
+                raise RuntimeError(rec.layout_error)
         if view.outside_losses:
             raise RuntimeError(
                 f"backprism {names}: the objective of this backward pass has terms that no "
@@ -292,6 +314,9 @@ class BackwardPass:
             for f in fields:
                 if f in p.__dict__:
                     delattr(p, f)
+        if self.whole_batch:
+            for call in self.calls:
+                call.whole_batch = True
         if self.create_graph and self.first:  # rules see live inputs (differentiable results)
             for call in self.calls:
                 if call.params and call.live is not None:
@@ -373,10 +398,17 @@ class BackwardPass:
             for call, args, kwargs in self._detached_args:
                 call.args, call.kwargs = args, kwargs
             self._detached_args.clear()
+            if self.whole_batch:
+                for call in self.calls:
+                    call.whole_batch = False
             self._handles.clear()
             self._marked.clear()
 
     def _finish(self) -> None:
+        if self.whole_batch and self._rows is not None:
+            for param, ext in self._stored.values():
+                value = getattr(param, ext.savefield)
+                setattr(param, ext.savefield, ext.whole_batch_result(value, self._rows))
         for key in list(self.dense):
             param, call, dense = self.dense.pop(key)
             self._finalize_dense(param, call, dense)
@@ -406,6 +438,8 @@ class BackwardPass:
         else:
             self.seen.add(key)
             setattr(param, ext.savefield, value)
+            if self.whole_batch:
+                self._stored[key] = (param, ext)
             if self.distributed is not None:  # distributed: reduced in end()
                 self.distributed.stored_result(param, ext)
 
@@ -570,6 +604,16 @@ class BackwardPass:
             origins = [record.inputs[i] for i in cols.inputs]
             if scale != 1.0:
                 cols = cols.scaled(scale**0.5)
+            if self.whole_batch:
+                rows = origins[0].shape[0] if origins[0].dim() else 1
+                if self._rows not in (None, rows):
+                    raise RuntimeError(
+                        "backprism: whole-batch curvature (BatchNorm in train mode) with losses "
+                        f"of different numbers of rows ({self._rows} and {rows}) is not "
+                        "supported; use one loss, or model.eval() for the backward pass"
+                    )
+                self._rows = rows
+                cols = cols.split_rows(rows)
             self.process_columns(calls, origins, cols, exts, None)
 
     def _loss_scale(self, record: LossRecord, grad: Tensor) -> float:
@@ -642,7 +686,8 @@ class BackwardPass:
                         for j, x in enumerate(gs)
                     )
                 )
-                rule = _Memo(get_rule(call.module))
+                base = get_rule(call.module)
+                rule = _Memo(_WholeBatch(base) if self.whole_batch else base)
                 params = call.params
                 single = {n: p for n, p in params.items() if count[id(p)] <= 1}
                 for ext in exts:
@@ -665,6 +710,21 @@ class BackwardPass:
                 for ext in exts:
                     if not ext.additive:
                         self.store(p, ext, ext.from_dense(d, call, w))
+
+
+class _WholeBatch(Rule):
+    """A rule seen through whole-batch columns: the batch is one sample, so the per-sample,
+    per-column gradients are the rule's sums over the samples, ``[M, 1, *p]``, and every
+    statistic follows from them (``Σₘ (Σₙ Vₘₙ)²`` for the diagonal)."""
+
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return {k: v.unsqueeze(1) for k, v in self.rule.summed(call, g).items()}
+
+    def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return self.rule.summed(call, g)
 
 
 def _no_residual_check(bp: BackwardPass, exts: list[Any]) -> None:

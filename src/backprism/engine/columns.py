@@ -55,6 +55,28 @@ class Columns:
     def materialize(self) -> list[Tensor]:
         return self.chunk(0, self.num)
 
+    def split_rows(self, rows: int) -> Columns:
+        """Whole-batch columns: column ``k·R + r`` is column ``k`` restricted to row ``r`` of
+        the origins' first axis (``R = rows``; zero in every other row).
+
+        For a loss whose Hessian is block-diagonal over those rows (every supported loss: the
+        samples' terms are summed), ``Σₖ cₖcₖᵀ = H`` implies ``Σₖᵣ cₖᵣcₖᵣᵀ = H``, and each
+        ``cₖᵣ`` pushed back through a graph that mixes samples (BatchNorm in train mode) gives
+        one exact column ``Jᵀcₖᵣ`` of the whole batch's GGN square root."""
+        make = self._make
+
+        def split(a: int, b: int) -> list[Tensor]:
+            ka, kb = a // rows, (b - 1) // rows + 1
+            out = []
+            for t in make(ka, kb):  # [kb - ka, R, ...]
+                eye = torch.eye(rows, dtype=t.dtype, device=t.device)
+                mask = eye.reshape(1, rows, rows, *([1] * (t.dim() - 2)))
+                full = (t.unsqueeze(1) * mask).reshape(-1, *t.shape[1:])
+                out.append(full[a - ka * rows : b - ka * rows])
+            return out
+
+        return Columns(self.num * rows, split, self.inputs)
+
 
 def _loop(
     origins: list[Tensor], outputs: list[Any], cols: list[Tensor]

@@ -132,6 +132,15 @@ class Extension:
     additive: bool = False
     #: needs per-sample separation of the batch (refused with BatchNorm in train mode)
     per_sample: bool = True
+    #: defined for the whole batch even when the samples are mixed (BatchNorm in train mode):
+    #: the engine then pushes one column per loss row and per loss-Hessian column, and rules
+    #: see the batch as one sample (``M·R`` columns ``Σₙ Vₘᵣₙ``); GGN diagonals and square
+    #: roots
+    whole_batch: bool = False
+    #: differentiates the backward graph a second time (Hessian-vector products): a forward
+    #: run inside a ``collect`` holding such an extension computes attention with PyTorch's
+    #: math kernel (the fused kernels have no second derivative)
+    needs_double_backward: bool = False
     #: statistics this extension hands to the per-call memo while computing its own
     #: (``memo.provide``); such extensions run before the others
     provides: tuple[str, ...] = ()
@@ -156,6 +165,11 @@ class Extension:
     def accumulate(self, old: Any, new: Any) -> Any:
         """Combine results of two contributions (column chunks, calls or losses)."""
         return old + new
+
+    def whole_batch_result(self, value: Any, rows: int) -> Any:
+        """The final result of a whole-batch pass (``whole_batch``) from the accumulated one,
+        whose columns are ``k·rows + r`` (loss-Hessian column ``k``, loss row ``r``)."""
+        return value
 
     def builds_per_sample(self, rule: Rule, call: Call) -> bool:
         """Whether :meth:`from_rule` may build per-sample, per-column gradients ``[N, *p]`` of

@@ -34,6 +34,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from backprism.engine.state import (
+    AXIS,
     CALLS,
     FORWARD,
     FORWARD_LISTENERS,
@@ -68,6 +69,7 @@ def root_pre_hook(module: nn.Module, args: Any) -> None:
     if len(FORWARD.root_stack) > 1:  # nested root: belongs to the outer one
         return
     FORWARD.call_stack.clear()
+    FORWARD.layouts = False
     for enter, _ in FORWARD_LISTENERS:
         enter(module)
 
@@ -155,6 +157,17 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
     if not arg_tensors:
         return
     params = call_params(module, ran)
+    first = arg_tensors[0]
+    if isinstance(module, nn.RNNBase) and not module.batch_first and first.dim() == 3:
+        # [T, N, features]: the batch on axis 1, in the outputs too (output, h_n, c_n)
+        capture(
+            module, call_args, call_kwargs, arg_tensors, outs, params,
+            batch_size=first.shape[1], live=(args, kwargs), layout_ok=True,
+        )
+        for o in outs:
+            setattr(o, AXIS, 1)
+        FORWARD.layouts = True
+        return
     capture(module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs))
 
 
@@ -167,6 +180,7 @@ def capture(
     params: dict[str, nn.Parameter],
     batch_size: int | None = None,
     live: tuple[tuple, dict] | None = None,
+    layout_ok: bool = False,
 ) -> Call | None:
     """Record one call (of a module, or a functional use of parameters with a stand-in
     ``module``) whose outputs ``outs`` were computed from ``arg_tensors``; ``args``/``kwargs``
@@ -187,8 +201,26 @@ def capture(
         dtype=_autocast_dtype(first),
         unrecorded=FORWARD.unrecorded > 0,
         live=live,
+        layout_error=None if layout_ok else _layout_error(module, arg_tensors),
     )
     return call if attach(call, outs) else None
+
+
+def _layout_error(module: nn.Module, tensors: list[Tensor]) -> str | None:
+    """Why ``module``'s input has no batch on axis 0 (see :data:`AXIS`), or ``None``."""
+    for t in tensors:
+        axis = getattr(t, AXIS, 0)
+        if axis:
+            name = getattr(module, "_backprism_name", None) or type(module).__name__
+            where = f"on axis {axis}" if axis > 0 else "on an axis backprism lost track of"
+            return (
+                f"backprism: the input of {name} comes from a batch_first=False RNN and has "
+                f"the batch {where}, but per-sample quantities and curvature of {name} take "
+                "the batch on axis 0. Move it there before the module (e.g. "
+                "out.transpose(0, 1), or take out[-1] / h_n[-1]), or construct the RNN with "
+                "batch_first=True"
+            )
+    return None
 
 
 def attach(call: Call, outs: list[Tensor]) -> bool:
@@ -277,5 +309,8 @@ def _loss_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         module=module,
         inputs=[a if isinstance(a, Tensor) and a.requires_grad else _detach(a) for a in inputs],
         output_nr=output.output_nr,
+    )
+    record.layout_error = _layout_error(
+        module, [a for a in inputs[:1] if isinstance(a, Tensor)]
     )
     output.grad_fn.metadata[LOSS] = record

@@ -40,9 +40,15 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+try:
+    from torch.nn.attention import SDPBackend as _SDPBackend
+    from torch.nn.attention import sdpa_kernel as _sdpa_kernel
+except ImportError:  # pragma: no cover - torch < 2.3
+    _SDPBackend = _sdpa_kernel = None
+
 from backprism.engine import residual
 from backprism.engine.forward import attach, capture
-from backprism.engine.state import CALLS, FORWARD, FORWARD_LISTENERS, Call
+from backprism.engine.state import AXIS, CALLS, FORWARD, FORWARD_LISTENERS, Call, active
 
 __all__ = ["ForwardMode", "OpModule", "ParamBroadcast"]
 
@@ -416,6 +422,97 @@ def _broadcast_calls(args: tuple) -> tuple:
     return tuple(new)
 
 
+# -- the batch axis of activations computed from a batch_first=False RNN ------------------------
+_SWAPS = frozenset({"transpose", "transpose_", "swapaxes", "swapdims"})
+_REDUCTIONS = frozenset(
+    {"sum", "mean", "amax", "amin", "max", "min", "nansum", "nanmean", "logsumexp", "prod",
+     "std", "var", "norm", "median", "argmax", "argmin"}
+)
+
+
+def _dim(d: Any, ndim: int) -> int | None:
+    return d % ndim if isinstance(d, int) and not isinstance(d, bool) and ndim else None
+
+
+def _index_axis(index: Any, axis: int) -> int:
+    """The batch axis after ``x[index]`` (``-1``: the batch was indexed or is lost)."""
+    items = index if isinstance(index, tuple) else (index,)
+    pos = out = 0
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        if item is Ellipsis or isinstance(item, bool) or not isinstance(item, (int, slice)):
+            return -1
+        if pos == axis:
+            return out if item == slice(None) else -1
+        pos += 1
+        if isinstance(item, slice):
+            out += 1
+    return out + (axis - pos)
+
+
+def _new_axis(name: str, args: tuple, kwargs: dict, src: Tensor, axis: int, out: Tensor) -> int:
+    """The batch axis of ``out = op(src, ...)`` for the operations whose layout is known;
+    ``-1`` (unknown) for every other one."""
+    nd = src.dim()
+    if name in _SWAPS and len(args) >= 3:
+        d0, d1 = _dim(args[1], nd), _dim(args[2], nd)
+        if d0 is None or d1 is None:
+            return -1
+        return d1 if axis == d0 else d0 if axis == d1 else axis
+    if name in ("t", "T") and nd == 2:
+        return 1 - axis
+    if name == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        dims = [_dim(d, nd) for d in dims]
+        return dims.index(axis) if axis in dims and len(dims) == nd else -1
+    if name == "__getitem__" and len(args) == 2:
+        return _index_axis(args[1], axis)
+    if name in _REDUCTIONS:
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dim is None or isinstance(dim, str):
+            return -1
+        dims = [_dim(d, nd) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+        if None in dims or axis in dims:
+            return -1
+        keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        return axis if keep is True else axis - sum(d < axis for d in dims)
+    if out.shape == src.shape and name not in ("movedim", "moveaxis", "flip", "roll"):
+        return axis  # elementwise (activations, dropout, scaling, residual additions)
+    return -1
+
+
+def follow_batch_axis(name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    """Carry the batch axis (:data:`~backprism.engine.state.AXIS`) of a marked operand to the
+    outputs of an operation: exactly for transposes, permutations, indexing, reductions and
+    shape-preserving (elementwise) operations, as *unknown* for anything else, so that a
+    module or loss consuming the result refuses instead of taking axis 0 for the batch."""
+    src = None
+    for a in args:
+        if isinstance(a, Tensor):
+            axis = getattr(a, AXIS, None)
+            if axis is not None:
+                src = (a, axis)
+                break
+        elif isinstance(a, (tuple, list)) and any(
+            isinstance(t, Tensor) and getattr(t, AXIS, None) is not None for t in a
+        ):
+            src = (None, -1)  # cat / stack of marked tensors: not followed
+            break
+    if src is None:
+        return
+    outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)] if (
+        isinstance(out, (tuple, list))
+    ) else []
+    for o in outs:
+        axis = -1 if src[0] is None or src[1] < 0 else _new_axis(
+            name, args, kwargs, src[0], src[1], o
+        )
+        if axis != 0:
+            setattr(o, AXIS, axis)
+
+
 #: operations that only read a tensor's metadata (``x.shape``, ``x.dtype``, ``x.dim()``, …):
 #: nothing to attribute or record; a large share of the operations a forward dispatches
 _INERT = frozenset(
@@ -446,6 +543,17 @@ def _info(func: Any) -> tuple[str, bool]:
     return info
 
 
+#: attention entry points that may pick a fused kernel without a second derivative
+_ATTENTION = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})
+
+
+def _math_attention() -> Any:
+    """A context computing attention with PyTorch's (twice differentiable) math kernel."""
+    if _sdpa_kernel is None:  # pragma: no cover - torch < 2.3
+        return contextlib.nullcontext()
+    return _sdpa_kernel([_SDPBackend.MATH])
+
+
 class ForwardMode(TorchFunctionMode):
     """Active during every top-level forward of an extended model: attributes functional
     parameter uses and, when ``record``, records nonlinearities for DiagHessian.
@@ -454,9 +562,12 @@ class ForwardMode(TorchFunctionMode):
     cases leave early: metadata reads, and results that are not tensors requiring grad (no
     parameter can have been used differentiably)."""
 
-    def __init__(self, record: bool) -> None:
+    def __init__(self, record: bool, math_attention: bool = False) -> None:
         super().__init__()
         self.record = record
+        #: a collect with an extension that needs double backward is active: attention runs
+        #: with the math kernel
+        self.math_attention = math_attention
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -465,7 +576,13 @@ class ForwardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if len(args) == 2 and name in _BROADCASTING:
             args = _broadcast_calls(args)
-        out = func(*args, **kwargs)
+        if self.math_attention and name in _ATTENTION:
+            with _math_attention():
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if FORWARD.layouts:  # activations with the batch off axis 0 exist in this forward
+            follow_batch_axis(name, args, kwargs, out)
         if isinstance(out, Tensor):
             if not out.requires_grad:
                 return out
@@ -482,7 +599,9 @@ def _enter(root: nn.Module) -> None:
         FORWARD.modes.append(None)
         return
     record = residual.recording_wanted()
-    mode = ForwardMode(record)
+    ctx = active()
+    math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
+    mode = ForwardMode(record, math)
     # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
     # calls are marked so that such an extension in a later backward refuses them
     mode.skipped = not record and residual.recording_enabled()  # type: ignore[attr-defined]

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "AXIS",
     "CALLS",
     "FORWARD",
     "FORWARD_LISTENERS",
@@ -60,6 +61,9 @@ CALLS = "backprism.calls"  # [(Call, output index, output_nr)]
 LOSS = "backprism.loss"  # LossRecord
 ROOT = "backprism.root"  # RootRecord
 SITES = "backprism.sites"  # [Site] (Hessian residual sites and refusals, see engine.residual)
+#: tensor attribute: the batch axis of an activation whose batch is not on axis 0 (the outputs
+#: of a ``batch_first=False`` RNN, and what is computed from them), ``-1`` if unknown
+AXIS = "_backprism_batch_axis"
 
 
 @dataclass(eq=False)
@@ -82,8 +86,13 @@ class Call:
             the graph ends, for attributing parameter uses).
         dtype: the autocast dtype the call ran under, or ``None``.
         unrecorded: the forward ran without recording nonlinearities (DiagHessian refuses it).
+        layout_error: why the call's input has no batch on axis 0 (it comes from a
+            ``batch_first=False`` RNN): per-sample quantities and curvature refuse the call.
         superseded: replaced by a call expanded to the batch (a batch-1 call whose output was
             broadcast over the samples, see :mod:`backprism.engine.functional`); ignored.
+        whole_batch: set while a backward pass treats the batch as one sample (BatchNorm in
+            train mode mixes the samples; only whole-batch curvature is defined): rules may
+            then use batch statistics (see ``BackwardPass.whole_batch``).
         live: ``(args, kwargs)`` as passed, not detached (upstream of the call's output, so no
             reference cycle): what rules see in a ``create_graph=True`` pass, whose first-order
             results are differentiable.
@@ -102,7 +111,9 @@ class Call:
     dtype: torch.dtype | None = None
     unrecorded: bool = False
     superseded: bool = False
+    layout_error: str | None = None
     live: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+    whole_batch: bool = False
     pass_: Any = None
 
     @property
@@ -134,11 +145,13 @@ class LossRecord:
     """One call of an extended loss: its inputs (the differentiable ones not detached; they are
     upstream of the loss output whose node holds this record)."""
 
-    __slots__ = ("inputs", "module", "output_nr", "pass_")
+    __slots__ = ("inputs", "layout_error", "module", "output_nr", "pass_")
 
     def __init__(self, module: nn.Module, inputs: list[Any], output_nr: int = 0) -> None:
         self.module = module
         self.inputs = inputs
+        #: why an input has no batch on axis 0 (curvature refuses the loss), or ``None``
+        self.layout_error: str | None = None
         #: the loss output's index among its node's outputs
         self.output_nr = output_nr
         self.pass_: Any = None
@@ -171,6 +184,9 @@ class _ForwardState(threading.local):
         self.recording = 0
         #: the forward modes of the top-level forwards in progress (engine.functional)
         self.modes: list[Any] = []
+        #: this forward produced activations with the batch off axis 0 (``AXIS``): the
+        #: forward mode follows their batch axis through operations
+        self.layouts = False
 
 
 FORWARD = _ForwardState()

@@ -149,9 +149,11 @@ class HutchinsonDiagHessian(SummedOverSamples, SecondOrderExtension):
 
     over all parameters of the extended model jointly, so ``E[\hat d] = diag ∇²L`` exactly and
     ``Var[\hat d_i] = (1/S) Σ_{j≠i} (∇²L)_{ij}²``. Works on any twice-differentiable graph
-    (attention, LayerNorm, shared parameters); fused attention kernels without a second
-    derivative (PyTorch's CPU flash attention) need the forward pass under
-    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, and the error says so. The
+    (attention, LayerNorm, shared parameters). Fused attention kernels have no second
+    derivative (PyTorch's CPU flash attention): a forward run inside the ``collect`` holding
+    this extension computes attention with the math kernel automatically; a forward run
+    outside it needs ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, and the error says
+    so. The
     Hessian-vector products are computed by double backward from the loss, re-evaluated from
     its recorded inputs when the backward pass starts (the forward graph is still intact then);
     cost ≈ ``1 + 2S`` extra backward passes.
@@ -163,6 +165,7 @@ class HutchinsonDiagHessian(SummedOverSamples, SecondOrderExtension):
     savefield = "diag_h_hutchinson"
     additive = True
     per_sample = False
+    needs_double_backward = True
 
     def __init__(self, samples: int = 1) -> None:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:

@@ -71,6 +71,9 @@ class _MC(SecondOrderExtension):
 
 
 class _Diag(SummedOverSamples):
+    #: the whole batch's GGN diagonal is defined when BatchNorm mixes the samples
+    whole_batch = True
+
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.sum_squared(call, g, weights)
 
@@ -95,8 +98,20 @@ class _BatchDiag(PerSampleRows):
 class _Sqrt(PerSampleRows):
     subsampling: list[int] | None
     distributed_degree = 0.5
+    #: BatchNorm in train mode: ``V[k, r] = Σₙ Jₙᵀ cₖᵣ[n]`` for the column ``k`` of loss row
+    #: ``r`` pushed through the whole batch, in the same ``[K, N, *p]`` layout
+    whole_batch = True
+
+    def whole_batch_result(self, value: Tensor, rows: int) -> Tensor:
+        return value.reshape(-1, rows, *value.shape[2:])
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        if call.whole_batch and self.subsampling is not None:
+            raise ValueError(
+                f"backprism {type(self).__name__}: subsampling is undefined when BatchNorm in "
+                "train mode mixes the samples (every loss row's columns depend on the whole "
+                "batch); drop subsampling, or use model.eval() for the backward pass"
+            )
         idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
         if idx is not None:
             call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size)

@@ -30,8 +30,9 @@ exact) as the single factor ``[diag(Σₘ Σₙ vec(Vₘₙ)²)]``
 Which inputs are per-sample:
 
 * a tensor whose axis 0 has size ``N`` (``N`` = the engine's batch size of the call);
-* ``nn.RNNBase`` (LSTM, GRU, RNN): the input (``batch_first=True`` is required) and the initial
-  state ``hx`` (batch axis 1, also each of LSTM's ``(h_0, c_0)``);
+* ``nn.RNNBase`` (LSTM, GRU, RNN): the input (batch axis 0 with ``batch_first=True``, 1 with
+  ``batch_first=False``) and the initial state ``hx`` (batch axis 1, also each of LSTM's
+  ``(h_0, c_0)``);
 * ``nn.MultiheadAttention`` (``batch_first=True`` required for batched input):
   ``key_padding_mask`` ``[N, S]``; a 3-d ``attn_mask`` ``[N·heads, L, S]`` is split per sample,
   a 2-d ``attn_mask`` ``[L, S]`` is shared even if ``L = N``;
@@ -42,7 +43,7 @@ output's (e.g. ``h_n`` of an LSTM has it on axis 1).
 
 Refused with a clear error: dropout in train mode (the recomputation would draw other masks than
 the real forward — call ``model.eval()`` or use ``dropout=0``), BatchNorm descendants in train
-mode (they mix samples), RNNs with ``batch_first=False`` or unbatched / packed input, MHA with
+mode (they mix samples), RNNs with unbatched / packed input, MHA with
 ``batch_first=False``.
 """
 
@@ -122,7 +123,8 @@ def _check_randomness(module: nn.Module, training: bool) -> None:
 
 
 def _check_inputs(module: nn.Module, named: list[tuple[str | None, Any]]) -> None:
-    """Module-specific layout requirements (RNNs and attention need the batch on axis 0)."""
+    """Module-specific layout requirements (padded batched RNN input; attention with the batch
+    on axis 0)."""
     values = dict(named)
     if isinstance(module, nn.RNNBase):
         x = values.get("input", named[0][1] if named else None)
@@ -136,12 +138,6 @@ def _check_inputs(module: nn.Module, named: list[tuple[str | None, Any]]) -> Non
             raise ValueError(
                 f"backprism: {_name(module)} got an unbatched {x.dim()}-d input; per-sample "
                 "quantities need a batch: pass [N, T, features] with batch_first=True"
-            )
-        if not module.batch_first:
-            raise ValueError(
-                f"backprism: {_name(module)}(batch_first=False) puts the time axis first, so "
-                "the batch axis of the call is ambiguous; construct it with batch_first=True "
-                "and feed [N, T, features] inputs"
             )
     if isinstance(module, nn.MultiheadAttention):
         q = values.get("query", named[0][1] if named else None)
@@ -157,6 +153,8 @@ def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int) -> _Spec:
     """How the tensor ``x`` (argument ``name`` of ``module``) is split over the ``n`` samples."""
     if not isinstance(x, Tensor) or x.dim() == 0:
         return None
+    if isinstance(module, nn.RNNBase) and name == "input" and not module.batch_first:
+        return ("axis", 1)  # [T, N, features]: the batch on axis 1
     if isinstance(module, nn.RNNBase) and name == "hx":
         if x.dim() == 3 and x.shape[1] == n:
             return ("axis", 1)

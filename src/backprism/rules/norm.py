@@ -189,21 +189,24 @@ class GroupNormRule(_AffineNormRule):
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class BatchNormRule(_AffineNormRule):
-    """Eval mode: ``x̂ = (x − running_mean) / √(running_var + eps)`` per channel."""
+    """Eval mode: ``x̂ = (x − running_mean) / √(running_var + eps)`` per channel. Train mode
+    (whole-batch passes only, ``call.whole_batch``): ``x̂`` with the batch's mean and biased
+    variance, whose sums over the batch are all such a pass asks for."""
 
     channel = True
 
     def validate(self, call: Call) -> None:
         module: Any = call.module
         name = type(module).__name__
-        if module.running_mean is None or module.running_var is None:
+        batch_stats = module.running_mean is None or module.running_var is None
+        if batch_stats and not call.whole_batch:
             raise RuntimeError(
                 f"backprism: {name}(track_running_stats=False) normalises with the statistics "
                 "of the current batch even in eval mode, which mixes the samples, so "
                 "per-sample quantities are undefined. Use track_running_stats=True and "
                 "model.eval() for the backward pass, or replace BatchNorm by GroupNorm/LayerNorm."
             )
-        if call.training:
+        if call.training and not call.whole_batch:
             raise RuntimeError(
                 f"backprism: {name} in train mode normalises with the statistics of the current "
                 "batch, which mixes the samples. Call model.eval() for the backward pass, or "
@@ -214,6 +217,9 @@ class BatchNormRule(_AffineNormRule):
     def normalized(self, call: Call) -> Tensor:
         module: Any = call.module
         x = call.input
+        if call.training or module.running_mean is None or module.running_var is None:
+            # a whole-batch pass: x̂ with the batch's own statistics
+            return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps)
         mean = module.running_mean.to(x.dtype)
         var = module.running_var.to(x.dtype)
         # PyTorch's eval-mode kernel without affine parameters (one pass over x)
