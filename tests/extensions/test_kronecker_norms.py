@@ -39,6 +39,7 @@ from torch.func import functional_call, hessian, jacrev
 from backprism import collect, extend
 from backprism.engine import rule as rule_module
 from backprism.extensions import KFAC, KFLR, KFRA, DiagGGNExact, DiagGGNMC
+from tests.common import Encoder
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::backprism.rules.generic.GenericRuleWarning"),
@@ -60,21 +61,6 @@ class HandRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Encoder(nn.Module):
-    """``nn.TransformerEncoderLayer(batch_first=True)`` (two LayerNorms, self-attention, MLP)
-    and a linear head on the mean over positions."""
-
-    def __init__(self, d: int = 4, heads: int = 2, classes: int = 3) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(
-            d, heads, dim_feedforward=6, dropout=0.0, batch_first=True
-        )
-        self.head = nn.Linear(d, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.layer(x).mean(1))
 
 
 class ResNet(nn.Module):
