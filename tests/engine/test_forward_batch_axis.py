@@ -2,8 +2,10 @@
 
 The RNN's call takes its batch from axis 1 (input ``[T, N, features]``, ``h_0``/``h_n``
 ``[layers, N, hidden]``); what is computed from its outputs carries that axis through
-transposes, permutations, indexing, reductions and elementwise operations, and a module or
-loss that would read a batch off axis 0 is refused before anything is written (also when
+transposes, permutations, indexing, reductions, elementwise and feature-axis operations
+(Linear, Embedding); Linear and Embedding calls on such inputs take the batch from that axis
+(BackPACK's recurrent example: Embedding → RNN → Linear on ``[T, N, h]``); a module or loss
+whose batch axis is lost or unknown is refused before anything is written (also when
 ``T == N``, where taking axis 0 would be silently wrong). References: one sample at a time
 (``X[:, n : n + 1]``) with autograd / ``torch.func``, float64.
 """
@@ -102,7 +104,7 @@ def test_first_order_and_diag_ggn(cell: str, read: str, hx: bool) -> None:
         torch.testing.assert_close(p.diag_ggn_exact, ref_diag[k])
 
 
-class _Misread(nn.Module):
+class _Head(nn.Module):
     """A head applied to an activation whose batch is still on axis 1."""
 
     def __init__(self, how: str) -> None:
@@ -113,18 +115,34 @@ class _Misread(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out, _ = self.rnn(x)
-        if self.how == "direct":  # [T, N, 2], then the mean over time on axis 0
+        if self.how == "direct":  # Linear on [T, N, 4] (batch moved to axis 0 for its call)
             return self.head(out).mean(0)
         if self.how == "elementwise":
             return self.head(torch.relu(out) * 2.0).mean(0)
+        # a reshape merges time and batch: the batch axis is lost
         return self.head(out.reshape(-1, 4)).reshape(x.shape[0], x.shape[1], 2).mean(0)
 
 
-@pytest.mark.parametrize("how", ["direct", "elementwise", "reshape"])
+@pytest.mark.parametrize("how", ["direct", "elementwise"])
 @pytest.mark.parametrize("square", [False, True], ids=["T!=N", "T==N"])
-def test_batch_off_axis_zero_is_refused_before_writing(how: str, square: bool) -> None:
+def test_linear_on_batch_axis_one(how: str, square: bool) -> None:
     torch.manual_seed(0)
-    model = extend(_Misread(how).to(DT))
+    model = _Head(how).to(DT)
+    X, y = _data(t=4 if square else 5, n=4)
+    gb = _per_sample(model, X, y)
+    extend(model)
+    lf = extend(nn.CrossEntropyLoss())
+    with collect(BatchGrad(), BatchL2Grad()):
+        lf(model(X), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, gb[k], msg=k)
+        torch.testing.assert_close(p.batch_l2, gb[k].flatten(1).square().sum(1), msg=k)
+
+
+@pytest.mark.parametrize("square", [False, True], ids=["T!=N", "T==N"])
+def test_lost_batch_axis_is_refused_before_writing(square: bool) -> None:
+    torch.manual_seed(0)
+    model = extend(_Head("reshape").to(DT))
     lf = extend(nn.CrossEntropyLoss())
     X, y = _data(t=4 if square else 5, n=4)
     with pytest.raises(RuntimeError, match="batch_first=False"), collect(BatchGrad()):
@@ -168,3 +186,76 @@ def test_loss_on_seq_first_output_first_order_ok_curvature_refused() -> None:
     with pytest.raises(RuntimeError, match="batch_first=False"), collect(DiagGGNExact()):
         lf(First()(X), target).backward()
     assert all(not hasattr(p, "diag_ggn_exact") for p in rnn.parameters())
+
+
+class BackpackStyle(nn.Module):
+    """BackPACK's recurrent example layout: tokens ``[T, N]`` → Embedding → RNN
+    (``batch_first=False``) → its output (``ReduceTuple(index=0)``) → Linear on ``[T, N, h]`` →
+    ``permute(1, 2, 0)`` → cross-entropy over ``[N, C, T]`` with targets ``[N, T]``."""
+
+    def __init__(self, vocab: int = 7, d: int = 3, h: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.rnn = nn.RNN(d, h)
+        self.lin = nn.Linear(h, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out = self.rnn(self.emb(tokens))[0]
+        return self.lin(out).permute(1, 2, 0)
+
+
+@pytest.mark.parametrize("t", [5, 4], ids=["T!=N", "T==N"])
+def test_backpack_recurrent_example_layout(t: int) -> None:
+    torch.manual_seed(0)
+    n, vocab = 4, 7
+    model = BackpackStyle(vocab).to(DT)
+    X = torch.randint(0, vocab, (t, n))
+    y = torch.randint(0, vocab, (n, t))
+    names = [k for k, _ in model.named_parameters()]
+    rows: dict[str, list[Tensor]] = {k: [] for k in names}
+    for i in range(n):
+        loss = nn.functional.cross_entropy(model(X[:, i : i + 1]), y[i : i + 1]) / n
+        for k, g in zip(names, torch.autograd.grad(loss, list(model.parameters()))):
+            rows[k].append(g)
+    theta = {k: p.detach() for k, p in model.named_parameters()}
+    ref_diag = {k: torch.zeros_like(v) for k, v in theta.items()}
+    for i in range(n):
+        def f(th: dict, i: int = i) -> Tensor:
+            return functional_call(model, th, (X[:, i : i + 1],))
+
+        out = f(theta)
+        jac = jacrev(f)(theta)
+        H = hessian(
+            lambda o, i=i: nn.functional.cross_entropy(o, y[i : i + 1], reduction="sum")
+            / (n * t)
+        )(out).reshape(out.numel(), out.numel())
+        for k in theta:
+            J = jac[k].reshape(out.numel(), -1)
+            ref_diag[k] += torch.einsum("ci,cd,di->i", J, H, J).reshape(theta[k].shape)
+    extend(model)
+    lf = extend(nn.CrossEntropyLoss())
+    with collect(BatchGrad(), Variance(), DiagGGNExact()):
+        lf(model(X), y).backward()
+    for k, p in model.named_parameters():
+        gb = torch.stack(rows[k])
+        torch.testing.assert_close(p.grad_batch, gb, msg=k)
+        torch.testing.assert_close(p.variance, gb.var(0, unbiased=False), msg=k)
+        torch.testing.assert_close(p.diag_ggn_exact, ref_diag[k], msg=k)
+
+
+class _Indirect(BackpackStyle):
+    def forward(self, tokens: Tensor) -> Tensor:
+        out = self.rnn(torch.tanh(self.emb(tokens)))[0]
+        return self.lin(out).permute(1, 2, 0)
+
+
+def test_unknown_batch_axis_upstream_of_the_rnn_is_refused() -> None:
+    """Embedding → tanh → RNN on ``[T, N]`` tokens: the Embedding's batch axis cannot be
+    followed (its input is raw data, its output not directly the RNN's input)."""
+    torch.manual_seed(0)
+    model = extend(_Indirect().to(DT))
+    lf = extend(nn.CrossEntropyLoss())
+    X, y = torch.randint(0, 7, (4, 4)), torch.randint(0, 7, (4, 4))
+    with pytest.raises(RuntimeError, match="batch axis of Embedding"), collect(BatchGrad()):
+        lf(model(X), y).backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -205,6 +205,7 @@ class BackwardPass:
             for call in self.calls:
                 if call.layout_error is not None and call.params:
                     raise RuntimeError(call.layout_error)
+            self._check_assumed_axes()
         sizes = sorted({c.batch_size for c in self.calls if c.params})
         if 0 in sizes:
             raise ValueError(
@@ -249,6 +250,22 @@ class BackwardPass:
             self._check_second_order(view)
         # -- distributed (engine.distributed): refusals, then the reduction in end() --------
         self.distributed = _distributed.setup(self)
+
+    def _check_assumed_axes(self) -> None:
+        """With a ``batch_first=False`` RNN in the pass, a call whose batch axis 0 was only
+        assumed (its input's layout unknown, e.g. Embedding → Dropout → RNN on ``[T, N]``
+        tokens) may hold the time axis there — silently wrong when ``T == N``: refused."""
+        if not any(c.batch_axis or _seq_first(c.module) for c in self.calls):
+            return
+        for call in self.calls:
+            if call.params and call.assumed_axis:
+                raise RuntimeError(
+                    f"backprism: this backward pass runs through a batch_first=False RNN (batch "
+                    f"on axis 1), and the batch axis of {call.name}'s input is not known (it is "
+                    "not computed from the RNN's outputs, and not directly the RNN's input), so "
+                    "axis 0 may be time, not samples. Feed the RNN directly with the module's "
+                    "output, or construct the RNN with batch_first=True and batch-first inputs"
+                )
 
     def _check_batch_sizes(self, sizes: list[int], exts: list[Extension]) -> None:
         shown = " and ".join(str(s) for s in sizes)
@@ -677,12 +694,15 @@ class BackwardPass:
                 if all(x is None for x in gs):
                     continue
                 g = (
-                    _cast_columns(gs[0], call)
+                    _batch_first(_cast_columns(gs[0], call), call)
                     if len(gs) == 1
                     else tuple(
-                        _cast_columns(x, call)
-                        if x is not None
-                        else _zeros_like_batched(gs, call, j)
+                        _batch_first(
+                            _cast_columns(x, call)
+                            if x is not None
+                            else _zeros_like_batched(gs, call, j),
+                            call,
+                        )
                         for j, x in enumerate(gs)
                     )
                 )
@@ -816,6 +836,16 @@ def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
     return value
 
 
+def _seq_first(module: nn.Module) -> bool:
+    return isinstance(module, nn.RNNBase) and not module.batch_first
+
+
+def _batch_first(g: Tensor, call: Call) -> Tensor:
+    """Columns ``[M, *out.shape]`` with the call's batch axis moved to axis 1 (calls whose
+    input had the batch elsewhere keep that input batch-first, see ``Call.batch_axis``)."""
+    return g.movedim(call.batch_axis + 1, 1) if call.batch_axis else g
+
+
 def _with_column_axis(
     grads: tuple[Tensor | None, ...], call: Call, keep_graph: bool = False
 ) -> Any:
@@ -826,11 +856,14 @@ def _with_column_axis(
         return g if keep_graph else g.detach()
 
     if len(grads) == 1:
-        return _cast_columns(prep(grads[0]).unsqueeze(0), call)
+        return _batch_first(_cast_columns(prep(grads[0]).unsqueeze(0), call), call)
     ref = next(g for g in grads if g is not None)
     return tuple(
-        _cast_columns(
-            (prep(g) if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
+        _batch_first(
+            _cast_columns(
+                (prep(g) if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
+                call,
+            ),
             call,
         )
         for j, g in enumerate(grads)

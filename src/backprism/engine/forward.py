@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
+from backprism.engine.rule import get_rule
 from backprism.engine.state import (
     AXIS,
     CALLS,
@@ -160,10 +161,14 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
     first = arg_tensors[0]
     if isinstance(module, nn.RNNBase) and not module.batch_first and first.dim() == 3:
         # [T, N, features]: the batch on axis 1, in the outputs too (output, h_n, c_n)
-        capture(
+        if getattr(first, AXIS, None) is None:
+            _batch_on_axis_one(first)
+        call = capture(
             module, call_args, call_kwargs, arg_tensors, outs, params,
             batch_size=first.shape[1], live=(args, kwargs), layout_ok=True,
         )
+        if call is not None:  # its rule (generic) takes the batch from axis 1 itself
+            call.assumed_axis = False
         for o in outs:
             setattr(o, AXIS, 1)
         FORWARD.layouts = True
@@ -186,6 +191,16 @@ def capture(
     ``module``) whose outputs ``outs`` were computed from ``arg_tensors``; ``args``/``kwargs``
     detached, ``live`` the same as passed (not detached)."""
     first = arg_tensors[0] if arg_tensors else outs[0]
+    axis = getattr(first, AXIS, None) if arg_tensors else None
+    moved = 0
+    if axis and axis > 0 and not layout_ok and _moves_batch_axis(module, first, axis):
+        # the batch on another axis of the first input (Linear after a batch_first=False RNN):
+        # the call keeps that input with the batch on axis 0
+        moved, layout_ok = axis, True
+        args = (args[0].movedim(axis, 0), *args[1:])
+        if live is not None:
+            live = ((live[0][0].movedim(axis, 0), *live[0][1:]), live[1])
+        batch_size = first.shape[axis]
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
     call = Call(
@@ -202,8 +217,48 @@ def capture(
         unrecorded=FORWARD.unrecorded > 0,
         live=live,
         layout_error=None if layout_ok else _layout_error(module, arg_tensors),
+        batch_axis=moved,
+        assumed_axis=axis is None,
     )
     return call if attach(call, outs) else None
+
+
+def _moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
+    """Whether ``module``'s rule computes from inputs whose batch is moved to axis 0 (it acts on
+    the trailing feature axes only), and ``axis`` is not one of those."""
+    if first.dim() <= axis or not getattr(get_rule(module), "moves_batch_axis", False):
+        return False
+    return first.is_floating_point() is False or axis < first.dim() - 1
+
+
+def _batch_on_axis_one(x: Tensor) -> None:
+    """``x`` feeds a ``batch_first=False`` RNN, so its batch is on axis 1: the call that
+    produced it (``Embedding``/``Linear`` directly before the RNN), which took axis 0 for the
+    batch, is moved to axis 1; one that cannot move (or a batch size that does not fit) is
+    marked for refusal."""
+    fn = x.grad_fn
+    if fn is None:
+        return
+    for call, _, nr in fn.metadata.get(CALLS, ()):
+        if nr != x.output_nr or call.batch_axis or not call.assumed_axis or not call.args:
+            continue
+        arg = call.args[0]
+        if isinstance(arg, Tensor) and _moves_batch_axis(call.module, arg, 1):
+            call.args = (arg.movedim(1, 0), *call.args[1:])
+            if call.live is not None:
+                live_args = call.live[0]
+                call.live = ((live_args[0].movedim(1, 0), *live_args[1:]), call.live[1])
+            call.batch_size, call.batch_axis, call.assumed_axis = arg.shape[1], 1, False
+        else:
+            call.layout_error = _layout_error(call.module, [_marked(x)])
+    setattr(x, AXIS, 1)
+
+
+def _marked(x: Tensor) -> Tensor:
+    """A view of ``x`` marked with batch axis 1 (for the refusal message)."""
+    v = x.detach()
+    setattr(v, AXIS, 1)
+    return v
 
 
 def _layout_error(module: nn.Module, tensors: list[Tensor]) -> str | None:

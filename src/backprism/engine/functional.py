@@ -424,6 +424,7 @@ def _broadcast_calls(args: tuple) -> tuple:
 
 # -- the batch axis of activations computed from a batch_first=False RNN ------------------------
 _SWAPS = frozenset({"transpose", "transpose_", "swapaxes", "swapdims"})
+_FEATURE_OPS = frozenset({"linear", "embedding", "layer_norm", "rms_norm"})
 _REDUCTIONS = frozenset(
     {"sum", "mean", "amax", "amin", "max", "min", "nansum", "nanmean", "logsumexp", "prod",
      "std", "var", "norm", "median", "argmax", "argmin"}
@@ -478,6 +479,8 @@ def _new_axis(name: str, args: tuple, kwargs: dict, src: Tensor, axis: int, out:
             return -1
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         return axis if keep is True else axis - sum(d < axis for d in dims)
+    if name in _FEATURE_OPS and axis < src.dim() - (0 if name == "embedding" else 1):
+        return axis  # acts on the trailing feature axis (embedding: appends one)
     if out.shape == src.shape and name not in ("movedim", "moveaxis", "flip", "roll"):
         return axis  # elementwise (activations, dropout, scaling, residual additions)
     return -1
@@ -509,8 +512,7 @@ def follow_batch_axis(name: str, args: tuple, kwargs: dict, out: Any) -> None:
         axis = -1 if src[0] is None or src[1] < 0 else _new_axis(
             name, args, kwargs, src[0], src[1], o
         )
-        if axis != 0:
-            setattr(o, AXIS, axis)
+        setattr(o, AXIS, axis)  # 0 too: known, not assumed
 
 
 #: operations that only read a tensor's metadata (``x.shape``, ``x.dtype``, ``x.dim()``, …):

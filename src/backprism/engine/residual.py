@@ -65,7 +65,7 @@ from torch import Tensor, nn
 from backprism.engine import backward as _backward
 from backprism.engine.columns import Columns
 from backprism.engine.rule import get_rule
-from backprism.engine.state import CALLS, FORWARD, ROOT, SITES, active
+from backprism.engine.state import AXIS, CALLS, FORWARD, ROOT, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -409,7 +409,8 @@ def push_residual(
 
     ``r = ∂L/∂a ⊙ σ''(z)``; for every element ``j`` of one sample's ``z``, column
     ``cⱼ[n] = √|rₙⱼ| eⱼ`` with weight ``wⱼₙ = sign(rₙⱼ)`` (``K`` = elements per sample). If
-    ``z``'s first axis is not the calls' batch axis (different size), every element of ``z`` gets
+    ``z``'s first axis is not the calls' batch axis (different size, or ``z`` carries a batch
+    axis other than 0 from a ``batch_first=False`` RNN), every element of ``z`` gets
     its own column instead (``K = z.numel()``), which is exact whatever the layout. Columns whose
     weights are all zero are skipped; chunks follow the context's memory budget.
     """
@@ -420,7 +421,7 @@ def push_residual(
     n_calls = bp.n_samples
     # one column per element of a sample, covering all samples at once, needs z's first axis to
     # be the batch axis of the calls; otherwise one column per element of z (always exact)
-    batched = r.dim() > 0 and r.shape[0] == n_calls
+    batched = r.dim() > 0 and r.shape[0] == n_calls and not getattr(z, AXIS, 0)
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
     if flat.device.type == "cpu":  # skip elements whose residual vanishes for every sample

@@ -86,6 +86,12 @@ class Call:
             the graph ends, for attributing parameter uses).
         dtype: the autocast dtype the call ran under, or ``None``.
         unrecorded: the forward ran without recording nonlinearities (DiagHessian refuses it).
+        batch_axis: the axis of the first input (and of the outputs) that holds the batch, as
+            the module saw it; ``args`` hold that input with the batch moved to axis 0, and the
+            engine moves the output gradients' batch axis the same way (rules with
+            ``moves_batch_axis`` only: Linear, Embedding, LayerNorm, RMSNorm).
+        assumed_axis: the batch axis 0 was assumed (an input computed without any known
+            layout), not followed from a ``batch_first=False`` RNN.
         layout_error: why the call's input has no batch on axis 0 (it comes from a
             ``batch_first=False`` RNN): per-sample quantities and curvature refuse the call.
         superseded: replaced by a call expanded to the batch (a batch-1 call whose output was
@@ -111,6 +117,8 @@ class Call:
     dtype: torch.dtype | None = None
     unrecorded: bool = False
     superseded: bool = False
+    batch_axis: int = 0
+    assumed_axis: bool = True
     layout_error: str | None = None
     live: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     whole_batch: bool = False

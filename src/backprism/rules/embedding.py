@@ -120,6 +120,9 @@ def _weighted(sq: Tensor, weights: Tensor | None, sample: Tensor) -> Tensor:
 class EmbeddingRule(Rule):
     """Per-sample quantities of ``nn.Embedding`` from token indices (see the module docstring)."""
 
+    #: looks up each index: indices with the batch elsewhere are moved batch-first
+    moves_batch_axis = True
+
     #: every statistic is a scatter of (squares of) the output gradient
     differentiable = True
 

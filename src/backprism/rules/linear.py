@@ -76,6 +76,8 @@ def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:
 
 @register_rule(nn.Linear)
 class LinearRule(Rule):
+    #: acts on the last axis only: an input with the batch elsewhere is moved batch-first
+    moves_batch_axis = True
     #: every statistic is a polynomial in the live input and the output gradient
     differentiable = True
 
