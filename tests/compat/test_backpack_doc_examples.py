@@ -453,6 +453,35 @@ def test_example_rnn():
     assert trainable_params(lstm_model)
 
 
+def test_example_rnn_sequence_first():
+    """The recurrent layout with PyTorch's default ``batch_first=False``: tokens ``[T, N]`` →
+    Embedding → RNN → ReduceTuple → Linear on ``[T, N, h]`` → ``Permute(1, 2, 0)`` →
+    cross-entropy over ``[N, C, T]``; per-sample gradients one sample (column) at a time."""
+    torch.manual_seed(2)
+    vocab, hidden, batch, seq = 11, 5, 4, 4  # T == N: axis 0 taken for the batch would be wrong
+    model = extend(nn.Sequential(
+        nn.Embedding(vocab, hidden), nn.RNN(hidden, hidden), ReduceTuple(index=0),
+        nn.Linear(hidden, vocab), Permute(1, 2, 0),
+    ).to(DT))
+    loss_function = extend(nn.CrossEntropyLoss())
+    x = torch.randint(0, vocab, (seq, batch))
+    y = torch.randint(0, vocab, (batch, seq))
+    with backpack(BatchGrad(), DiagGGNExact()):
+        loss_function(model(x), y).backward()
+    names = [n for n, _ in model.named_parameters()]
+    rows = {n: [] for n in names}
+    for i in range(batch):
+        loss = cross_entropy(model(x[:, i : i + 1]), y[i : i + 1]) / batch
+        for n, g in zip(names, torch.autograd.grad(loss, list(model.parameters()))):
+            rows[n].append(g)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, torch.stack(rows[name]))
+    diag = torch.cat([p.diag_ggn_exact.flatten() for p in model.parameters()])
+    idx = torch.linspace(0, diag.numel() - 1, 6, dtype=torch.int32).tolist()
+    ref = ggn_columns(model, loss_function, x, y, idx)
+    torch.testing.assert_close(diag[idx], ref[range(len(idx)), idx])
+
+
 def test_example_save_memory_convolutions():
     def compute(seed=0):
         torch.manual_seed(seed)
