@@ -49,6 +49,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from measure import markdown_header
 from problems import PROBLEMS, build, describe, sync
 
 import backprism
@@ -180,18 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None or torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads or 2)
 
-    print(
-        f"capture overhead outside collect: N={args.n}, repeats={args.repeats}, "
-        f"warmup={args.warmup}, {describe(args.device)}"
+    settings = (
+        f"N={args.n}, repeats={args.repeats}, warmup={args.warmup}"
         + (", CONTROL (A/A: second variant not extended)" if args.control else "")
     )
     if args.markdown:
+        print(markdown_header(settings, args.device))
         print()
         print(
             "| problem | plain step ms | extended step ms | ratio | min ratio | paired (IQR) "
             "| plain no_grad ms | extended no_grad ms | ratio | min ratio | paired (IQR) | load |"
         )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    else:
+        print(f"capture overhead outside collect: {settings}, {describe(args.device)}")
     for problem in args.problems:
         load0 = _load()
         times = time_problem(problem, args.n, args.repeats, args.warmup, args.device, args.control)
@@ -229,6 +232,16 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         print(f"{problem:<12} load average {load}", flush=True)
+    if args.markdown:
+        print()
+        print(
+            "- ratio: extended / plain median step time; min ratio: fastest over fastest; "
+            "paired: median (quartiles) of the per-round ratios; load: 1-minute load average "
+            "before → after"
+        )
+        if not args.control:
+            targets = ", ".join(f"{p} ≤ {t:.2f}x" for p, t in TARGET.items())
+            print(f"- ⚠: training step over its target ({targets})")
 
 
 def _load() -> str:

@@ -4,6 +4,7 @@ Prints, per extension, the median time of ``forward + backward`` inside ``collec
 divided by a plain ``forward + backward`` (configurations alternated, warm-up first).
 
     .venv/bin/python benchmarks/bench_conv_rules.py [--threads 2] [--reps 15] [--clock cpu]
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_conv_rules.py --markdown   # markdown table
 
 ``--clock cpu`` uses the process's CPU time instead of wall time (steadier on a shared
 machine, where the process is descheduled; quote which one you used).
@@ -25,16 +26,18 @@ import backprism
 from backprism.extensions import BatchDotGrad, BatchGrad, BatchL2Grad, SumGradSquared, Variance
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from problems import cifar10_3c3d
+from measure import print_markdown
+from problems import cifar10_3c3d, describe
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--n", type=int, default=128)
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    args = parser.parse_args()
+    parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    args = parser.parse_args(argv)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -68,6 +71,18 @@ def main() -> None:
             fn()
             times[name].append(clock() - t0)
     base = statistics.median(times["plain"])
+    if args.markdown:
+        rows = [["*plain step*", f"{base * 1e3:.1f} ms"]]
+        rows += [
+            [name, f"{statistics.median(times[name]) / base:.2f}x"]
+            for name in configs
+            if name != "plain"
+        ]
+        settings = f"cifar10_3c3d, N={args.n}, reps={args.reps}, clock={args.clock}"
+        notes = ["ratio: median time inside `collect(extension)` over the plain step's median"]
+        print_markdown(["extension", "ratio"], rows, settings, notes=notes)
+        return
+    print(describe("cpu"))
     print(f"plain forward+backward: {base * 1e3:.1f} ms {args.clock} (median of {args.reps})")
     for name in configs:
         if name != "plain":

@@ -20,7 +20,9 @@ expect noisy ratios and read ``+ratio`` for what the communication adds.
 
 Steps alternate between the configurations; times are medians over ``--repeats`` rounds after
 a warm-up, taken on rank 0 after a barrier. With ``R`` processes on ``R`` cores each process runs
-one thread. Run: ``python benchmarks/bench_ddp.py [--problem mnist_mlp] [--extensions ...]``.
+one thread. Run: ``python benchmarks/bench_ddp.py [--problem mnist_mlp] [--extensions ...]``;
+``--markdown`` prints a GitHub markdown table. No peak memory is measured here: the MiB column is
+the payload backprism all-reduces per step (``collect.communication``), not memory.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from datetime import timedelta
 
 import torch
@@ -41,6 +44,7 @@ import torch.multiprocessing as tmp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import print_markdown
 from problems import PROBLEMS, build
 
 from backprism import collect, extend
@@ -119,7 +123,18 @@ def _worker(rank, world, path, problem, n, exts, repeats, threads, out):
             data = ddp._get_ddp_logging_data() or {}  # DDP rebuilds its buckets after step 1
             sizes = data.get("rebuilt_bucket_sizes", data.get("bucket_sizes"))
             buckets = len(str(sizes).split(",")) if sizes else None
-            torch.save({"times": med, "comm": comm, "ddp_buckets": buckets}, out)
+            # only the figures main() reads: a Communication may hold unpicklable references
+            # (e.g. its process group)
+            figures = {
+                e: types.SimpleNamespace(
+                    total=c.total,
+                    gradient_bytes=c.gradient_bytes,
+                    collectives=c.collectives,
+                    seconds=c.seconds,
+                )
+                for e, c in comm.items()
+            }
+            torch.save({"times": med, "comm": figures, "ddp_buckets": buckets}, out)
     finally:
         dist.destroy_process_group()
 
@@ -132,12 +147,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="threads per process")
     ap.add_argument("--extensions", nargs="+", default=FIRST + SECOND)
+    ap.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     args = ap.parse_args(argv)
     n = args.n // args.world
-    print(
-        f"{args.problem}, N = {args.n} ({args.world} gloo processes x {n}), "
-        f"{args.threads} thread(s) per process, torch {torch.__version__}"
+    settings = (
+        f"{args.problem}, N={args.n} ({args.world} gloo processes x {n}), "
+        f"{args.threads} thread(s) per process, repeats={args.repeats}"
     )
+    if not args.markdown:
+        print(f"{settings}, torch {torch.__version__}")
     single = _single(args.problem, n, args.extensions, args.repeats, args.threads)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "backprism.extensions"])
@@ -161,30 +179,65 @@ def main(argv=None):
         res = torch.load(out, weights_only=False)
     times, comm = res["times"], res["comm"]
     grad_bytes = next(iter(comm.values())).gradient_bytes if comm else 0
-    print(
+    summary = (
         f"plain step: 1 proc {single[None] * 1e3:.1f} ms, DDP {times[None] * 1e3:.1f} ms; "
         f"DDP all-reduces {grad_bytes / 2**20:.2f} MiB of gradients per step"
         + (f" in {res['ddp_buckets']} buckets" if res["ddp_buckets"] else "")
     )
-    head = (
-        f"{'extension':<16} {'1 proc':>7} {'DDP':>7} {'DDP/1 proc':>10} {'reduce':>9} "
-        f"{'+ratio':>6} {'extra MiB':>9} {'x grads':>7} {'collectives':>11}"
-    )
-    print(head)
-    print("-" * len(head))
+    rows = []
     for e in args.extensions:
         r1 = single[e] / single[None]
         rd = times[e] / times[None]
         c = comm.get(e)
-        mib = c.total / 2**20 if c else 0.0
-        rel = c.total / grad_bytes if c and grad_bytes else 0.0
-        calls = c.collectives if c else 0
-        ms = c.seconds * 1e3 if c else 0.0
-        add = c.seconds / times[None] if c else 0.0
-        print(
-            f"{e:<16} {r1:>6.2f}x {rd:>6.2f}x {rd / r1:>9.2f}x {ms:>6.1f} ms {add:>6.2f} "
-            f"{mib:>9.2f} {rel:>6.2f}x {calls:>11}"
+        rows.append(
+            {
+                "extension": e,
+                "single": r1,
+                "ddp": rd,
+                "ms": c.seconds * 1e3 if c else 0.0,
+                "add": c.seconds / times[None] if c else 0.0,
+                "bytes": c.total if c else 0,
+                "mib": c.total / 2**20 if c else 0.0,
+                "rel": c.total / grad_bytes if c and grad_bytes else 0.0,
+                "calls": c.collectives if c else 0,
+            }
         )
+    if args.markdown:
+        headers = ["extension", "1 proc", "DDP", "DDP / 1 proc", "reduce", "+ratio",
+                   "all-reduced", "× DDP's gradients", "collectives"]
+        table = [
+            [r["extension"], f"{r['single']:.2f}x", f"{r['ddp']:.2f}x",
+             f"{r['ddp'] / r['single']:.2f}x", f"{r['ms']:.1f} ms", f"{r['add']:.2f}",
+             _size(r["bytes"]), f"{r['rel']:.2f}x", r["calls"]]
+            for r in rows
+        ]
+        notes = [
+            summary,
+            "1 proc: ratio to a plain step in one process on the same per-process batch; DDP: "
+            "ratio to a plain DDP step; reduce: backprism's reduction after the local pass "
+            "(median), +ratio: reduce over the plain DDP step",
+            "all-reduced: payload backprism all-reduces per step (not memory); × DDP's "
+            "gradients: that payload over DDP's own gradient all-reduce",
+        ]
+        print_markdown(headers, table, settings, "cpu", threads=args.threads, notes=notes)
+        return
+    print(summary)
+    head = (
+        f"{'extension':<16} {'1 proc':>7} {'DDP':>7} {'DDP/1 proc':>10} {'reduce':>9} "
+        f"{'+ratio':>6} {'comm MiB':>9} {'x grads':>7} {'collectives':>11}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['extension']:<16} {r['single']:>6.2f}x {r['ddp']:>6.2f}x "
+            f"{r['ddp'] / r['single']:>9.2f}x {r['ms']:>6.1f} ms {r['add']:>6.2f} "
+            f"{r['mib']:>9.2f} {r['rel']:>6.2f}x {r['calls']:>11}"
+        )
+
+def _size(nbytes: int) -> str:
+    """``48 B`` below 1 KiB, else MiB."""
+    return f"{nbytes} B" if nbytes < 1024 else f"{nbytes / 2**20:.2f} MiB"
 
 
 if __name__ == "__main__":

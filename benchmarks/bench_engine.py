@@ -6,6 +6,7 @@ Usage::
     python benchmarks/bench_engine.py --problems cifar10_3c3d mnist_mlp --order 1 --repeats 7
     python benchmarks/bench_engine.py --quick               # small N, few repeats (smoke test)
     PYTHONPATH=src python benchmarks/bench_engine.py --device cuda --problems cifar10_3c3d
+    python benchmarks/bench_engine.py --markdown --problems mnist_mlp --n 32
 
 Timing: ``torch.set_num_threads(2)`` (``--threads``, CPU), one warm-up round, then ``--repeats``
 rounds in which all configurations run in turn (alternating, so drifting machine load hits all
@@ -15,12 +16,15 @@ On CUDA (``--device cuda``) the clock starts and stops after ``torch.cuda.synchr
 When ``backpack-for-pytorch`` is installed, its extensions run side by side on the problems it
 supports (chains of known layers).
 
-Memory: in a fresh subprocess, after a warm-up of both, one step of each configuration runs
-with the resident high-water mark (``VmHWM``) reset before it; we report the configuration's
-step peak minus the plain step's peak, in MiB. On CUDA, in this process: after a warm-up of
-both, each step's peak allocated memory (``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats``) above the memory allocated before it; again the configuration's
-minus the plain step's, in MiB.
+Memory (``measure.peak_memory``, the same definition on every device and in every benchmark
+script): in this process, with fresh runners and one warm-up step each, the peak bytes held by
+tensors during one step above what they held when it started (CPU: from the profiler's
+allocation events; CUDA: ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``). Reported is the configuration's step peak minus the plain step's,
+in MiB; the plain row gives the plain step's own peak.
+
+``--markdown`` prints one GitHub markdown table (header line: machine, threads, torch, date and
+the settings); messages about configurations that fail go to stderr.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from problems import PROBLEMS, build, cuda_step_peak, describe, sync
+from measure import mib, mib_cell, peak_memory, print_markdown
+from problems import PROBLEMS, build, describe, sync
 
 FIRST = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "BatchGrad+hook", "BatchDotGrad"]
 SECOND = ["DiagGGNMC", "KFAC", "DiagGGNExact", "KFLR", "DiagHessian"]
@@ -152,7 +156,8 @@ def time_problem(
             except Exception as err:  # unsupported here (e.g. exact DiagHessian + attention)
                 print(
                     f"  {key[0]} {key[1]} on {problem}: {type(err).__name__}: "
-                    f"{str(err).splitlines()[0][:120]}"
+                    f"{str(err).splitlines()[0][:120]}",
+                    file=sys.stderr,
                 )
                 del configs[key], times[key]
                 continue
@@ -163,73 +168,22 @@ def time_problem(
     return med
 
 
-def peak_memory(
-    problem: str, method: str, tool: str, n: int, device: str = "cpu", retain: bool = False
-) -> float | None:
-    """Extra peak memory (MiB) of one step over a plain step, in a fresh subprocess (CUDA: in
-    this process, see ``cuda_peak_memory``).
-
-    Both configurations are warmed up first (imports and one-time allocations excluded); then
-    the resident high-water mark is reset (``/proc/self/clear_refs``) before each measured
-    step, and the step's peak above the resident size it started from is compared."""
-    if torch.device(device).type == "cuda":
-        return cuda_peak_memory(problem, method, tool, n, device)
-    code = (
-        "import sys, torch; torch.set_num_threads(2);"
-        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r});"
-        f"import backprism; {retain} and backprism.retain_freed_memory();"
-        "from bench_engine import make_runner, step_peak;"
-        f"p = make_runner({problem!r}, 'plain', 'plain', {n});"
-        f"r = make_runner({problem!r}, {method!r}, {tool!r}, {n});"
-        "r is None and sys.exit(3); p(); r();"
-        "print((step_peak(r) - step_peak(p)) / 1024)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode != 0:
-        return None
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def cuda_peak_memory(problem: str, method: str, tool: str, n: int, device: str) -> float | None:
-    """Extra peak CUDA memory (MiB) of one step over a plain step: fresh runners, both warmed
-    up, then each step's peak allocation above the memory allocated before it."""
-    p = make_runner(problem, "plain", "plain", n, device)
-    r = make_runner(problem, method, tool, n, device)
-    if r is None:
+def step_peak(problem: str, method: str, tool: str, n: int, device: str = "cpu") -> int | None:
+    """Peak memory (bytes) of one step of a fresh runner above its starting point
+    (``measure.peak_memory``, one warm-up step); ``None`` where the tool lacks the method or
+    the step fails."""
+    run = make_runner(problem, method, tool, n, device)
+    if run is None:
         return None
     try:
-        p()
-        r()
-        extra = cuda_step_peak(r, device, r.clear) - cuda_step_peak(p, device, p.clear)
+        return peak_memory(run, device, run.clear)
     except Exception:
         return None
     finally:
-        del p, r
+        del run
         gc.collect()
-        torch.cuda.empty_cache()
-    return extra / 2**20
-
-
-def step_peak(run) -> int:
-    """Peak resident memory (KiB) of one call of ``run`` above the resident size before it."""
-    import gc
-
-    run.clear()
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current VmRSS
-        f.write("5")
-    before = hwm()
-    run()
-    return hwm() - before
-
-
-def hwm() -> int:
-    """Peak resident set size of this process in KiB (Linux ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-backpack", action="store_true")
     ap.add_argument("--quick", action="store_true", help="N=16, 2 repeats, no memory")
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     ap.add_argument(
         "--retain-freed-memory",
         action="store_true",
@@ -270,19 +225,36 @@ def main(argv: list[str] | None = None) -> None:
         FIRST if args.order == "1" else SECOND if args.order == "2" else FIRST + SECOND
     )
     bp = _have_backpack() and not args.no_backpack
+    memory = not args.no_memory
     results = []
-    print(
-        f"N={args.n}, repeats={args.repeats}, backpack={bp}, {describe(args.device)}, "
+    settings = (
+        f"N={args.n}, repeats={args.repeats}, backpack={bp}, "
         f"retain_freed_memory={args.retain_freed_memory}"
     )
-    header = f"{'problem':<16} {'extension':<16} {'backprism':>10} {'backpack':>10}"
-    if not args.no_memory:
-        header += f" {'mem MiB':>9} {'bp MiB':>9}"
-    print(header)
+    if not args.markdown:
+        print(f"{settings}, {describe(args.device)}")
+        header = f"{'problem':<16} {'extension':<16} {'backprism':>10} {'backpack':>10}"
+        if memory:
+            header += f" {'+MiB':>9} {'bp +MiB':>9}"
+        print(header)
     for problem in args.problems:
         med = time_problem(problem, methods, args.n, args.repeats, bp, args.device)
         plain = med[("plain", "plain")]
-        print(f"{problem:<16} {'(plain, s)':<16} {plain:>10.3f}")
+        base = step_peak(problem, "plain", "plain", args.n, args.device) if memory else None
+        results.append(
+            {
+                "problem": problem,
+                "device": args.device,
+                "extension": "plain",
+                "plain_s": plain,
+                "peak_mib": mib(base),
+            }
+        )
+        if not args.markdown:
+            line = f"{problem:<16} {'(plain, s)':<16} {plain:>10.3f}"
+            if base is not None:
+                line += f" {'(peak MiB)':>10} {mib(base):>9.0f}"
+            print(line, flush=True)
         for m in methods:
             ours = med.get(("backprism", m))
             theirs = med.get(("backpack", m))
@@ -294,27 +266,58 @@ def main(argv: list[str] | None = None) -> None:
                 "backprism": ours and ours / plain,
                 "backpack": theirs and theirs / plain,
             }
+            if memory and base is not None:
+                for key, tool, ok in (("mem", "backprism", ours), ("mem_bp", "backpack", theirs)):
+                    peak = step_peak(problem, m, tool, args.n, args.device) if ok else None
+                    row[key] = mib(peak - base) if peak is not None else None
+            results.append(row)
+            if args.markdown:
+                continue
             line = (
                 f"{problem:<16} {m:<16} "
                 + (f"{ours / plain:>9.2f}x" if ours else f"{'-':>10}")
                 + (f" {theirs / plain:>9.2f}x" if theirs else f" {'-':>10}")
             )
-            if not args.no_memory:
-                for key, tool, ok in (("mem", "backprism", ours), ("mem_bp", "backpack", theirs)):
-                    row[key] = (
-                        peak_memory(problem, m, tool, args.n, args.device, args.retain_freed_memory)
-                        if ok
-                        else None
-                    )
+            if memory:
                 line += "".join(
                     f" {v:>9.0f}" if v is not None else f" {'-':>9}"
-                    for v in (row["mem"], row["mem_bp"])
+                    for v in (row.get("mem"), row.get("mem_bp"))
                 )
             print(line, flush=True)
-            results.append(row)
+    if args.markdown:
+        _print_markdown(results, memory, settings, args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _print_markdown(results: list[dict], memory: bool, settings: str, device: str) -> None:
+    headers = ["problem", "extension", "backprism", "BackPACK"]
+    if memory:
+        headers += ["backprism +MiB", "BackPACK +MiB"]
+    rows = []
+    for r in results:
+        if r["extension"] == "plain":
+            cells = [r["problem"], "*plain step*", f"{r['plain_s']:.3f} s", ""]
+            if memory:
+                peak = r["peak_mib"]
+                cells += [mib_cell(peak, " peak"), ""]
+        else:
+            cells = [r["problem"], r["extension"]] + [
+                f"{r[k]:.2f}x" if r[k] else None for k in ("backprism", "backpack")
+            ]
+            if memory:
+                cells += [mib_cell(r.get("mem")), mib_cell(r.get("mem_bp"))]
+        rows.append(cells)
+    notes = [
+        "ratios: median step time over the plain step's median in the same rounds",
+    ]
+    if memory:
+        notes.append(
+            "+MiB: the step's peak memory above its starting point minus the plain step's "
+            "(`measure.peak_memory`); the plain row gives its own peak in MiB"
+        )
+    print_markdown(headers, rows, settings, device, align="llrrrr", notes=notes)
 
 
 if __name__ == "__main__":

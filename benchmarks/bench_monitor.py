@@ -23,6 +23,9 @@ clock starts and stops; CPU threads left at torch's default).
     python benchmarks/bench_monitor.py --isolate  # each variant in its own fresh process
     python benchmarks/bench_monitor.py --only-variants economy full-mc --amortised
     PYTHONPATH=src python benchmarks/bench_monitor.py --device cuda --isolate
+    python benchmarks/bench_monitor.py --quick --markdown   # one GitHub markdown table
+
+``--markdown`` prints one table at the end: a row per variant, a column per problem.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import problems
+from measure import print_markdown
 from problems import describe, sync
 
 import backprism
@@ -249,7 +253,7 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:160] if lines else ''}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="configurations only, few rounds")
     parser.add_argument("--rounds", type=int, default=None)
@@ -276,7 +280,9 @@ def main() -> None:
                         help="run the monitor's accelerator code paths on the CPU")
     parser.add_argument("--cpu-time", action="store_true",
                         help="clock this process's CPU time (steadier on a shared machine)")
-    args = parser.parse_args()
+    parser.add_argument("--markdown", action="store_true",
+                        help="print one GitHub markdown table at the end")
+    args = parser.parse_args(argv)
     global CLOCK
     if args.cpu_time:
         CLOCK = time.process_time
@@ -299,12 +305,15 @@ def _main(args: argparse.Namespace) -> None:
     keys = [k for k in variants(args.quick) if k != "plain"]
     if args.only_variants:
         keys = [k for k in keys if k in args.only_variants]
-    print(
-        f"# monitor benchmark: N=128, {describe(args.device)}, "
+    settings = (
+        f"N=128, rounds={rounds}, isolate={args.isolate}, "
         f"retain_freed_memory={args.retain_freed_memory}, "
-        f"clock={'process CPU time' if args.cpu_time else 'wall'}",
-        flush=True,
+        f"clock={'process CPU time' if args.cpu_time else 'wall'}"
+        + (", accelerator paths" if args.accelerator_paths else "")
     )
+    if not args.markdown:
+        print(f"# monitor benchmark: {settings}, {describe(args.device)}", flush=True)
+    table: dict[str, dict[str, float]] = {}  # problem -> {variant: ratio}
     for name in names:
         if args.isolate:
             res = {"plain_s": 0.0}
@@ -342,25 +351,61 @@ def _main(args: argparse.Namespace) -> None:
                 name, rounds, args.quick, only=keys if args.only_variants else None,
                 device=args.device,
             )
-        print(
-            f"{name}: plain step {res.pop('plain_s') * 1e3:.1f} ms (median of {rounds})",
-            flush=True,
-        )
-        for k, v in res.items():
-            target = TARGETS.get(k)
-            note = f"  (per-step target ≤ {target}×)" if target else ""
-            print(f"  {k:28s} {v:6.2f}×{note}", flush=True)
+        if not args.markdown:
+            print(
+                f"{name}: plain step {res['plain_s'] * 1e3:.1f} ms (median of {rounds})",
+                flush=True,
+            )
+            _print_ratios(res)
+        table[name] = res
+        more: dict[str, float] = {}
         if args.amortised:
-            for k, v in amortised(name, args.device, max(1, rounds // 2)).items():
-                print(f"  {k:28s} {v:6.2f}×  (amortised target ≤ {AMORTISED_TARGET}×)",
-                      flush=True)
+            more |= amortised(name, args.device, max(1, rounds // 2))
         if args.cockpit:
             side = cockpit_bench(name, rounds, args.device)
-            if not side:
+            if not side and not args.markdown:
                 print("  (Cockpit not installed: side-by-side skipped)", flush=True)
-            for k, v in side.items():
-                print(f"  {k:28s} {v:6.2f}×", flush=True)
+            more |= side
+        res |= more
+        if not args.markdown:
+            _print_ratios(more)
+    if args.markdown:
+        _print_markdown(table, settings, args.device, cockpit=args.cockpit)
 
+
+def _print_ratios(res: dict[str, float]) -> None:
+    for k, v in res.items():
+        if k != "plain_s":
+            print(f"  {k:28s} {v:6.2f}×{_target(k)}", flush=True)
+
+
+def _target(variant: str) -> str:
+    if variant.endswith("(default schedules)"):
+        return f"  (amortised target ≤ {AMORTISED_TARGET}×)"
+    target = TARGETS.get(variant)
+    return f"  (per-step target ≤ {target}×)" if target else ""
+
+
+def _print_markdown(
+    table: dict[str, dict[str, float]], settings: str, device: str, cockpit: bool
+) -> None:
+    names = list(table)
+    variants: list[str] = []
+    for res in table.values():
+        variants += [k for k in res if k not in ("plain_s", "plain") and k not in variants]
+    rows = [["*plain step*"] + [f"{table[n]['plain_s'] * 1e3:.1f} ms" for n in names] + [""]]
+    for k in variants:
+        ratios = [table[n].get(k) for n in names]
+        target = _target(k).strip().removeprefix("(").removesuffix(")")
+        rows.append([k] + [f"{v:.2f}x" if v is not None else None for v in ratios] + [target])
+    notes = [
+        "ratio: median time of a training step (forward, backward, SGD step) with the monitor "
+        "over the plain step's median in the same run; targets for cifar10_3c3d on the CPU",
+    ]
+    if cockpit and not any(k.startswith("Cockpit") for k in variants):
+        notes.append("Cockpit is not installed here: its side-by-side rows are left out")
+    print_markdown(["variant", *names, "target"], rows, settings, device,
+                   align="l" + "r" * len(names) + "l", notes=notes)
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ Usage::
     python benchmarks/bench_peers.py                                  # transformer resnet18 gpt2
     python benchmarks/bench_peers.py --problems transformer --repeats 5 --threads 1
     python benchmarks/bench_peers.py --problems gpt2 --n 64 --generic  # + the generic-rule rows
+    python benchmarks/bench_peers.py --markdown --problems transformer --n 32
     PYTHONPATH=/path/to/other/src python benchmarks/bench_peers.py     # another backprism
 
 Problems: ``transformer`` and ``resnet18`` from ``problems.py`` and ``gpt2``, a GPT-2-shaped
@@ -32,11 +33,11 @@ Configurations (each on its own copy of the model, same weights and data):
   (``GGNLinearOperator @ v``, all parameters; SDPA's math backend, which has forward-mode AD).
 
 Timing: ``--threads`` (default 2), one warm-up round, then ``--repeats`` rounds in which all
-configurations run in turn; medians. Memory: in a subprocess whose glibc returns every block of
-64 KiB or more to the kernel when it is freed (``MALLOC_MMAP_THRESHOLD_``), so the resident
-high-water mark follows the live memory: after one warm-up step of every configuration, one
-step each with the high-water mark reset before it (``/proc/self/clear_refs``); reported is its
-peak above the resident size it started from, minus the plain step's, in MiB.
+configurations run in turn; medians. Memory (``measure.peak_memory``, the same definition on
+every device and in every benchmark script): in this process after the timings, one more
+warm-up step of each configuration and then the peak bytes held by tensors during one step
+above what they held when it started (from the profiler's allocation events); reported is the
+configuration's minus the plain step's, in MiB. ``--markdown`` prints one GitHub markdown table.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(__file__))
+from measure import mib, mib_cell, peak_memory, print_markdown
 from problems import build, describe
 
 EXTENSIONS = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "DiagGGNMC", "KFAC"]
@@ -319,25 +321,6 @@ def _configurations(problem: str, generic: bool) -> list[tuple[str, str]]:
 
 
 # -- measuring -----------------------------------------------------------------------------------
-def hwm() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def step_peak(r: Runner) -> float:
-    """Peak resident memory (MiB) of one step above the resident size before it."""
-    r.clear()
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = hwm()
-    r.run()
-    return (hwm() - before) / 1024
-
-
 def _runners(problem: str, n: int, generic: bool, errors: dict) -> dict[tuple[str, str], Runner]:
     runners: dict[tuple[str, str], Runner] = {}
     for key in configurations(problem, generic):
@@ -351,48 +334,18 @@ def _runners(problem: str, n: int, generic: bool, errors: dict) -> dict[tuple[st
     return runners
 
 
-#: glibc settings for the memory subprocess: every block of 64 KiB or more is its own mapping,
-#: returned to the kernel when freed, so the resident high-water mark of a step is its peak
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
-              "MALLOC_TOP_PAD_": "0"}
-
-
-def measure_memory(problem: str, n: int, generic: bool) -> dict[str, float]:
-    """Per configuration ``"tool|method"``: the step's peak resident memory above the resident
-    size before it, in MiB (after one warm-up step of every configuration)."""
-    errors: dict = {}
-    runners = _runners(problem, n, generic, errors)
-    for key, r in list(runners.items()):
-        try:
-            r()
-        except Exception:
-            del runners[key]
+def measure_memory(runners: dict[tuple[str, str], Runner]) -> dict[tuple[str, str], int]:
+    """Per configuration: one step's peak memory above its starting point, in bytes
+    (``measure.peak_memory``, one warm-up step); configurations that fail are left out."""
     out = {}
     for key, r in runners.items():
         with contextlib.suppress(Exception):
-            out["|".join(key)] = step_peak(r)
-            r.clear()
+            out[key] = peak_memory(r.run, "cpu", r.clear)
+        r.clear()
     return out
 
 
-def _memory_subprocess(problem: str, n: int, generic: bool, threads: int) -> dict[str, float]:
-    import subprocess
-
-    cmd = [sys.executable, os.path.abspath(__file__), "--memory-of", problem, "--n", str(n),
-           "--threads", str(threads)] + (["--generic"] if generic else [])
-    if TOOLS is not None:
-        cmd += ["--tools", *TOOLS]
-    env = {**os.environ, **MALLOC_ENV}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode != 0:
-        print(f"  (memory run failed: {res.stderr.strip().splitlines()[-1:]})")
-        return {}
-    return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def bench(
-    problem: str, n: int, repeats: int, generic: bool, memory: bool, threads: int
-) -> list[dict]:
+def bench(problem: str, n: int, repeats: int, generic: bool, memory: bool) -> list[dict]:
     errors: dict[tuple[str, str], str] = {}
     runners = _runners(problem, n, generic, errors)
     times: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
@@ -409,18 +362,19 @@ def bench(
             if rnd:
                 times[key].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    peaks = measure_memory(runners) if memory else {}
     del runners
     gc.collect()
-    peaks = _memory_subprocess(problem, n, generic, threads) if memory else {}
     plain = med[("plain", "step")]
-    base = peaks.get("plain|step")
+    base = peaks.get(("plain", "step"))
     rows = []
     for key in configurations(problem, generic):
-        peak = peaks.get("|".join(key))
+        peak = peaks.get(key)
         rows.append({
             "problem": problem, "tool": key[0], "method": key[1], "n": n,
             "seconds": med.get(key), "ratio": med[key] / plain if key in med else None,
-            "mib": peak - base if peak is not None and base is not None else None,
+            "mib": mib(peak - base) if peak is not None and base is not None else None,
+            "peak_mib": mib(peak),
             "error": errors.get(key),
         })
     return rows
@@ -438,40 +392,73 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--tools", nargs="+", help="only these tools (backprism, backprism-generic, "
                     "opacus, torch.func, curvlinops, plain)")
-    ap.add_argument("--memory-of", help=argparse.SUPPRESS)  # the memory subprocess
+    ap.add_argument("--markdown", action="store_true", help="print one GitHub markdown table")
     args = ap.parse_args(argv)
     global TOOLS
     TOOLS = args.tools
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    if args.memory_of:
-        print(json.dumps(measure_memory(args.memory_of, args.n, args.generic)))
-        return
     import backprism
 
-    print(f"N={args.n}, repeats={args.repeats}, {describe('cpu')}, backprism from "
-          f"{os.path.dirname(backprism.__file__)}")
+    settings = f"N={args.n}, repeats={args.repeats}"
+    if not args.markdown:
+        where = os.path.dirname(backprism.__file__)
+        print(f"{settings}, {describe('cpu')}, backprism from {where}")
     all_rows = []
     for problem in args.problems:
-        rows = bench(
-            problem, args.n, args.repeats, args.generic, not args.no_memory, args.threads
-        )
+        rows = bench(problem, args.n, args.repeats, args.generic, not args.no_memory)
+        all_rows += rows
+        if args.markdown:
+            continue
         plain = rows[0]["seconds"]
-        print(f"\n{problem} (plain step {plain:.3f} s)")
-        print(f"  {'tool':<18} {'method':<24} {'ratio':>7} {'target':>7} {'MiB':>7}")
+        peak = rows[0]["peak_mib"]
+        print(f"\n{problem} (plain step {plain:.3f} s"
+              + (f", peak {peak:.0f} MiB)" if peak is not None else ")"))
+        print(f"  {'tool':<18} {'method':<24} {'ratio':>7} {'target':>7} {'+MiB':>7}")
         for r in rows[1:]:
             target = TARGETS.get(r["method"]) if r["tool"] == "backprism" else None
             ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
-            mib = f"{r['mib']:.0f}" if r["mib"] is not None else "-"
+            mem = mib_cell(r["mib"]) or "-"
             tgt = f"{target:.1f}x" if target and problem != "gpt2" else ""
-            line = f"  {r['tool']:<18} {r['method']:<24} {ratio:>7} {tgt:>7} {mib:>7}"
+            line = f"  {r['tool']:<18} {r['method']:<24} {ratio:>7} {tgt:>7} {mem:>7}"
             if r["error"]:
                 line += f"   ({r['error']})"
             print(line, flush=True)
-        all_rows += rows
+    if args.markdown:
+        _print_markdown(all_rows, settings, not args.no_memory)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(all_rows, f, indent=1)
+
+
+def _print_markdown(rows: list[dict], settings: str, memory: bool) -> None:
+    headers = ["problem", "tool", "method", "ratio", "target"]
+    headers += ["+MiB"] if memory else []
+    headers += ["note"]
+    table = []
+    for r in rows:
+        if r["tool"] == "plain" and r["method"] == "step":
+            cells = [r["problem"], "*plain step*", "", f"{r['seconds']:.3f} s", ""]
+            peak = r["peak_mib"]
+            cells += [mib_cell(peak, " peak")] if memory else []
+            table.append([*cells, ""])
+            continue
+        target = TARGETS.get(r["method"]) if r["tool"] == "backprism" else None
+        cells = [
+            r["problem"], r["tool"], r["method"],
+            f"{r['ratio']:.2f}x" if r["ratio"] is not None else None,
+            f"{target:.1f}x" if target and r["problem"] != "gpt2" else "",
+        ]
+        if memory:
+            cells.append(mib_cell(r["mib"]))
+        table.append([*cells, r["error"] or ""])
+    notes = ["ratio: median step time over the plain step's median in the same rounds; target: "
+             "the issue's goal for backprism (CPU, N = 128, transformer and resnet18)"]
+    if memory:
+        notes.append("+MiB: the step's peak memory above its starting point minus the plain "
+                     "step's (`measure.peak_memory`); the plain row gives its own peak in MiB")
+    print_markdown(headers, table, settings, "cpu", align="lllrrrl"[: len(headers) - 1] + "l",
+                   notes=notes)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Usage::
     python benchmarks/bench_spectral.py --quick          # N = 8/16, one repeat (smoke test)
     python benchmarks/bench_spectral.py --problems cifar10_3c3d --sizes 32 --mc 0 1
     PYTHONPATH=src python benchmarks/bench_spectral.py --device cuda --sizes 32 128
+    python benchmarks/bench_spectral.py --markdown --quick   # one GitHub markdown table
 
 Configurations, all on the full GGN (one parameter group, the same model, data, criterion and
 damping for every implementation):
@@ -27,11 +28,11 @@ damping for every implementation):
 Timing: ``torch.set_num_threads(2)`` (CPU), one warm-up, ``--repeats`` alternating rounds,
 medians, reported in seconds and as ratios to ``plain``; configurations slower than ``--slow``
 seconds are repeated at most twice. On CUDA (``--device cuda``) the clock starts and stops after
-``torch.cuda.synchronize()``. Memory: each configuration runs once in a fresh subprocess; we
-report its peak RSS (``VmHWM``) above the peak of a plain forward+backward in the same process, in
-MiB. On CUDA, in this process with fresh runners: the peak allocated memory of one step
-(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``) above the memory
-allocated before it, the configuration's minus a (warmed-up) plain step's, in MiB.
+``torch.cuda.synchronize()``. Memory (``measure.peak_memory``, the same definition on every
+device and in every benchmark script): in this process after the timings, one more warm-up step
+and then the peak bytes held by tensors during one step above what they held when it started
+(CPU: from the profiler's allocation events; CUDA: ``torch.cuda.max_memory_allocated`` after
+``reset_peak_memory_stats``); reported is the configuration's minus the plain step's, in MiB.
 Agreement: the maximum difference of our eigenvalues from ViViT's (and power iteration's),
 relative to the largest eigenvalue.
 """
@@ -44,14 +45,14 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from problems import build, cuda_step_peak, describe, sync
+from measure import mib, mib_cell, peak_memory, print_markdown
+from problems import build, describe, sync
 
 import backprism
 from backprism.spectral import (
@@ -66,7 +67,8 @@ NEWTON_MIN_EVAL = 1e-4
 
 
 def _top(k: int):
-    return lambda evals: list(range(evals.numel() - k, evals.numel()))
+    """The top ``k`` eigenvalues (all of them where there are fewer, e.g. MC-1 at small N)."""
+    return lambda evals: list(range(max(evals.numel() - k, 0), evals.numel()))
 
 
 def _newton_criterion(evals: torch.Tensor) -> list[int]:
@@ -240,54 +242,6 @@ def _power_runner(model, lossf, X, y, k: int):
 # -- measuring -------------------------------------------------------------------------------
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident set size (``VmHWM``) in KiB. Unlike ``ru_maxrss``, which
-    Linux carries over from the parent across fork/exec (so a child of a large benchmark process
-    reports the parent's peak), ``VmHWM`` belongs to the process's own address space."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("VmHWM not found in /proc/self/status (Linux only)")
-
-
-def peak_memory(problem: str, config: str, n: int, mc: int, device: str = "cpu") -> float:
-    """Peak RSS of ``config`` above a plain fwd+bwd's, in MiB (fresh subprocess; on CUDA: the
-    peak allocated memory of one step above a plain step's, in this process)."""
-    if torch.device(device).type == "cuda":
-        return cuda_peak_memory(problem, config, n, mc, device)
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (
-        f"import sys, torch; sys.path.insert(0, {here!r}); import bench_spectral as b;"
-        "torch.set_num_threads(2);"
-        f"b.make_runner({problem!r}, 'plain', {n}, {mc})();"
-        "base = b.peak_rss_kib();"
-        f"b.make_runner({problem!r}, {config!r}, {n}, {mc})();"
-        "print((b.peak_rss_kib() - base) / 1024)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"memory run of {config} failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def cuda_peak_memory(problem: str, config: str, n: int, mc: int, device: str) -> float:
-    """Peak allocated CUDA memory of one ``config`` step above a plain step's, in MiB (fresh
-    runners; the plain one warmed up, ``config`` measured on its first call as on the CPU)."""
-    plain = make_runner(problem, "plain", n, mc, device)
-    plain()
-    base = cuda_step_peak(plain, device, plain.clear)
-    del plain
-    run = make_runner(problem, config, n, mc, device)
-    try:
-        extra = cuda_step_peak(run, device, run.clear)
-    finally:
-        del run
-        gc.collect()
-        torch.cuda.empty_cache()
-    return (extra - base) / 2**20
-
-
 def _vivit_bytes(problem: str, n: int, mc: int) -> int:
     """Bytes of the ``[K, N, P]`` GGN square root ViViT materialises (float32)."""
     model, _, X, _ = build(problem, 1)
@@ -383,9 +337,16 @@ def bench(problem: str, n: int, mc: int, args: argparse.Namespace) -> dict:
             row[f"{c}_iters"] = runners[c].state["iters"]
             row[f"{c}_reldiff"] = float(f"{_rel_diff(results['eigvalsh'][-k:], results[c]):.2e}")
     if not args.no_memory:
+        peaks = {c: peak_memory(runners[c], device, runners[c].clear) for c in configs}
+        row["plain_peak_MiB"] = round(mib(peaks["plain"]), 1)
         for c in configs[1:]:
-            row[f"{c}_MiB"] = round(peak_memory(problem, c, n, mc, device), 1)
+            row[f"{c}_MiB"] = round(mib(peaks[c] - peaks["plain"]), 1)
+    del runners, results
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return row
+
 
 
 def main() -> None:
@@ -429,7 +390,11 @@ def main() -> None:
     parser.add_argument(
         "--retain-freed-memory",
         action="store_true",
-        help="call backprism.retain_freed_memory() first for the timings (memory runs: default)",
+        help="call backprism.retain_freed_memory() first (changes the timings, not the memory "
+        "figures, which count bytes allocated by tensors)",
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print one GitHub markdown table at the end"
     )
     args = parser.parse_args()
     if args.retain_freed_memory:
@@ -437,9 +402,11 @@ def main() -> None:
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(2)
     vivit = HAVE_VIVIT and not args.no_vivit
-    print(f"# spectral benchmark: {describe(args.device)}, vivit={vivit}", flush=True)
+    if not args.markdown:
+        print(f"# spectral benchmark: {describe(args.device)}, vivit={vivit}", flush=True)
     if args.quick:
         args.repeats = 1
+    rows = []
     for problem in args.problems:
         default_sizes = [32, 64] if problem == "cifar100_allcnnc" else [32, 64, 128]
         sizes = [8, 16] if args.quick else (args.sizes or default_sizes)
@@ -447,8 +414,64 @@ def main() -> None:
         for mc in mcs:
             for n in sizes:
                 row = bench(problem, n, mc, args)
-                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if not args.markdown:
+                    print(json.dumps(row), flush=True)
+    if args.markdown:
+        settings = (
+            f"repeats={args.repeats}, vivit={vivit}, "
+            f"retain_freed_memory={args.retain_freed_memory}"
+        )
+        _print_markdown(rows, settings, args.device)
 
+
+def _print_markdown(rows: list[dict], settings: str, device: str) -> None:
+    """One table row per (problem, N, GGN, configuration); the ÷ ViViT and rel. diff. columns
+    only where some row has a value."""
+    table = []
+    for row in rows:
+        ggn = "exact" if row["mc"] == 0 else f"MC-{row['mc']}"
+        what = [row["problem"], row["N"], ggn]
+        peak = row.get("plain_peak_MiB")
+        table.append(
+            [*what, "*plain step*", f"{row['plain_s']:.3f} s", "1.0x", mib_cell(peak, " peak"),
+             None, None]
+        )
+        configs = [k.removesuffix("_s") for k in row if k.endswith("_s") and k != "plain_s"]
+        for c in configs:
+            label = c
+            if f"{c}_iters" in row:
+                label += f" ({row[f'{c}_iters']} iterations)"
+            vs = row.get(f"{c}_vs_vivit")
+            table.append(
+                [*what, label, f"{row[f'{c}_s']:.3f} s", f"{row[f'{c}_x']:.1f}x",
+                 mib_cell(row.get(f"{c}_MiB")),
+                 f"{vs:.2f}" if vs is not None else None,
+                 f"{row[f'{c}_reldiff']:.0e}" if f"{c}_reldiff" in row else None]
+            )
+    headers = ["problem", "N", "GGN", "configuration", "time", "× plain", "+MiB"]
+    notes = [
+        "× plain: median time over the plain forward+backward's median",
+        "+MiB: the step's peak memory above its starting point minus the plain step's "
+        "(`measure.peak_memory`); the plain row gives its own peak in MiB",
+    ]
+    keep = [True] * 7
+    if any(r[7] is not None for r in table):
+        headers.append("÷ ViViT")
+        notes.append("÷ ViViT: our time over ViViT's for the same computation")
+    keep.append(headers[-1] == "÷ ViViT")
+    if any(r[8] is not None for r in table):
+        headers.append("rel. diff.")
+        notes.append(
+            "rel. diff.: largest eigenvalue difference from ours (ViViT, power iteration), "
+            "relative to the largest eigenvalue"
+        )
+    keep.append(headers[-1] == "rel. diff.")
+    if not HAVE_VIVIT:
+        notes.append("ViViT is not installed here: its side-by-side rows are left out")
+    table = [[cell for cell, k in zip(r, keep) if k] for r in table]
+    align = "lrll" + "r" * (len(headers) - 4)
+    print_markdown(headers, table, settings, device, align=align, notes=notes)
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,8 @@
 Every builder returns ``(model, lossfunc, X, y)`` with ``N`` samples on the CPU; nothing is
 extended here. ``build(name, n, device)`` builds one and moves it to ``device`` (built on the
 CPU first, so every device gets the same weights and data for a seed). The device helpers
-shared by the benchmark scripts (``sync``, ``cuda_step_peak``, ``describe``) live here too.
+shared by the benchmark scripts (``sync``, ``describe``) live here too; peak memory and the
+markdown output are in ``measure.py``.
 
 Importing this module makes ``backprism`` importable from the checkout (``../src``) when it is
 not installed (the same as running with ``PYTHONPATH=src``).
@@ -11,7 +12,6 @@ not installed (the same as running with ``PYTHONPATH=src``).
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 import sys
@@ -247,20 +247,6 @@ def sync(device: str | torch.device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def cuda_step_peak(run: Callable, device: str | torch.device, clear: Callable | None = None):
-    """Peak CUDA memory (bytes) allocated during one call of ``run`` above what was allocated
-    before it (after ``clear()``, which frees the previous call's results)."""
-    if clear is not None:
-        clear()
-    gc.collect()
-    sync(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    run()
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - before
 
 
 def describe(device: str | torch.device) -> str:
