@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from backprism.engine.rule import get_rule
@@ -212,7 +212,7 @@ def capture(
         training=module.training,
         versions=[(a, a._version) for a in arg_tensors],
         params=params,
-        input_edges=[get_gradient_edge(a) for a in arg_tensors if a.requires_grad],
+        input_edges=[_edge(a) for a in arg_tensors if a.requires_grad],
         dtype=_autocast_dtype(first),
         unrecorded=FORWARD.unrecorded > 0,
         live=live,
@@ -221,6 +221,16 @@ def capture(
         assumed_axis=axis is None,
     )
     return call if attach(call, outs) else None
+
+
+def _edge(a: Tensor) -> GradientEdge:
+    """``get_gradient_edge(a)`` without its Python overhead for the common case (an output of a
+    built-in autograd node; leaves and custom ``autograd.Function`` outputs take the full path,
+    which keeps the graph alive for the latter)."""
+    fn = a.grad_fn
+    if fn is not None and not isinstance(fn, torch._C._FunctionBase):
+        return GradientEdge(fn, a.output_nr)
+    return get_gradient_edge(a)
 
 
 def _moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
