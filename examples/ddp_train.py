@@ -10,6 +10,11 @@ reduces over the ranks by itself: ``variance`` and ``diag_ggn_mc`` are those of 
 batch's. With ``--accumulate K`` the first ``K - 1`` micro-batches run inside ``ddp.no_sync()``
 (no communication, local statistics if collected there) and the last one synchronises.
 
+With ``--monitor-log run/monitor.jsonl`` the backward pass runs inside backprism's training
+monitor (``configuration("economy")``) instead of a bare ``collect``: every logged value is
+that of the global batch, the same on every rank, and only rank 0 writes the log (``backprism
+plot run/monitor.jsonl`` then draws the global run). Each rank passes its own local ``info``.
+
 Data: scikit-learn's bundled 8x8 digits if scikit-learn is installed, else a synthetic
 10-class problem.
 """
@@ -29,6 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 import backprism
 from backprism.engine.distributed import describe
 from backprism.extensions import BatchL2Grad, DiagGGNMC, Variance
+from backprism.monitor import Monitor, configuration
 
 
 def load_data() -> TensorDataset:
@@ -51,6 +57,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="global batch size")
     ap.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument(
+        "--monitor-log",
+        metavar="LOG",
+        help="monitor the global batch into this log (written by rank 0; α assumes one "
+        "micro-batch per step)",
+    )
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -75,6 +87,10 @@ def main() -> None:
     lossfunc = backprism.extend(nn.CrossEntropyLoss())
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     params = [p for p in model.parameters() if p.requires_grad]
+    # every rank builds the monitor (after init_process_group); only rank 0 writes the log
+    monitor = None
+    if args.monitor_log:
+        monitor = Monitor(params, configuration("economy"), log_path=args.monitor_log)
 
     step = 0
     for epoch in range(args.epochs):
@@ -86,9 +102,18 @@ def main() -> None:
                 with ddp.no_sync():
                     (lossfunc(ddp(X), y) / args.accumulate).backward()
                 continue
-            loss = lossfunc(ddp(X), y) / args.accumulate
-            with backprism.collect(BatchL2Grad(), Variance(), DiagGGNMC()) as ctx:
-                loss.backward()
+            out = ddp(X)
+            loss = lossfunc(out, y) / args.accumulate
+            exts = (BatchL2Grad(), Variance(), DiagGGNMC())
+            if monitor is None:
+                with backprism.collect(*exts) as ctx:
+                    loss.backward()
+            else:  # this rank's local info; the monitor logs the global batch's values
+                losses = nn.functional.cross_entropy(out, y, reduction="none") / args.accumulate
+                info = {"loss": loss, "batch_size": len(X), "individual_losses": losses,
+                        "optimizer": opt}
+                with monitor(step, *exts, info=info):
+                    loss.backward(create_graph=monitor.create_graph(step))
             if step % 10 == 0:
                 # global statistics: the same numbers on every rank
                 variance = sum(p.variance.sum() for p in params)
@@ -106,11 +131,16 @@ def main() -> None:
                         f"|grad|^2 {grad_norm2.item():.2e}  tr Var {variance.item():.2e}  "
                         f"tr GGN {ggn_trace.item():.2e}  max |g_n|^2 {l2_max.item():.2e}"
                     )
-                if step == 0 and rank == 0:
+                if step == 0 and rank == 0 and monitor is None:
                     print("communicated per step:\n" + describe(ctx.communication))
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+    if monitor is not None:
+        monitor.close()
+        if monitor.writes_log:
+            log = args.monitor_log
+            print(f"monitor log: {log} (draw it: backprism plot {log} -o dashboard.png)")
     dist.destroy_process_group()
 
 

@@ -167,14 +167,6 @@ def _refuse_fsdp(roots: list[nn.Module]) -> None:
                 )
 
 
-def _monitor_owned(ctx: Any) -> bool:
-    """The collect of :class:`backprism.monitor.Monitor`: its quantities aggregate per-sample
-    results on the rank, so until they reduce across ranks (docs/distributed.md) they keep
-    consistent local values."""
-    owner = getattr(ctx.extension_hook, "__self__", None)
-    return owner is not None and type(owner).__module__.startswith("backprism.monitor")
-
-
 def _loss_reduction(bp: Any) -> str:
     reductions = {getattr(rec.module, "reduction", "mean") for rec in bp.loss_records}
     if len(reductions) > 1:
@@ -239,7 +231,7 @@ def setup(bp: Any) -> DistributedPass | None:
             raise ValueError(
                 f"collect(process_group=...) takes 'auto', None or a process group, got {mode!r}"
             )
-        if not ddps or not all(sync for _, sync in ddps) or _monitor_owned(ctx):
+        if not ddps or not all(sync for _, sync in ddps):
             return None
         groups = {id(d.process_group): d.process_group for d, _ in ddps}
         if len(groups) > 1:
@@ -274,14 +266,22 @@ class Communication:
         gradient_bytes: DDP's own gradient all-reduce payload for the same models (the
             gradients of their parameters that require grad), ``0`` without DDP.
         buckets: bytes of each bucket all-reduced.
+        seconds: wall time of the reduction after the local pass (exchange, buckets,
+            results).
+        group: the process group the pass reduced over.
+        batch: the pass's :class:`GlobalBatch` (this rank, every rank's local batch size, the
+            loss reduction), ``None`` if the pass failed before the size exchange. The monitor
+            combines its own statistics over ``group`` with it
+            (:mod:`backprism.monitor.distributed`).
     """
 
     bytes: dict[str, int] = field(default_factory=dict)
     collectives: int = 0
     gradient_bytes: int = 0
     buckets: list[int] = field(default_factory=list)
-    #: wall time of the reduction after the local pass (exchange, buckets, results), seconds
     seconds: float = 0.0
+    group: Any = None
+    batch: GlobalBatch | None = None
 
     @property
     def total(self) -> int:
@@ -330,7 +330,7 @@ class DistributedPass:
         self.ddp_params: set[int] = set()
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.device = torch.device("cpu")
-        self.comm = Communication()
+        self.comm = Communication(group=group)
 
     # -- during the pass -----------------------------------------------------------------------
     def start(self, bp: Any) -> None:
@@ -494,6 +494,7 @@ class DistributedPass:
                 "process_group=None for this rank's values"
             )
         batch = GlobalBatch(rank=rank, sizes=tuple(int(s) for s in sizes), reduction=self.reduction)
+        self.comm.batch = batch
         ddp_grad = all(oks) and len(set(sizes)) == 1
         return batch, ddp_grad
 

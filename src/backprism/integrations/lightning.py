@@ -173,6 +173,8 @@ class MonitorCallback(Callback):
         if self.monitor is None:
             return
         self.monitor.close()
+        if not self.monitor.writes_log:  # under DDP only rank 0 has the log
+            return
         if self.dashboard is not None:
             from backprism.plot import Dashboard
 

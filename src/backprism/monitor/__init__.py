@@ -10,8 +10,9 @@
 See :mod:`backprism.monitor.monitor` (merging, output keys, bad input, host transfers),
 :mod:`backprism.monitor.log` (the streamed log schema), :mod:`backprism.monitor.configuration`
 (default schedules, curvature modes and their cost), :mod:`backprism.monitor.cost`
-(``monitor.cost_estimate(model, X, y)``: the overhead on your model) and
-:mod:`backprism.monitor.syncs` (counting host synchronisations, also on a CPU).
+(``monitor.cost_estimate(model, X, y)``: the overhead on your model),
+:mod:`backprism.monitor.distributed` (under DDP: values of the global batch, rank 0 writes the
+log) and :mod:`backprism.monitor.syncs` (counting host synchronisations, also on a CPU).
 """
 
 from backprism.monitor import quantities, schedules

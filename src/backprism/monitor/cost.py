@@ -300,11 +300,11 @@ def cost_estimate(
             if per_quantity:
                 for q in qs:
                     tell()
-                    mon = Monitor(params, fresh([q], every=True))
+                    mon = Monitor(params, fresh([q], every=True), process_group=None)
                     per_q[q.key] = timed(mon, [0, 1], 1)
                     done += 1
                 tell()
-                mon = Monitor(params, fresh(qs, every=True))
+                mon = Monitor(params, fresh(qs, every=True), process_group=None)
                 together = timed(mon, [0, 1], 1)
                 done += 1
             patterns: list[tuple[int, list[str], float]] = []
@@ -314,7 +314,7 @@ def cost_estimate(
                     patterns.append((len(members), [], 1.0))
                     continue
                 tell()
-                mon = Monitor(params, fresh(qs, every=False))
+                mon = Monitor(params, fresh(qs, every=False), process_group=None)
                 seq = [s - 1, s] if s > 0 else [s]
                 keys = [qs[i].key for i in sorted(pat)]
                 patterns.append((len(members), keys, timed(mon, seq, s)))

@@ -60,6 +60,12 @@ dashboard draws; ``keep_history=True`` keeps all); the log has every value.
 model and prints the overhead per step and amortised over the schedules
 (:mod:`backprism.monitor.cost`).
 
+**Distributed data parallelism** (:mod:`backprism.monitor.distributed`). Under
+``DistributedDataParallel`` a step whose backward pass DDP synchronises is *global*: every value
+is the one-process value on the global batch (all ranks' samples), the same on every rank,
+from each rank's local ``info``; only rank 0 writes the log. ``no_sync()`` steps stay local;
+``process_group=`` chooses (``"auto"``, a group, ``None`` for local values).
+
 **Bad input.** A step with NaN/inf loss or gradients makes every quantity that depends on them
 record NaN, with one ``RuntimeWarning`` when the step's values are written; training
 continues. Per-sample quantities need a mean-reduced loss (``ValueError`` otherwise; checked
@@ -87,9 +93,17 @@ from torch import Tensor
 
 from backprism.engine.backward import current_pass
 from backprism.engine.collect import collect
-from backprism.extensions import BatchGrad, GradHist
+from backprism.extensions import BatchDotWith, BatchGrad, BatchL2Grad, BatchProjGrad, GradHist
 from backprism.extensions.base import Extension
 from backprism.monitor.deferred import Transfer
+from backprism.monitor.distributed import (
+    GlobalStep,
+    PassGradient,
+    RetainGraph,
+    check_process_group,
+    several_ranks,
+    writes_log,
+)
 from backprism.monitor.log import LogWriter, to_jsonable
 from backprism.monitor.quantities.base import (
     NUMERICAL_ERRORS,
@@ -105,6 +119,8 @@ from backprism.monitor.quantities.base import (
 __all__ = ["Monitor"]
 
 _NUMERICAL_ERRORS = NUMERICAL_ERRORS
+#: per-sample results whose ``[N_r]`` rows a global step gathers (``StepData.rows``)
+_ROW_EXTENSIONS = (BatchL2Grad, BatchProjGrad, BatchDotWith)
 
 
 def _fmt(v: Any) -> str:
@@ -153,6 +169,15 @@ class Monitor:
             overlapping its compute). Default: ``1`` for parameters on CUDA, else ``0``.
         keep_history: keep every per-step value in memory also while streaming a log
             (default: quantities with large values keep their first and latest only).
+        process_group: distributed data parallelism (:mod:`backprism.monitor.distributed`).
+            ``"auto"`` (default): a step whose backward pass runs through a model wrapped by
+            ``DistributedDataParallel`` that synchronises gradients is *global*, every value
+            that of one process on the global batch (all ranks' samples), the same on every
+            rank; steps inside ``no_sync()`` keep this rank's values. A process group: every
+            step is global over it (inside ``no_sync()`` too). ``None``: every rank monitors
+            its own batch. Unless ``None``, only rank 0 (of the group; of the default group
+            for ``"auto"``) writes the log (:meth:`stream`, :meth:`write`); construct the
+            monitor after ``torch.distributed.init_process_group``.
     """
 
     def __init__(
@@ -162,7 +187,9 @@ class Monitor:
         log_path: str | os.PathLike | None = None,
         write_lag: int | None = None,
         keep_history: bool | None = None,
+        process_group: Any = "auto",
     ) -> None:
+        self.process_group = check_process_group(process_group)
         self.params = list(params)
         if not self.params:
             raise ValueError("Monitor needs at least one parameter")
@@ -177,6 +204,8 @@ class Monitor:
             self.add(q)
         self._log_output: dict[str, dict[int, Any]] = defaultdict(dict)
         self._writer: LogWriter | None = None
+        #: a log is streamed (by this process, or by rank 0 under torch.distributed)
+        self._streaming = False
         if write_lag is not None and int(write_lag) < 0:
             raise ValueError(f"write_lag must be >= 0, got {write_lag!r}")
         self.write_lag = write_lag
@@ -202,11 +231,21 @@ class Monitor:
         """Output keys of the tracked quantities."""
         return [q.key for q in self.quantities]
 
+    @property
+    def writes_log(self) -> bool:
+        """Whether this process writes the log: rank 0 under ``torch.distributed`` (unless
+        ``process_group=None``), else always."""
+        return writes_log(self.process_group)
+
     def stream(self, path: str | os.PathLike, mode: str = "w", fsync: bool = False) -> None:
         """Stream the log to ``path`` (JSON Lines, one flushed line per tracked step; schema in
-        :mod:`backprism.monitor.log`). ``mode="a"`` appends to an existing log."""
+        :mod:`backprism.monitor.log`). ``mode="a"`` appends to an existing log. Under
+        ``torch.distributed`` only rank 0 writes (:attr:`writes_log`); the other ranks
+        open no file."""
         self.close()
-        self._writer = LogWriter(path, self.keys(), mode=mode, fsync=fsync)
+        self._streaming = True
+        if self.writes_log:
+            self._writer = LogWriter(path, self.keys(), mode=mode, fsync=fsync)
 
     def close(self) -> None:
         """Write the values still in flight and close the streamed log (if any)."""
@@ -214,6 +253,7 @@ class Monitor:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._streaming = False
 
     def flush(self) -> None:
         """Build the values still in flight (one transfer per step) and stream them."""
@@ -247,7 +287,12 @@ class Monitor:
 
     # -- per step ----------------------------------------------------------------------------
     def create_graph(self, global_step: int) -> bool:
-        """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
+        """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step.
+        Always ``False`` under ``torch.distributed`` with several ranks: DDP refuses
+        ``create_graph=True``; the monitor then differentiates ``info['loss']`` itself before
+        the backward pass (:mod:`backprism.monitor.distributed`)."""
+        if several_ranks(self.process_group):
+            return False
         return any(q.create_graph(global_step) for q in self.quantities)
 
     def __call__(
@@ -305,7 +350,11 @@ class Monitor:
         return out
 
     def write(self, path: str | os.PathLike) -> None:
-        """Write :meth:`get_output` to ``path`` as JSON (steps as string keys, NaN → null)."""
+        """Write :meth:`get_output` to ``path`` as JSON (steps as string keys, NaN → null); on
+        rank 0 only under ``torch.distributed`` (:attr:`writes_log`)."""
+        if not self.writes_log:
+            self.flush()
+            return
         path = os.fspath(path)
         folder = os.path.dirname(path)
         if folder:
@@ -323,10 +372,11 @@ class Monitor:
         for q in self.quantities:
             for suffix, step, value in q.take_fresh():
                 by_step[step][q.key + suffix] = value
-        if self._writer is None:
+        if not self._streaming:
             return
-        for step in sorted(by_step):
-            self._writer.step(step, by_step[step])
+        if self._writer is not None:
+            for step in sorted(by_step):
+                self._writer.step(step, by_step[step])
         if not self.keep_history:
             for q in self.quantities:
                 q.trim_history()
@@ -418,6 +468,8 @@ class _StepContext:
         self.param_ids = {id(p) for p in monitor.params}
         self.needs_mean = False
         self.checked_reduction = False
+        self.exts: list[Extension] = []
+        self.retain: RetainGraph | None = None
 
     # -- entering ----------------------------------------------------------------------------
     def __enter__(self) -> _StepContext:
@@ -439,17 +491,55 @@ class _StepContext:
         self.needs_mean = bool(per_sample) or bool(self.transforms)
         if self.needs_mean:
             self._check_mean_from_info(per_sample)
+        if active_q and several_ranks(self.monitor.process_group):
+            # the gradient of the pass: the global batch's in a global step, this rank's
+            # (not DDP's average) with process_group=None
+            requests.append(PassGradient())
         exts = self._merge(requests)
+        self.exts = exts
         if self.transforms:
             self.batch_field = data.fields[extension_key(BatchGrad())]
             for p in self.monitor.params:  # no stale per-sample gradients from earlier steps
                 if hasattr(p, self.batch_field):
                     delattr(p, self.batch_field)
+        if several_ranks(self.monitor.process_group) and any(
+            q.create_graph(step) for q in active_q
+        ):
+            self._graph_grads()
+            self.retain = RetainGraph()
+            self.retain.__enter__()
         if exts:
             # the graph is created for Hessian-vector products, never to differentiate results
-            self.ctx = collect(*exts, extension_hook=self._hook, differentiable=False)
-            self.ctx.__enter__()
+            self.ctx = collect(
+                *exts,
+                extension_hook=self._hook,
+                differentiable=False,
+                process_group=self.monitor.process_group,
+            )
+            try:
+                self.ctx.__enter__()
+            except BaseException:
+                if self.retain is not None:
+                    self.retain.__exit__(None, None, None)
+                    self.retain = None
+                raise
         return self
+
+    def _graph_grads(self) -> None:
+        """Under torch.distributed: the gradient of this rank's ``info['loss']`` with its graph,
+        before the backward pass, for Hessian-vector products (DDP refuses
+        ``backward(create_graph=True)``; this keeps the graph for the backward pass)."""
+        loss = self.info.get("loss")
+        names = [q.key for q in self.monitor.quantities if q.create_graph(self.step)]
+        if not isinstance(loss, Tensor) or not loss.requires_grad:
+            raise RuntimeError(
+                f"backprism.monitor: {', '.join(names)} need info['loss'] as the tensor the "
+                "backward pass starts from (with its graph)"
+            )
+        grads = torch.autograd.grad(
+            loss, self.monitor.params, create_graph=True, allow_unused=True
+        )
+        self.data.graph_grads = list(grads)
 
     def _merge(self, requests: list[Extension]) -> list[Extension]:
         fields = self.data.fields
@@ -570,8 +660,13 @@ class _StepContext:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
-            if self.ctx is not None:
-                self.ctx.__exit__(exc_type, exc, tb)
+            try:
+                if self.ctx is not None:
+                    self.ctx.__exit__(exc_type, exc, tb)
+            finally:
+                if self.retain is not None:
+                    self.retain.__exit__(None, None, None)
+                    self.retain = None
         except BaseException:
             self._free()
             raise
@@ -609,7 +704,7 @@ class _StepContext:
         ref = self.monitor.params[0]
         wide = torch.float32 if ref.device.type == "mps" else torch.float64
         parts: list[Tensor] = []
-        loss = self.info.get("loss")
+        loss = self.info.get("loss") if self.data.global_loss is None else self.data.global_loss
         if isinstance(loss, Tensor):
             parts.append(loss.detach().reshape(-1)[:1].to(ref.device, wide))
         norms = [n for n in grad_norms(self.data) if n is not None]
@@ -618,11 +713,55 @@ class _StepContext:
             return torch.ones((), dtype=torch.bool, device=ref.device)
         return torch.isfinite(torch.cat(parts)).all()
 
+    def _globalize(self) -> None:
+        """A global step (the backward pass was distributed): the global batch's gradient,
+        loss, individual losses and per-sample rows for the quantities, in one all-reduce
+        (:mod:`backprism.monitor.distributed`)."""
+        data, params = self.data, self.monitor.params
+        field = data.fields.get(extension_key(PassGradient()))
+        comm = getattr(self.ctx, "communication", None)
+        if comm is None or comm.batch is None:
+            if field is not None and self.monitor.process_group is None:
+                data.pass_grads = [getattr(p, field, None) for p in params]
+            return
+        glob = GlobalStep(comm.group, comm.batch, data.device)
+        data.dist = glob
+        if field is not None:
+            data.pass_grads = [getattr(p, field, None) for p in params]
+        sums: list[Tensor] = []
+        loss = self.info.get("loss")
+        if loss is not None:
+            loss_t = torch.as_tensor(loss).detach().to(data.device, torch.float64).reshape(())
+            sums.append(loss_t * glob.loss_weight)
+        rows: list[Tensor] = []
+        fields: list[str] = []
+        for e in self.exts:
+            f = e.savefield
+            present = all(hasattr(p, f) for p in params)
+            if isinstance(e, _ROW_EXTENSIONS) and f not in fields and present:
+                fields.append(f)
+                rows += [getattr(p, f) for p in params]
+        losses = self.info.get("individual_losses")
+        active = [q for q in self.monitor.quantities if q.should_compute(self.step)]
+        gather_losses = isinstance(losses, Tensor) and any(
+            "individual_losses" in q.info_keys(self.step) for q in active
+        )
+        if gather_losses:
+            rows.append(losses)  # type: ignore[arg-type]
+        got_sums, got_rows = glob.reduce(sums, rows)
+        if loss is not None:
+            data.global_loss = got_sums[0]
+        for i, f in enumerate(fields):
+            data.global_rows[f] = got_rows[i * len(params) : (i + 1) * len(params)]
+        if gather_losses:
+            data.global_losses = got_rows[-1]
+
     def _track(self) -> None:
         step, data = self.step, self.data
         for p in self.monitor.params:  # parameters whose module hook did not run
             if self.batch_field is not None:
                 self._transform(p)
+        self._globalize()
         active = [q for q in self.monitor.quantities if q.should_compute(step)]
         data.finite_t = self._finite() if active else None
         flags = [] if data.finite_t is None else [data.finite_t]

@@ -24,6 +24,10 @@ Their :meth:`twin` is the diagonal whose sum they equal (``DiagGGNExact``, ``Dia
 ``DiagHessian``): the monitor reads the trace from that diagonal when it is computed in the
 same pass anyway. Exact and MC traces share the backpropagated columns with the diagonals of
 the same kind (the engine pushes each column kind once per pass).
+
+Under distributed data parallelism they are sums over the samples of degree 1 in the loss
+weights, reduced like ``diag_h``: ``Σ_r ρ_r · local`` (the global batch's trace on every rank;
+the MC trace samples its labels on each rank, an estimate of the same global trace).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from torch import Tensor
 from backprism.engine.residual import check_linear_in_params
 from backprism.engine.rule import Call, Rule
 from backprism.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
-from backprism.extensions.base import Extension, SecondOrderExtension
+from backprism.extensions.base import Extension, SecondOrderExtension, SummedOverSamples
 from backprism.extensions.hessian import check_shared
 
 __all__ = ["GGNTrace", "HessianTrace"]
@@ -65,7 +69,7 @@ def _dense_trace(dense: Tensor, weights: Tensor | None) -> Tensor:
     return sq.sum()
 
 
-class GGNTrace(SecondOrderExtension):
+class GGNTrace(SummedOverSamples, SecondOrderExtension):
     """Per-parameter GGN trace ``Σ_{k,n} ‖V[k, n]_p‖²`` (0-dim), exact or with ``mc_samples``
     sampled labels (see the module doc).
 
@@ -95,7 +99,7 @@ class GGNTrace(SecondOrderExtension):
         return _dense_trace(dense, weights)
 
 
-class HessianTrace(SecondOrderExtension):
+class HessianTrace(SummedOverSamples, SecondOrderExtension):
     """Per-parameter trace of the exact Hessian (0-dim): the GGN trace plus the signed residual
     terms of elementwise nonlinearities; the sum of ``DiagHessian``'s ``diag_h``, with its
     checks (refused where ``DiagHessian`` is)."""

@@ -30,6 +30,12 @@ Two ways to get ``πₙ`` (Cockpit's), neither materialising per-sample gradient
   ``θ_start``; at the end, ``d = θ_end − θ_start`` is known before the backward pass, the end
   projections come from ``BatchDotWith(d)`` and the start ones from the kept gradients.
 
+Under distributed data parallelism (a global step, :mod:`backprism.monitor.distributed`) the
+losses, the projections and their variances are the global batch's (every rank's rows
+gathered), ``g`` its gradient. The fast path then assumes the update ``−lr·g``; with unequal
+local batch sizes DDP's ``.grad`` is not ``g`` and the fast path warns once. Start and end
+steps must both be global or both local (otherwise no value is recorded, with a warning).
+
 Everything up to the four observations and their variances is computed on the device; the
 3×3 weighted least-squares fit (and its warnings) runs on the host when the step's values are
 written (:class:`~backprism.monitor.deferred.Pending`), so no value is read during the step.
@@ -52,10 +58,12 @@ from backprism.monitor.quantities.optim import is_sgd_default_kwargs, lr_of
 __all__ = ["Alpha", "fit_quadratic", "get_alpha"]
 
 
-def _proj(grad_batch: Tensor, d: Tensor) -> Tensor:
-    """``[N]``: ``N · grad_batch[n]ᵀ d`` (individual gradients ``gₙ = N·grad_batch[n]``)."""
-    n = grad_batch.shape[0]
-    return n * (grad_batch.detach().reshape(n, -1) @ d.reshape(-1).to(grad_batch.dtype))
+def _proj(grad_batch: Tensor, d: Tensor, n: int | None = None) -> Tensor:
+    """``[N_rows]``: ``N · grad_batch[n]ᵀ d`` (individual gradients ``gₙ = N·grad_batch[n]``;
+    ``N`` the batch size, by default the number of rows)."""
+    rows = grad_batch.shape[0]
+    n = rows if n is None else n
+    return n * (grad_batch.detach().reshape(rows, -1) @ d.reshape(-1).to(grad_batch.dtype))
 
 
 class Alpha(TwoStepQuantity):
@@ -187,11 +195,27 @@ class Alpha(TwoStepQuantity):
 
     def _save_0th_order(self, step: int, data: StepData, point: str, until: int) -> None:
         block = self._block(step, until)
-        loss = data.get("loss", self)
+        loss = data.loss_of(self)
         loss = torch.as_tensor(loss).detach().double().reshape(())
         self.save_to_cache(step, f"f_{point}", loss, block)
-        losses = torch.as_tensor(data.get("individual_losses", self)).detach().double()
+        losses = torch.as_tensor(data.individual_losses_of(self)).detach().double()
         self.save_to_cache(step, f"var_f_{point}", losses.var(), block)
+
+    def _warn_unequal(self, data: StepData) -> None:
+        """The fast path under DDP with unequal local batch sizes: warned once."""
+        if data.dist is None or data.dist.same_sizes or getattr(self, "_warned_unequal", False):
+            return
+        self._warned_unequal = True
+        warnings.warn(
+            f"{self.key}: the SGD fast path takes the update to be −lr·g with g the global "
+            f"batch's gradient, but the local batch sizes differ {data.dist.batch.sizes}, and "
+            "then DDP's .grad, which SGD steps along, is not that gradient (it weights rank r's "
+            "samples 1/(R·N_r) instead of 1/N; docs/distributed.md). α then mixes two "
+            "directions; use equal local batch sizes for α (DistributedSampler gives every "
+            "rank the same number of samples)",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
     def _compute_start(self, global_step: int, data: StepData) -> None:
         plan = self._plan(global_step, data)
@@ -200,12 +224,17 @@ class Alpha(TwoStepQuantity):
         self._save_0th_order(global_step, data, "start", until)
         self.save_to_cache(global_step, "mode", plan["mode"], block)
         self.save_to_cache(global_step, "finite", data.finite_t, block)
+        self.save_to_cache(global_step, "dist", data.dist, block)
         if plan["mode"] == "fast":
             # gₙᵀd = −lr (N grad_batch[n])ᵀ Σₘ grad_batch[m] = −lr N Σₘ batch_dot[n, m]
             lrs = lr_of(data.get("optimizer", self))
-            n = int(data.get("batch_size", self))
-            rows = data.fetch(BatchProjGrad())  # Σₘ batch_dot[n, m] per parameter
-            dirs = {id(p): -lrs[id(p)] * p.grad.detach().clone() for p in data.params}
+            n = data.batch_size_of(self)
+            rows = data.rows(BatchProjGrad())  # Σₘ batch_dot[n, m] per parameter
+            self._warn_unequal(data)
+            dirs = {
+                id(p): -lrs[id(p)] * g.clone()  # type: ignore[union-attr]
+                for p, g in zip(data.params, data.grads)
+            }
             dots = torch.stack(
                 [-lrs[id(p)] * n * r.to(rows[0].device, torch.float64)
                  for p, r in zip(data.params, rows)]
@@ -220,23 +249,36 @@ class Alpha(TwoStepQuantity):
 
     def _compute_end(self, global_step: int, data: StepData) -> Pending | None:
         start = global_step - self.SAVE_SHIFT
+        start_dist = self.load_from_cache(start, "dist")
+        if (start_dist is None) != (data.dist is None):
+            warnings.warn(
+                f"{self.key}: step {start} and step {global_step} are not both global (the "
+                "backward pass of one was distributed, of the other not, e.g. inside "
+                "DDP's no_sync()); no value is recorded for this pair",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
         self._save_0th_order(global_step, data, "end", global_step)
         mode = self.load_from_cache(start, "mode")
         plan = self._plan(global_step, data)
         ext = self._end_ext(global_step, plan)
         dirs = plan["dirs"]
-        n = int(data.get("batch_size", self))
+        n = data.batch_size_of(self)
         dev = data.device
-        dots_end = torch.stack([n * r.to(dev, torch.float64) for r in data.fetch(ext)]).sum(0)
+        dots_end = torch.stack([n * r.to(dev, torch.float64) for r in data.rows(ext)]).sum(0)
         norms = torch._foreach_norm([dirs[id(p)] for p in data.params], 2)
         sq = torch.stack([n.to(dev, torch.float64) for n in norms]).square().sum()
         if mode == "fast":
             dots_start = self.load_from_cache(start, "dots_start")
         else:
             kept = self.load_from_cache(start, "grad_batch")
+            n0 = None if start_dist is None else start_dist.n
             dots_start = torch.stack(
-                [_proj(kept[id(p)], dirs[id(p)]).to(dev, torch.float64) for p in data.params]
+                [_proj(kept[id(p)], dirs[id(p)], n0).to(dev, torch.float64) for p in data.params]
             ).sum(0)
+            if start_dist is not None:  # the start step's rows of all ranks
+                dots_start = start_dist.reduce([], [dots_start])[1][0]
         t = sq.sqrt()
         moving = t > 0
         scale = torch.where(moving, 1 / torch.where(moving, t, 1), 0)

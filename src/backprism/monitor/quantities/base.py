@@ -77,6 +77,11 @@ class StepData:
         finite_t: 0-dim boolean device tensor, whether the loss and all gradients of the step
             are finite (set by the monitor after the backward pass; never read on the host
             during the step).
+        dist: the :class:`~backprism.monitor.distributed.GlobalStep` of a global step (the
+            backward pass was distributed, :mod:`backprism.monitor.distributed`), else
+            ``None``. Quantities read the global batch's values through :attr:`grads`,
+            :meth:`rows`, :meth:`loss_of`, :meth:`individual_losses_of` and
+            :meth:`batch_size_of`, which give this process's values in a local step.
     """
 
     def __init__(self, step: int, params: list[Tensor], info: dict[str, Any]) -> None:
@@ -87,6 +92,18 @@ class StepData:
         self.transformed: dict[str, dict[str, dict[int, Any]]] = {}
         self.cache: dict[str, Any] = {}
         self.finite_t: Tensor | None = None
+        self.dist: Any = None
+        #: global step: the global batch's gradient per parameter (``None``: use ``.grad``)
+        self.pass_grads: list[Tensor | None] | None = None
+        #: global step: ``L = Σ_r ρ_r L_r`` (float64, 0-dim) if ``info`` has a loss
+        self.global_loss: Tensor | None = None
+        #: global step: ``info['individual_losses']`` of all ranks, ``[N, …]`` float64
+        self.global_losses: Tensor | None = None
+        #: global step: savefield -> per-parameter ``[N]`` rows of all ranks (float64)
+        self.global_rows: dict[str, list[Tensor]] = {}
+        #: under torch.distributed: the gradient of this rank's loss with its graph, taken
+        #: before the backward pass (DDP refuses ``create_graph=True``), for HessMaxEV
+        self.graph_grads: list[Tensor | None] | None = None
 
     @property
     def finite(self) -> bool:
@@ -108,6 +125,46 @@ class StepData:
     @property
     def loss(self) -> Tensor:
         return self.info["loss"]
+
+    # -- values of the global batch in a global step, this process's otherwise --------------
+    @property
+    def grads(self) -> list[Tensor | None]:
+        """The gradient per monitored parameter (``None`` without one): ``p.grad``, or in a
+        global step the global batch's gradient of the pass."""
+        out: list[Tensor | None] = []
+        for i, p in enumerate(self.params):
+            g = None if self.pass_grads is None else self.pass_grads[i]
+            if g is None and p.grad is not None:
+                g = p.grad.detach()
+            out.append(g)
+        return out
+
+    def rows(self, ext: Extension) -> list[Tensor]:
+        """Per-sample rows ``[N]`` per parameter of a row extension (``BatchL2Grad``,
+        ``BatchProjGrad``, ``BatchDotWith``) in float64 on :attr:`device`: this process's, or
+        in a global step the global batch's (all ranks' rows, in rank order)."""
+        field = self.fields[extension_key(ext)]
+        got = self.global_rows.get(field)
+        if got is not None:
+            return got
+        return [t.to(self.device, torch.float64) for t in self.fetch(ext)]
+
+    def loss_of(self, quantity: Quantity) -> Any:
+        """``info['loss']`` (``KeyError`` naming ``quantity`` if missing), or in a global step
+        the global batch's loss ``Σ_r ρ_r L_r`` (a float64 0-dim tensor)."""
+        loss = self.get("loss", quantity)
+        return loss if self.global_loss is None else self.global_loss
+
+    def individual_losses_of(self, quantity: Quantity) -> Any:
+        """``info['individual_losses']``, or in a global step all ranks' (``[N, …]``)."""
+        losses = self.get("individual_losses", quantity)
+        return losses if self.global_losses is None else self.global_losses
+
+    def batch_size_of(self, quantity: Quantity) -> int:
+        """``int(info['batch_size'])``, or in a global step the global batch size
+        ``N = Σ_r N_r`` (each rank passes its own ``N_r``)."""
+        n = int(self.get("batch_size", quantity))
+        return n if self.dist is None else int(self.dist.n)
 
     def fetch(self, ext: Extension, params: list[Tensor] | None = None) -> list[Tensor]:
         """The engine results of ``ext`` for ``params`` (default: all monitored parameters)."""
@@ -378,14 +435,14 @@ class TwoStepQuantity(Quantity):
 
 
 def grad_norms(data: StepData) -> list[Tensor | None]:
-    """``‖∇_{θ_p} L‖₂`` per monitored parameter (``None`` without gradient), one fused
-    reduction per step shared by the finiteness flag, GradNorm and the gradient tests."""
+    """``‖∇_{θ_p} L‖₂`` per monitored parameter (``None`` without gradient; the global batch's
+    gradient in a global step, :attr:`StepData.grads`), one fused reduction per step shared by
+    the finiteness flag, GradNorm and the gradient tests."""
     if "grad_norms" not in data.cache:
-        present = [p.grad.detach() for p in data.params if p.grad is not None]
+        grads = data.grads
+        present = [g for g in grads if g is not None]
         it = iter(torch._foreach_norm(present, 2) if present else [])
-        data.cache["grad_norms"] = [
-            None if p.grad is None else next(it) for p in data.params
-        ]
+        data.cache["grad_norms"] = [None if g is None else next(it) for g in grads]
     return data.cache["grad_norms"]
 
 

@@ -45,7 +45,7 @@ class Loss(ByproductQuantity):
         return {"loss"} if self.should_compute(global_step) else set()
 
     def _compute(self, global_step: int, data: StepData) -> Pending:
-        loss = data.get("loss", self)
+        loss = data.loss_of(self)
         if not isinstance(loss, Tensor):
             return Pending.ready(float(loss))
         return Pending.scalar(loss.detach().reshape(()))

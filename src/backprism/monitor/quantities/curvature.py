@@ -193,7 +193,7 @@ class TICDiag(_TIC):
     def _compute(self, global_step: int, data: StepData) -> Pending:
         sgs = flat_cat(data.fetch(SumGradSquared())).double()
         curv = flat_cat(data.fetch(curvature_extension(self._curvature))).double()
-        n = int(data.get("batch_size", self))
+        n = data.batch_size_of(self)
         return Pending.scalar((n * sgs / (curv + self._epsilon)).sum())
 
 
@@ -212,7 +212,7 @@ class TICTrace(_TIC):
         return [BatchL2Grad(), trace_extension(self._curvature)]
 
     def _compute(self, global_step: int, data: StepData) -> Pending:
-        second = _traces(data.fetch(BatchL2Grad())).sum()
+        second = _traces(data.rows(BatchL2Grad())).sum()
         trace = _traces(data.fetch(trace_extension(self._curvature))).sum()
-        n = int(data.get("batch_size", self))
+        n = data.batch_size_of(self)
         return Pending.scalar(n * second / (trace + self._epsilon))

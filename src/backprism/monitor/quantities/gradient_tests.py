@@ -28,7 +28,9 @@ projections onto the mini-batch gradient are row sums of ``batch_dot``:
       Σₙ‖gₙ − (πₙ/‖g‖²) g‖² = N² Σₙ batch_l2[n] − Σₙ πₙ²/‖g‖²,  batch_l2 = diag(batch_dot).
 
 All three return a float (Cockpit's output format), computed on the device in float64 and
-moved to the host with the other values of the step. They need a mean-reduced loss.
+moved to the host with the other values of the step. They need a mean-reduced loss. In a global
+step under distributed data parallelism (:mod:`backprism.monitor.distributed`) ``N`` and the
+rows are the global batch's (every rank's rows, gathered) and ``g`` its gradient.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class NormTest(SingleStepQuantity):
         return [BatchL2Grad()] if self.should_compute(global_step) else []
 
     def _compute(self, global_step: int, data: StepData) -> Pending:
-        batch_l2 = _total(data.fetch(BatchL2Grad()))
+        batch_l2 = _total(data.rows(BatchL2Grad()))
         n = batch_l2.numel()
         g2 = grad_l2_squared(data)
         var_l1 = (n**2 * batch_l2.sum() - n * g2) / (n - 1)
@@ -80,7 +82,7 @@ def _total(tensors: list[Tensor]) -> Tensor:
 
 def _projections(data: StepData) -> Tensor:
     """The projections ``πₙ = gₙᵀg = N Σₘ batch_dot[n, m]`` (summed over parameters)."""
-    rows = _total(data.fetch(BatchProjGrad()))
+    rows = _total(data.rows(BatchProjGrad()))
     return rows.shape[0] * rows
 
 
@@ -112,6 +114,6 @@ class OrthoTest(SingleStepQuantity):
         proj = _projections(data)
         n = proj.shape[0]
         g2 = grad_l2_squared(data)
-        l2 = _total(data.fetch(BatchL2Grad())).sum()
+        l2 = _total(data.rows(BatchL2Grad())).sum()
         var = (n**2 * l2 - (proj.square() / g2).sum()) / (n - 1)
         return Pending.scalar((var / n / g2).sqrt())

@@ -16,6 +16,18 @@ exact Ritz value and the residual test are evaluated when the value reaches the 
 ``RuntimeWarning`` if the residual is above ``rtol·|θ|`` (raise ``iterations``). An integer
 ``check_every = k`` evaluates the test every ``k`` products instead (one host read each).
 
+**Distributed data parallelism** (a global step, :mod:`backprism.monitor.distributed`): the
+Hessian is the global batch's, ``H = Σ_r ρ_r H_r`` (``ρ_r = N_r/N`` for a mean loss), so every
+product is this rank's product with the Hessian of its local loss, all-reduced with weight
+``ρ_r`` (one all-reduce of ``D`` numbers per product), and the random start vector is rank 0's
+(broadcast). Every rank then runs the same iteration on the same numbers, so the convergence
+test stops all ranks at the same product. DDP refuses ``backward(create_graph=True)``, so under
+``torch.distributed`` with several ranks ``monitor.create_graph(step)`` is ``False`` and the
+monitor takes the gradient of this rank's ``info['loss']`` with its graph on entering the step,
+before the backward pass (``autograd.grad(..., create_graph=True)``, which keeps the graph for
+the backward pass; it costs what the ``create_graph`` backward would). A step inside
+``no_sync()`` uses this rank's Hessian.
+
 Cost per tracked step: the ``create_graph`` backward plus one Hessian-vector product (about two
 backward passes) per Lanczos iteration; warm-started steps typically need 4–8 iterations at
 ``rtol = 1e-3`` (the first ~25). Memory: the Lanczos basis, ``iterations × D`` numbers of the
@@ -106,25 +118,35 @@ class HessMaxEV(SingleStepQuantity):
 
     def _compute(self, global_step: int, data: StepData) -> Pending:
         params = data.params
-        grads = self._grads(data)
+        glob = data.dist
+        grads = self._grads(data) if data.graph_grads is None else data.graph_grads
+        used = [(g, p) for g, p in zip(grads, params) if g is not None]
         sizes = [p.numel() for p in params]
         ref = params[0]
 
         def hvp(v: Tensor) -> Tensor:
-            vs = [c.view_as(p) for c, p in zip(v.split(sizes), params)]
+            vs = {id(p): c.view_as(p) for c, p in zip(v.split(sizes), params)}
             with explain_double_backward(self.key):
                 hv = torch.autograd.grad(
-                    grads, params, grad_outputs=vs, retain_graph=True, allow_unused=True
+                    [g for g, _ in used],
+                    params,
+                    grad_outputs=[vs[id(p)] for _, p in used],
+                    retain_graph=True,
+                    allow_unused=True,
                 )
-            return torch.cat(
+            out = torch.cat(
                 [
                     (h if h is not None else torch.zeros_like(p)).reshape(-1).detach()
                     for h, p in zip(hv, params)
                 ]
             )
+            # a global step: the global batch's Hessian, Σ_r ρ_r H_r v
+            return out if glob is None else glob.loss_sum(out)
 
         dim = sum(sizes)
         rand = torch.randn(dim, dtype=ref.dtype, device=ref.device)
+        if glob is not None:  # every rank iterates from the same vector
+            rand = glob.broadcast(rand)
         v0 = rand / rand.norm()
         warm = self._warm_start and self._vector is not None and self._vector.numel() == dim
         if warm:

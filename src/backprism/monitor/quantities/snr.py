@@ -12,7 +12,9 @@ With ``gₙ = ∇ℓₙ``, ``g = (1/N)Σₙgₙ`` (mean reduction) and the engin
   ``σ² = (N²·sum_grad_squared − N g²)/(N − 1)``, the criterion
   ``1 − N · mean_i(g_i² / (σ_i² + ε))``, ``ε = 1e-5``; stop training when it is ``> 0``.
 
-Computed on the device in float64, moved to the host with the other values of the step.
+Computed on the device in float64, moved to the host with the other values of the step (in a
+global step under distributed data parallelism with the global batch's ``N``, gradient and
+loss, :mod:`backprism.monitor.distributed`).
 CABS and EarlyStopping are only defined for SGD without momentum/weight decay (``ValueError``
 otherwise, as in Cockpit); they need ``info['optimizer']`` and ``info['batch_size']``.
 """
@@ -42,9 +44,16 @@ class _SGS(SingleStepQuantity):
         return [SumGradSquared()] if self.should_compute(global_step) else []
 
     def _stats(self, data: StepData) -> tuple[Any, Any, int]:
-        grad = flat_cat([p.grad.detach() for p in data.params]).double()
+        grads = data.grads
+        for p, g in zip(data.params, grads):
+            if g is None:
+                raise RuntimeError(
+                    f"{self.key}: a monitored parameter of shape {tuple(p.shape)} has no .grad "
+                    "after the backward pass; is it used in the forward pass?"
+                )
+        grad = flat_cat(grads).double()  # type: ignore[arg-type]
         sgs = flat_cat(data.fetch(SumGradSquared())).double()
-        return grad, sgs, int(data.get("batch_size", self))
+        return grad, sgs, data.batch_size_of(self)
 
 
 class _SGSEpsilon(_SGS):
@@ -90,7 +99,7 @@ class CABS(_SGS):
         _check_sgd(optimizer)
         lr = single_lr(optimizer)
         grad, sgs, n = self._stats(data)
-        loss = data.get("loss", self)
+        loss = data.loss_of(self)
         loss = loss.detach().double() if hasattr(loss, "detach") else float(loss)
         value = lr * (n**2 * sgs - n * grad.square()).sum() / (n * loss)
         return Pending([value], lambda a: {"cabs": float(a[0])})
