@@ -95,7 +95,8 @@ def mib_cell(value: float | None, suffix: str = "") -> str | None:
     return f"{round(value)}{suffix}"
 
 
-def _cuda_peak(run, device: torch.device, clear, warmup: int) -> int:
+def _warm_then_clear(run, clear, warmup: int) -> None:
+    """``warmup`` unmeasured calls (each after ``clear``), then ``clear`` and a collection."""
     for _ in range(warmup):
         if clear is not None:
             clear()
@@ -103,6 +104,10 @@ def _cuda_peak(run, device: torch.device, clear, warmup: int) -> int:
     if clear is not None:
         clear()
     gc.collect()
+
+
+def _cuda_peak(run, device: torch.device, clear, warmup: int) -> int:
+    _warm_then_clear(run, clear, warmup)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -118,13 +123,7 @@ def _cpu_peak(run, clear, warmup: int) -> int:
         _profiler_stderr_filtered(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
-        for _ in range(warmup):
-            if clear is not None:
-                clear()
-            run()
-        if clear is not None:
-            clear()
-        gc.collect()
+        _warm_then_clear(run, clear, warmup)
         with record_function(_MARK):
             run()
     events = prof.profiler.kineto_results.events()
