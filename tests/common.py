@@ -840,3 +840,35 @@ def individual_grads(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> torc
             g = torch.autograd.grad(lossf(model(X[n : n + 1]), y[n : n + 1]), params)
             rows.append(torch.cat([t.reshape(-1) for t in g]).detach())
     return torch.stack(rows)
+
+
+# -- distributed tests (gloo processes spawned by a test) ---------------------------------------
+class TanhResidual(nn.Module):
+    """Linear layers with tanh and a skip connection (Hessian residual terms, glue code)."""
+
+    def __init__(self, d: int = 5, h: int = 6, c: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.block = nn.Linear(h, h)
+        self.out = nn.Linear(h, c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + torch.tanh(self.block(h))
+        return self.out(h)
+
+
+def init_gloo(rank: int, world: int, rendezvous: str) -> None:
+    """Join a gloo process group through the rendezvous file ``rendezvous`` (one CPU thread)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
-from datetime import timedelta
 
 import pytest
 import torch
@@ -55,6 +54,7 @@ from backprism.extensions import (  # noqa: E402
     SumGradSquared,
     Variance,
 )
+from tests.common import TanhResidual, init_gloo  # noqa: E402
 
 RTOL, ATOL = 1e-6, 1e-12
 
@@ -86,33 +86,8 @@ def _spawn(fn, world: int, *args) -> None:
         )
 
 
-def _init(rank: int, world: int, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{path}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-
 
 # -- models and data ----------------------------------------------------------------------------
-class Residual(nn.Module):
-    """Linear layers with tanh and a skip connection (Hessian residual terms, glue code)."""
-
-    def __init__(self, d: int = 5, h: int = 6, c: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d, h)
-        self.block = nn.Linear(h, h)
-        self.out = nn.Linear(h, c)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = h + torch.tanh(self.block(h))
-        return self.out(h)
-
-
 class Shared(nn.Module):
     """One Linear layer used twice (the engine's dense path for shared parameters)."""
 
@@ -133,7 +108,7 @@ def _shared():
 
 
 def _residual():
-    return Residual().double(), torch.randn(32, 5, dtype=torch.float64)
+    return TanhResidual().double(), torch.randn(32, 5, dtype=torch.float64)
 
 
 def _conv():
@@ -447,7 +422,7 @@ def _check_refusals(rank: int, sizes: list[int]) -> None:
 
 # -- workers ------------------------------------------------------------------------------------
 def _two_ranks(rank: int, world: int, path: str) -> None:
-    _init(rank, world, path)
+    init_gloo(rank, world, path)
     try:
         for sizes in ([4, 4], [3, 5]):
             _check_all(rank, world, "residual", sizes, FIRST + SECOND)
@@ -469,7 +444,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
 
 
 def _three_ranks(rank: int, world: int, path: str) -> None:
-    _init(rank, world, path)
+    init_gloo(rank, world, path)
     try:
         sizes = [2, 3, 4]
         _check_all(rank, world, "residual", sizes, [FIRST[0], FIRST[1], SECOND[0], SECOND[1]])

@@ -27,7 +27,6 @@ import math
 import multiprocessing
 import os
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -51,6 +50,7 @@ from backprism.monitor import (  # noqa: E402
     schedules,
 )
 from backprism.monitor.quantities.bin_adaptation import GradAbsMax  # noqa: E402
+from tests.common import TanhResidual, init_gloo  # noqa: E402
 
 RTOL, ATOL = 1e-6, 1e-10
 STEPS = 3
@@ -66,37 +66,12 @@ def _spawn(fn, world: int, folder: str) -> None:
     )
 
 
-def _init(rank: int, world: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(folder, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-
 
 # -- models, data, quantities -------------------------------------------------------------------
-class Residual(nn.Module):
-    """Linear layers with tanh and a skip connection."""
-
-    def __init__(self, d: int = 5, h: int = 6, c: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(d, h)
-        self.block = nn.Linear(h, h)
-        self.out = nn.Linear(h, c)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = h + torch.tanh(self.block(h))
-        return self.out(h)
-
-
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "residual":
-        return Residual().double()
+        return TanhResidual().double()
     return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
 
 
@@ -317,7 +292,7 @@ def _check_syncs(rank: int, sizes: list[int]) -> None:
 
 # -- workers ------------------------------------------------------------------------------------
 def _two_ranks(rank: int, world: int, folder: str) -> None:
-    _init(rank, world, folder)
+    init_gloo(rank, world, os.path.join(folder, "rendezvous"))
     try:
         _check_global(rank, folder, "residual", [4, 4], "full")
         _check_global(rank, folder, "residual", [3, 5], "full")
@@ -329,7 +304,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> None:
 
 
 def _three_ranks(rank: int, world: int, folder: str) -> None:
-    _init(rank, world, folder)
+    init_gloo(rank, world, os.path.join(folder, "rendezvous"))
     try:
         _check_global(rank, folder, "residual", [2, 3, 4], "full", unused=True)
     finally:
