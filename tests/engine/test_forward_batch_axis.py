@@ -211,12 +211,7 @@ def test_backpack_recurrent_example_layout(t: int) -> None:
     model = BackpackStyle(vocab).to(DT)
     X = torch.randint(0, vocab, (t, n))
     y = torch.randint(0, vocab, (n, t))
-    names = [k for k, _ in model.named_parameters()]
-    rows: dict[str, list[Tensor]] = {k: [] for k in names}
-    for i in range(n):
-        loss = nn.functional.cross_entropy(model(X[:, i : i + 1]), y[i : i + 1]) / n
-        for k, g in zip(names, torch.autograd.grad(loss, list(model.parameters()))):
-            rows[k].append(g)
+    rows = _per_sample(model, X, y)  # the cross-entropy's mean over N·T: per sample / N
     theta = {k: p.detach() for k, p in model.named_parameters()}
     ref_diag = {k: torch.zeros_like(v) for k, v in theta.items()}
     for i in range(n):
@@ -237,7 +232,7 @@ def test_backpack_recurrent_example_layout(t: int) -> None:
     with collect(BatchGrad(), Variance(), DiagGGNExact()):
         lf(model(X), y).backward()
     for k, p in model.named_parameters():
-        gb = torch.stack(rows[k])
+        gb = rows[k]
         torch.testing.assert_close(p.grad_batch, gb, msg=k)
         torch.testing.assert_close(p.variance, gb.var(0, unbiased=False), msg=k)
         torch.testing.assert_close(p.diag_ggn_exact, ref_diag[k], msg=k)
