@@ -254,3 +254,35 @@ def test_unknown_batch_axis_upstream_of_the_rnn_is_refused() -> None:
     with pytest.raises(RuntimeError, match="batch axis of Embedding"), collect(BatchGrad()):
         lf(model(X), y).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+class SeqFirstEncoder(nn.Module):
+    """PyTorch's default layout: ``nn.TransformerEncoderLayer(batch_first=False)`` on
+    ``[T, N, d]`` (attention with the batch on axis 1, Linear and LayerNorm on ``[T, N, d]``),
+    then the mean over time and a head."""
+
+    def __init__(self, d: int = 4, heads: int = 2, classes: int = 2) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(d, heads, dim_feedforward=6, dropout=0.0)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(x).mean(0))
+
+
+@pytest.mark.parametrize("t", [5, 3], ids=["T!=N", "T==N"])
+def test_sequence_first_transformer_layer(t: int) -> None:
+    torch.manual_seed(0)
+    model = SeqFirstEncoder().to(DT)
+    X = torch.randn(t, 3, 4, dtype=DT)
+    y = torch.randint(0, 2, (3,))
+    gb = _per_sample(model, X, y)
+    ref_diag = _diag_ggn(model, X, y)
+    extend(model)
+    lf = extend(nn.CrossEntropyLoss())
+    with collect(BatchGrad(), Variance(), DiagGGNExact()):
+        lf(model(X), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, gb[k], msg=k)
+        torch.testing.assert_close(p.variance, gb[k].var(0, unbiased=False), msg=k)
+        torch.testing.assert_close(p.diag_ggn_exact, ref_diag[k], msg=k)

@@ -404,11 +404,11 @@ def test_batchnorm_child_in_train_mode_is_refused():
 @pytest.mark.parametrize(
     ("make", "error"),
     [
-        # RNNs take their batch from axis 1; Pool's head then averages over that axis, i.e.
-        # reads the batch off axis 0 (tests/engine/test_forward_batch_axis.py: what works)
+        # RNNs and attention take their batch from axis 1; Pool's head then averages over that
+        # axis, losing the batch (tests/engine/test_forward_batch_axis.py: what works)
         (lambda: nn.LSTM(4, 4), RuntimeError),
         (lambda: nn.GRU(4, 4), RuntimeError),
-        (lambda: nn.MultiheadAttention(4, 2), ValueError),
+        (lambda: nn.MultiheadAttention(4, 2), RuntimeError),
     ],
     ids=["lstm", "gru", "mha"],
 )

@@ -837,7 +837,7 @@ def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
 
 
 def _seq_first(module: nn.Module) -> bool:
-    return isinstance(module, nn.RNNBase) and not module.batch_first
+    return isinstance(module, (nn.RNNBase, nn.MultiheadAttention)) and not module.batch_first
 
 
 def _batch_first(g: Tensor, call: Call) -> Tensor:

@@ -159,8 +159,9 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         return
     params = call_params(module, ran)
     first = arg_tensors[0]
-    if isinstance(module, nn.RNNBase) and not module.batch_first and first.dim() == 3:
-        # [T, N, features]: the batch on axis 1, in the outputs too (output, h_n, c_n)
+    if _seq_first(module, first):
+        # [T, N, features]: the batch on axis 1, in the outputs too (RNN: output, h_n, c_n;
+        # attention: the output — its averaged weights [N, L, S] keep it on axis 0)
         if getattr(first, AXIS, None) is None:
             _batch_on_axis_one(first)
         call = capture(
@@ -169,8 +170,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         )
         if call is not None:  # its rule (generic) takes the batch from axis 1 itself
             call.assumed_axis = False
-        for o in outs:
-            setattr(o, AXIS, 1)
+        for i, o in enumerate(outs):
+            setattr(o, AXIS, 0 if isinstance(module, nn.MultiheadAttention) and i else 1)
         FORWARD.layouts = True
         return
     capture(module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs))
@@ -223,6 +224,15 @@ def capture(
     return call if attach(call, outs) else None
 
 
+def _seq_first(module: nn.Module, first: Tensor) -> bool:
+    """A module that takes its batch from axis 1 by construction (``batch_first=False``)."""
+    return (
+        isinstance(module, (nn.RNNBase, nn.MultiheadAttention))
+        and not module.batch_first
+        and first.dim() == 3
+    )
+
+
 def _edge(a: Tensor) -> GradientEdge:
     """``get_gradient_edge(a)`` without its Python overhead for the common case (an output of a
     built-in autograd node; leaves and custom ``autograd.Function`` outputs take the full path,
@@ -238,7 +248,9 @@ def _moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
     the trailing feature axes only), and ``axis`` is not one of those."""
     if first.dim() <= axis or not getattr(get_rule(module), "moves_batch_axis", False):
         return False
-    return first.is_floating_point() is False or axis < first.dim() - 1
+    shape = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
+    trailing = len(shape) if isinstance(shape, (tuple, list)) else 1
+    return first.is_floating_point() is False or axis < first.dim() - trailing
 
 
 def _batch_on_axis_one(x: Tensor) -> None:

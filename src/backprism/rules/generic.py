@@ -33,7 +33,8 @@ Which inputs are per-sample:
 * ``nn.RNNBase`` (LSTM, GRU, RNN): the input (batch axis 0 with ``batch_first=True``, 1 with
   ``batch_first=False``) and the initial state ``hx`` (batch axis 1, also each of LSTM's
   ``(h_0, c_0)``);
-* ``nn.MultiheadAttention`` (``batch_first=True`` required for batched input):
+* ``nn.MultiheadAttention``: query, key and value (batch axis 0 with ``batch_first=True``, 1
+  with ``batch_first=False``),
   ``key_padding_mask`` ``[N, S]``; a 3-d ``attn_mask`` ``[N·heads, L, S]`` is split per sample,
   a 2-d ``attn_mask`` ``[L, S]`` is shared even if ``L = N``;
 * everything else (0-d tensors, masks, flags) is shared by all samples.
@@ -43,8 +44,7 @@ output's (e.g. ``h_n`` of an LSTM has it on axis 1).
 
 Refused with a clear error: dropout in train mode (the recomputation would draw other masks than
 the real forward — call ``model.eval()`` or use ``dropout=0``), BatchNorm descendants in train
-mode (they mix samples), RNNs with unbatched / packed input, MHA with
-``batch_first=False``.
+mode (they mix samples), RNNs with unbatched / packed input.
 """
 
 from __future__ import annotations
@@ -139,14 +139,6 @@ def _check_inputs(module: nn.Module, named: list[tuple[str | None, Any]]) -> Non
                 f"backprism: {_name(module)} got an unbatched {x.dim()}-d input; per-sample "
                 "quantities need a batch: pass [N, T, features] with batch_first=True"
             )
-    if isinstance(module, nn.MultiheadAttention):
-        q = values.get("query", named[0][1] if named else None)
-        if isinstance(q, Tensor) and q.dim() == 3 and not module.batch_first:
-            raise ValueError(
-                f"backprism: {_name(module)}(batch_first=False) puts the sequence axis first, "
-                "so the batch axis of the call is ambiguous; construct it with batch_first=True "
-                "and feed [N, L, E] inputs"
-            )
 
 
 def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int) -> _Spec:
@@ -155,6 +147,13 @@ def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int) -> _Spec:
         return None
     if isinstance(module, nn.RNNBase) and name == "input" and not module.batch_first:
         return ("axis", 1)  # [T, N, features]: the batch on axis 1
+    if (
+        isinstance(module, nn.MultiheadAttention)
+        and name in ("query", "key", "value")
+        and not module.batch_first
+        and x.dim() == 3
+    ):
+        return ("axis", 1)  # [L, N, E]: the batch on axis 1
     if isinstance(module, nn.RNNBase) and name == "hx":
         if x.dim() == 3 and x.shape[1] == n:
             return ("axis", 1)

@@ -146,6 +146,10 @@ def _check_batched(call: Call, ndim: int) -> None:
 class LayerNormRule(_AffineNormRule):
     """``x̂ = (x − E[x]) / √(Var[x] + eps)`` over ``normalized_shape`` (biased variance)."""
 
+    #: normalises the trailing axes only: an input with the batch elsewhere is moved
+    #: batch-first
+    moves_batch_axis = True
+
     def validate(self, call: Call) -> None:
         _check_batched(call, len(call.module.normalized_shape))
 
@@ -158,6 +162,10 @@ class LayerNormRule(_AffineNormRule):
 @register_rule(nn.RMSNorm)
 class RMSNormRule(_AffineNormRule):
     """``x̂ = x / √(E[x²] + eps)`` over ``normalized_shape`` (``eps=None``: ``finfo.eps``)."""
+
+    #: normalises the trailing axes only: an input with the batch elsewhere is moved
+    #: batch-first
+    moves_batch_axis = True
 
     def validate(self, call: Call) -> None:
         _check_batched(call, len(call.module.normalized_shape))
