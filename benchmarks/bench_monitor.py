@@ -51,28 +51,11 @@ from problems import describe, sync
 
 import backprism
 from backprism.monitor import Monitor, configuration, quantities, schedules
+from backprism.monitor.configuration import TRACKED
 from backprism.monitor.cost import cost_estimate
 from backprism.monitor.deferred import accelerator_paths
 
-SINGLE = [
-    "Loss",
-    "GradNorm",
-    "Distance",
-    "UpdateSize",
-    "Alpha",
-    "NormTest",
-    "InnerTest",
-    "OrthoTest",
-    "GradHist1d",
-    "GradHist2d",
-    "MeanGSNR",
-    "CABS",
-    "EarlyStopping",
-    "TICDiag",
-    "TICTrace",
-    "HessTrace",
-    "HessMaxEV",
-]
+SINGLE = list(TRACKED)
 
 
 CURVATURE_MODES = [

@@ -31,6 +31,7 @@ from torch import nn
 
 import backprism
 from backprism.monitor import Monitor, configuration, quantities, schedules
+from backprism.monitor.configuration import TRACKED
 from backprism.monitor.deferred import accelerator_paths
 from backprism.monitor.quantities.bin_adaptation import GradAbsMax, ParamAbsMax
 from backprism.monitor.syncs import count_syncs
@@ -39,25 +40,7 @@ EVERY = schedules.linear(1)
 #: the monitor's log write (allowed to transfer, once)
 WRITE = ("_write_oldest", "flush")
 
-ALL = [
-    "Loss",
-    "GradNorm",
-    "Distance",
-    "UpdateSize",
-    "Alpha",
-    "NormTest",
-    "InnerTest",
-    "OrthoTest",
-    "GradHist1d",
-    "GradHist2d",
-    "MeanGSNR",
-    "CABS",
-    "EarlyStopping",
-    "TICDiag",
-    "TICTrace",
-    "HessTrace",
-    "HessMaxEV",
-]
+ALL = list(TRACKED)
 CURVATURE_VARIANTS = [
     ("HessTrace", "diag_ggn_exact"),
     ("HessTrace", "diag_ggn_mc"),

@@ -59,6 +59,7 @@ from backprism.monitor.quantities.base import Quantity, Schedule
 
 __all__ = [
     "DEFAULT_INTERVALS",
+    "TRACKED",
     "configuration",
     "default_schedule",
     "quantities_cls_for_configuration",
@@ -86,6 +87,11 @@ DEFAULT_INTERVALS: dict[str, int] = {
     "HessMaxEV": 200,
     "GradHist2d": 200,
 }
+
+
+#: the quantities a training run tracks (every quantity class but the bookkeeping ones,
+#: ``Time`` and ``Parameters``), in the order of :data:`DEFAULT_INTERVALS`
+TRACKED: tuple[str, ...] = tuple(n for n in DEFAULT_INTERVALS if n not in ("Time", "Parameters"))
 
 
 def default_schedule(name: str) -> Schedule:

@@ -22,6 +22,7 @@ from torch import nn
 
 import backprism
 from backprism.monitor import Monitor, quantities, schedules
+from backprism.monitor.configuration import TRACKED
 from tests import reference
 from tests.common import individual_grads
 
@@ -72,25 +73,7 @@ def alpha_ref(t, fs, dfs, var_fs, var_dfs) -> float:
     return 2 * t / (-mu[1] / mu[2]) - 1
 
 
-ALL = [
-    "Loss",
-    "GradNorm",
-    "Distance",
-    "UpdateSize",
-    "NormTest",
-    "InnerTest",
-    "OrthoTest",
-    "GradHist1d",
-    "GradHist2d",
-    "MeanGSNR",
-    "CABS",
-    "EarlyStopping",
-    "Alpha",
-    "TICDiag",
-    "TICTrace",
-    "HessTrace",
-    "HessMaxEV",
-]
+ALL = list(TRACKED)
 HIST1 = {"bins": 12, "range": (-0.6, 0.6)}
 HIST2 = {"bins": (5, 4), "range": ((-0.5, 0.5), (-0.8, 0.8))}
 
