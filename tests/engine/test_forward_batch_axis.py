@@ -245,8 +245,9 @@ class _Indirect(BackpackStyle):
 
 
 def test_unknown_batch_axis_upstream_of_the_rnn_is_refused() -> None:
-    """Embedding → tanh → RNN on ``[T, N]`` tokens: the Embedding's batch axis cannot be
-    followed (its input is raw data, its output not directly the RNN's input)."""
+    """Embedding → tanh → RNN on ``[T, N]`` tokens with ``T == N``: the Embedding's batch axis
+    cannot be followed (its input is raw data, its output not directly the RNN's input), and
+    its input's two axes have the same size."""
     torch.manual_seed(0)
     model = extend(_Indirect().to(DT))
     lf = extend(nn.CrossEntropyLoss())
@@ -254,6 +255,36 @@ def test_unknown_batch_axis_upstream_of_the_rnn_is_refused() -> None:
     with pytest.raises(RuntimeError, match="batch axis of Embedding"), collect(BatchGrad()):
         lf(model(X), y).backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+class _BatchFirstTokens(BackpackStyle):
+    """Tokens ``[N, T]`` (batch first) → Embedding → transpose → RNN (``batch_first=False``)."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out = self.rnn(self.emb(tokens).transpose(0, 1))[0]
+        return self.lin(out).permute(1, 2, 0)
+
+
+def test_batch_first_embedding_before_a_sequence_first_rnn() -> None:
+    """An assumed batch axis 0 whose size no other axis shares is unambiguous (a wrong guess
+    would show as a batch-size mismatch): the common batch-first embedding → transpose →
+    sequence-first RNN works."""
+    torch.manual_seed(0)
+    n, t, vocab = 4, 5, 7
+    model = _BatchFirstTokens(vocab).to(DT)
+    X, y = torch.randint(0, vocab, (n, t)), torch.randint(0, vocab, (n, t))
+    names = [k for k, _ in model.named_parameters()]
+    rows: dict[str, list[Tensor]] = {k: [] for k in names}
+    for i in range(n):
+        loss = nn.functional.cross_entropy(model(X[i : i + 1]), y[i : i + 1]) / n
+        for k, g in zip(names, torch.autograd.grad(loss, list(model.parameters()))):
+            rows[k].append(g)
+    extend(model)
+    lf = extend(nn.CrossEntropyLoss())
+    with collect(BatchGrad()):
+        lf(model(X), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, torch.stack(rows[k]), msg=k)
 
 
 class SeqFirstEncoder(nn.Module):

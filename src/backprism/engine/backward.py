@@ -254,11 +254,14 @@ class BackwardPass:
     def _check_assumed_axes(self) -> None:
         """With a ``batch_first=False`` RNN in the pass, a call whose batch axis 0 was only
         assumed (its input's layout unknown, e.g. Embedding → Dropout → RNN on ``[T, N]``
-        tokens) may hold the time axis there — silently wrong when ``T == N``: refused."""
+        tokens) may hold the time axis there. If another of its input's non-feature axes has
+        the size of axis 0, nothing tells them apart (silently wrong when ``T == N``): refused.
+        Otherwise a wrong guess shows as a batch size that differs from the other calls', which
+        the batch-size check refuses."""
         if not any(c.batch_axis or _seq_first(c.module) for c in self.calls):
             return
         for call in self.calls:
-            if call.params and call.assumed_axis:
+            if call.params and call.assumed_axis and _ambiguous_batch_axis(call):
                 raise RuntimeError(
                     f"backprism: this backward pass runs through a batch_first=False RNN (batch "
                     f"on axis 1), and the batch axis of {call.name}'s input is not known (it is "
@@ -834,6 +837,16 @@ def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != p.dtype:
         return value.to(p.dtype)
     return value
+
+
+def _ambiguous_batch_axis(call: Call) -> bool:
+    """Whether an axis other than 0 of the call's first input (not its trailing feature axis,
+    for floating-point inputs) has the size of axis 0."""
+    x = next((a for a in call.args if isinstance(a, Tensor)), None)
+    if x is None or x.dim() < 2:
+        return False
+    last = x.dim() - 1 if x.is_floating_point() else x.dim()
+    return any(x.shape[k] == x.shape[0] for k in range(1, last))
 
 
 def _seq_first(module: nn.Module) -> bool:
