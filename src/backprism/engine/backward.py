@@ -48,7 +48,7 @@ from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
-from backprism.engine.state import Call, LossRecord
+from backprism.engine.state import Call, LossRecord, sequence_first
 
 __all__ = ["BackwardPass", "current_pass"]
 
@@ -147,7 +147,8 @@ class BackwardPass:
         self.module_fired: Counter[int] = Counter()
         # param id -> [param, call, dense [1, N, *p]] (parameters used by several calls)
         self.dense: dict[int, list] = {}
-        self.seen: set[tuple[int, str]] = set()
+        #: (param id, savefield) → (param, extension) of every result this pass stored
+        self.stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
         self.touched: dict[int, nn.Module] = {}
         self.hooked: set[int] = set()
         # param id -> [(extension, partial result, module, fallback)] awaiting the parameter's
@@ -172,9 +173,8 @@ class BackwardPass:
         #: a whole-batch one (``Extension.whole_batch``), columns are split per loss row
         #: (:meth:`Columns.split_rows`) and rules see the batch as one sample
         self.whole_batch = False
-        #: whole batch: the loss rows per loss-Hessian column, and the results to reshape
+        #: whole batch: the loss rows per loss-Hessian column
         self._rows: int | None = None
-        self._stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
         self._marked: list[Any] = []
         #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
         self.distributed: _distributed.DistributedPass | None = None
@@ -258,7 +258,7 @@ class BackwardPass:
         the size of axis 0, nothing tells them apart (silently wrong when ``T == N``): refused.
         Otherwise a wrong guess shows as a batch size that differs from the other calls', which
         the batch-size check refuses."""
-        if not any(c.batch_axis or _seq_first(c.module) for c in self.calls):
+        if not any(c.batch_axis or sequence_first(c.module) for c in self.calls):
             return
         for call in self.calls:
             if call.params and call.assumed_axis and _ambiguous_batch_axis(call):
@@ -426,7 +426,7 @@ class BackwardPass:
 
     def _finish(self) -> None:
         if self.whole_batch and self._rows is not None:
-            for param, ext in self._stored.values():
+            for param, ext in self.stored.values():
                 value = getattr(param, ext.savefield)
                 setattr(param, ext.savefield, ext.whole_batch_result(value, self._rows))
         for key in list(self.dense):
@@ -453,13 +453,11 @@ class BackwardPass:
         """Set ``param.<ext.savefield>``; a second contribution within this pass is combined
         with ``ext.accumulate``."""
         key = (id(param), ext.savefield)
-        if key in self.seen:
+        if key in self.stored:
             setattr(param, ext.savefield, ext.accumulate(getattr(param, ext.savefield), value))
         else:
-            self.seen.add(key)
+            self.stored[key] = (param, ext)
             setattr(param, ext.savefield, value)
-            if self.whole_batch:
-                self._stored[key] = (param, ext)
             if self.distributed is not None:  # distributed: reduced in end()
                 self.distributed.stored_result(param, ext)
 
@@ -480,7 +478,7 @@ class BackwardPass:
             if not call.params:
                 continue
             rule = get_rule(call.module)
-            if not getattr(rule, "differentiable", False) or call.live is None:
+            if not rule.differentiable or call.live is None:
                 names = _names(self.first)
                 raise RuntimeError(
                     f"backprism {names}: backward(create_graph=True) asks for results that are "
@@ -697,14 +695,11 @@ class BackwardPass:
                 if all(x is None for x in gs):
                     continue
                 g = (
-                    _batch_first(_cast_columns(gs[0], call), call)
+                    _rule_layout(gs[0], call)
                     if len(gs) == 1
                     else tuple(
-                        _batch_first(
-                            _cast_columns(x, call)
-                            if x is not None
-                            else _zeros_like_batched(gs, call, j),
-                            call,
+                        _rule_layout(
+                            x if x is not None else _zeros_like_batched(gs, call, j), call
                         )
                         for j, x in enumerate(gs)
                     )
@@ -825,14 +820,6 @@ def _param_dtype(call: Call) -> torch.dtype | None:
     return None if p is None else p.dtype
 
 
-def _cast_columns(g: Tensor, call: Call) -> Tensor:
-    """Columns in the parameters' dtype for a call that ran under autocast."""
-    if call.dtype is None:
-        return g
-    dt = _param_dtype(call)
-    return g if dt is None or g.dtype == dt else g.to(dt)
-
-
 def _to_param_dtype(value: Any, p: nn.Parameter) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != p.dtype:
         return value.to(p.dtype)
@@ -849,13 +836,14 @@ def _ambiguous_batch_axis(call: Call) -> bool:
     return any(x.shape[k] == x.shape[0] for k in range(1, last))
 
 
-def _seq_first(module: nn.Module) -> bool:
-    return isinstance(module, (nn.RNNBase, nn.MultiheadAttention)) and not module.batch_first
-
-
-def _batch_first(g: Tensor, call: Call) -> Tensor:
-    """Columns ``[M, *out.shape]`` with the call's batch axis moved to axis 1 (calls whose
-    input had the batch elsewhere keep that input batch-first, see ``Call.batch_axis``)."""
+def _rule_layout(g: Tensor, call: Call) -> Tensor:
+    """Columns ``[M, *out.shape]`` as the call's rule reads them: in the parameters' dtype for
+    a call that ran under autocast, and with the call's batch axis moved to axis 1 (calls
+    whose input had the batch elsewhere keep that input batch-first, ``Call.batch_axis``)."""
+    if call.dtype is not None:  # ran under autocast
+        dt = _param_dtype(call)
+        if dt is not None and g.dtype != dt:
+            g = g.to(dt)
     return g.movedim(call.batch_axis + 1, 1) if call.batch_axis else g
 
 
@@ -869,15 +857,11 @@ def _with_column_axis(
         return g if keep_graph else g.detach()
 
     if len(grads) == 1:
-        return _batch_first(_cast_columns(prep(grads[0]).unsqueeze(0), call), call)
+        return _rule_layout(prep(grads[0]).unsqueeze(0), call)
     ref = next(g for g in grads if g is not None)
     return tuple(
-        _batch_first(
-            _cast_columns(
-                (prep(g) if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0),
-                call,
-            ),
-            call,
+        _rule_layout(
+            (prep(g) if g is not None else ref.new_zeros(call.out_shapes[j])).unsqueeze(0), call
         )
         for j, g in enumerate(grads)
     )

@@ -35,20 +35,28 @@ from backprism.engine.state import active, reset_active, set_active
 __all__ = ["collect"]
 
 _BACKWARD_NAMES = frozenset({"backward", "grad"})
+#: the backward entry points' leading parameters in order (``Tensor.backward`` counts ``self``)
+_PARAMETERS: dict[Any, tuple[str, ...]] = {
+    Tensor.backward: ("self", "gradient", "retain_graph", "create_graph"),
+    torch.autograd.backward: ("tensors", "grad_tensors", "retain_graph", "create_graph"),
+    torch.autograd.grad: ("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph"),
+}
+#: the parameter holding the initial gradient ("seed"), one name per entry point
+_SEEDS = frozenset({"gradient", "grad_tensors", "grad_outputs"})
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """The argument of the backward entry point ``func`` for its parameter ``name``
+    (``None`` when not given)."""
+    i = _PARAMETERS[func].index(name)
+    return args[i] if len(args) > i else kwargs.get(name)
 
 
 def _roots(func: Any, args: tuple, kwargs: dict) -> list[Tensor] | None:
     """The tensors a backward entry point starts from, or ``None`` for any other function."""
-    if getattr(func, "__name__", None) not in _BACKWARD_NAMES:
+    if getattr(func, "__name__", None) not in _BACKWARD_NAMES or func not in _PARAMETERS:
         return None
-    if func is Tensor.backward:
-        return [args[0]]
-    if func is torch.autograd.backward:
-        tensors = args[0] if args else kwargs.get("tensors")
-    elif func is torch.autograd.grad:
-        tensors = args[0] if args else kwargs.get("outputs")
-    else:
-        return None
+    tensors = _argument(func, args, kwargs, _PARAMETERS[func][0])
     if isinstance(tensors, Tensor):
         return [tensors]
     return [t for t in tensors if isinstance(t, Tensor)]
@@ -57,12 +65,8 @@ def _roots(func: Any, args: tuple, kwargs: dict) -> list[Tensor] | None:
 def _implicit_seed(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the backward entry point starts from the implicit gradient (``1`` for a scalar
     root): no ``gradient``/``grad_tensors``/``grad_outputs`` given."""
-    if func is Tensor.backward:
-        seed = args[1] if len(args) > 1 else kwargs.get("gradient")
-    elif func is torch.autograd.backward:
-        seed = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
-    else:  # torch.autograd.grad(outputs, inputs, grad_outputs)
-        seed = args[2] if len(args) > 2 else kwargs.get("grad_outputs")
+    name = next(n for n in _PARAMETERS[func] if n in _SEEDS)
+    seed = _argument(func, args, kwargs, name)
     if isinstance(seed, (tuple, list)):
         return all(g is None for g in seed)
     return seed is None
@@ -70,9 +74,7 @@ def _implicit_seed(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _creates_graph(func: Any, args: tuple, kwargs: dict) -> bool:
     """The ``create_graph`` argument of a backward entry point."""
-    index = 4 if func is torch.autograd.grad else 3  # Tensor.backward counts ``self``
-    value = args[index] if len(args) > index else kwargs.get("create_graph", False)
-    return bool(value)
+    return bool(_argument(func, args, kwargs, "create_graph"))
 
 
 class _BackwardMode(TorchFunctionMode):

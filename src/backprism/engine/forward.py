@@ -44,6 +44,7 @@ from backprism.engine.state import (
     Call,
     LossRecord,
     RootRecord,
+    sequence_first,
 )
 
 __all__ = ["call_params", "capture", "loss_forward_hook", "module_forward_hook"]
@@ -159,17 +160,16 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         return
     params = call_params(module, ran)
     first = arg_tensors[0]
-    if _seq_first(module, first):
+    if sequence_first(module) and first.dim() == 3:
         # [T, N, features]: the batch on axis 1, in the outputs too (RNN: output, h_n, c_n;
         # attention: the output — its averaged weights [N, L, S] keep it on axis 0)
         if getattr(first, AXIS, None) is None:
             _batch_on_axis_one(first)
-        call = capture(
+        # its rule (generic) takes the batch from axis 1 itself
+        capture(
             module, call_args, call_kwargs, arg_tensors, outs, params,
             batch_size=first.shape[1], live=(args, kwargs), layout_ok=True,
         )
-        if call is not None:  # its rule (generic) takes the batch from axis 1 itself
-            call.assumed_axis = False
         for i, o in enumerate(outs):
             setattr(o, AXIS, 0 if isinstance(module, nn.MultiheadAttention) and i else 1)
         FORWARD.layouts = True
@@ -198,9 +198,9 @@ def capture(
         # the batch on another axis of the first input (Linear after a batch_first=False RNN):
         # the call keeps that input with the batch on axis 0
         moved, layout_ok = axis, True
-        args = (args[0].movedim(axis, 0), *args[1:])
+        args = _batch_first_args(args, axis)
         if live is not None:
-            live = ((live[0][0].movedim(axis, 0), *live[0][1:]), live[1])
+            live = (_batch_first_args(live[0], axis), live[1])
         batch_size = first.shape[axis]
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
@@ -219,18 +219,9 @@ def capture(
         live=live,
         layout_error=None if layout_ok else _layout_error(module, arg_tensors),
         batch_axis=moved,
-        assumed_axis=axis is None,
+        assumed_axis=axis is None and not layout_ok,
     )
     return call if attach(call, outs) else None
-
-
-def _seq_first(module: nn.Module, first: Tensor) -> bool:
-    """A module that takes its batch from axis 1 by construction (``batch_first=False``)."""
-    return (
-        isinstance(module, (nn.RNNBase, nn.MultiheadAttention))
-        and not module.batch_first
-        and first.dim() == 3
-    )
 
 
 def _edge(a: Tensor) -> GradientEdge:
@@ -246,18 +237,22 @@ def _edge(a: Tensor) -> GradientEdge:
 def _moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
     """Whether ``module``'s rule computes from inputs whose batch is moved to axis 0 (it acts on
     the trailing feature axes only), and ``axis`` is not one of those."""
-    if first.dim() <= axis or not getattr(get_rule(module), "moves_batch_axis", False):
+    if first.dim() <= axis or not get_rule(module).moves_batch_axis:
         return False
     shape = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
     trailing = len(shape) if isinstance(shape, (tuple, list)) else 1
     return first.is_floating_point() is False or axis < first.dim() - trailing
 
 
+def _batch_first_args(args: tuple, axis: int) -> tuple:
+    """``args`` with the first (the batch-carrying input) moved from ``axis`` to axis 0."""
+    return (args[0].movedim(axis, 0), *args[1:])
+
+
 def _batch_on_axis_one(x: Tensor) -> None:
     """``x`` feeds a ``batch_first=False`` RNN, so its batch is on axis 1: the call that
     produced it (``Embedding``/``Linear`` directly before the RNN), which took axis 0 for the
-    batch, is moved to axis 1; one that cannot move (or a batch size that does not fit) is
-    marked for refusal."""
+    batch, is moved to axis 1; one whose rule cannot move it is marked for refusal."""
     fn = x.grad_fn
     if fn is None:
         return
@@ -266,21 +261,13 @@ def _batch_on_axis_one(x: Tensor) -> None:
             continue
         arg = call.args[0]
         if isinstance(arg, Tensor) and _moves_batch_axis(call.module, arg, 1):
-            call.args = (arg.movedim(1, 0), *call.args[1:])
+            call.args = _batch_first_args(call.args, 1)
             if call.live is not None:
-                live_args = call.live[0]
-                call.live = ((live_args[0].movedim(1, 0), *live_args[1:]), call.live[1])
+                call.live = (_batch_first_args(call.live[0], 1), call.live[1])
             call.batch_size, call.batch_axis, call.assumed_axis = arg.shape[1], 1, False
         else:
-            call.layout_error = _layout_error(call.module, [_marked(x)])
+            call.layout_error = _layout_message(call.module, 1)
     setattr(x, AXIS, 1)
-
-
-def _marked(x: Tensor) -> Tensor:
-    """A view of ``x`` marked with batch axis 1 (for the refusal message)."""
-    v = x.detach()
-    setattr(v, AXIS, 1)
-    return v
 
 
 def _layout_error(module: nn.Module, tensors: list[Tensor]) -> str | None:
@@ -288,16 +275,21 @@ def _layout_error(module: nn.Module, tensors: list[Tensor]) -> str | None:
     for t in tensors:
         axis = getattr(t, AXIS, 0)
         if axis:
-            name = getattr(module, "_backprism_name", None) or type(module).__name__
-            where = f"on axis {axis}" if axis > 0 else "on an axis backprism lost track of"
-            return (
-                f"backprism: the input of {name} comes from a batch_first=False RNN and has "
-                f"the batch {where}, but per-sample quantities and curvature of {name} take "
-                "the batch on axis 0. Move it there before the module (e.g. "
-                "out.transpose(0, 1), or take out[-1] / h_n[-1]), or construct the RNN with "
-                "batch_first=True"
-            )
+            return _layout_message(module, axis)
     return None
+
+
+def _layout_message(module: nn.Module, axis: int) -> str:
+    """The refusal for a call of ``module`` whose input has the batch on ``axis`` (``-1``:
+    lost)."""
+    name = getattr(module, "_backprism_name", None) or type(module).__name__
+    where = f"on axis {axis}" if axis > 0 else "on an axis backprism lost track of"
+    return (
+        f"backprism: the input of {name} comes from a batch_first=False RNN and has the batch "
+        f"{where}, but per-sample quantities and curvature of {name} take the batch on axis "
+        "0. Move it there before the module (e.g. out.transpose(0, 1), or take out[-1] / "
+        "h_n[-1]), or construct the RNN with batch_first=True"
+    )
 
 
 def attach(call: Call, outs: list[Tensor]) -> bool:

@@ -110,13 +110,6 @@ def _identity(q: Tensor) -> Tensor:
     return q
 
 
-def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", "") or ""
-    if name == "__get__":  # property access (``x.T``): name the property
-        name = getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
 class OpModule(nn.Module):
     """Stand-in module for one functional use: re-runs ``func`` with the parameter operands
     rebuilt from its own parameters (``p0``, ``p1``, …) and the per-sample tensors passed to
@@ -129,7 +122,7 @@ class OpModule(nn.Module):
         self._kwargs = kwargs
         for i, p in enumerate(params):
             self._parameters[f"p{i}"] = p
-        self._backprism_name = f"'{_op_name(func)}' (a functional use of a parameter)"
+        self._backprism_name = f"'{residual.op_name(func)}' (a functional use of a parameter)"
 
     def forward(self, *xs: Tensor) -> Any:
         args = []
@@ -245,7 +238,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
         return  # a parameter passed by keyword: left to the graph check, which refuses it
     if name is None:
-        name = _op_name(func)
+        name = residual.op_name(func)
     tensors = [
         (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
     ]
@@ -479,7 +472,7 @@ def _new_axis(name: str, args: tuple, kwargs: dict, src: Tensor, axis: int, out:
             return -1
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         return axis if keep is True else axis - sum(d < axis for d in dims)
-    if name in _FEATURE_OPS and axis < src.dim() - (0 if name == "embedding" else 1):
+    if name in _FEATURE_OPS and axis < nd - (0 if name == "embedding" else 1):
         return axis  # acts on the trailing feature axis (embedding: appends one)
     if out.shape == src.shape and name not in ("movedim", "moveaxis", "flip", "roll"):
         return axis  # elementwise (activations, dropout, scaling, residual additions)
@@ -505,9 +498,12 @@ def follow_batch_axis(name: str, args: tuple, kwargs: dict, out: Any) -> None:
             break
     if src is None:
         return
-    outs = [out] if isinstance(out, Tensor) else [o for o in out if isinstance(o, Tensor)] if (
-        isinstance(out, (tuple, list))
-    ) else []
+    if isinstance(out, Tensor):
+        outs = [out]
+    elif isinstance(out, (tuple, list)):
+        outs = [o for o in out if isinstance(o, Tensor)]
+    else:
+        return
     for o in outs:
         axis = -1 if src[0] is None or src[1] < 0 else _new_axis(
             name, args, kwargs, src[0], src[1], o
@@ -527,17 +523,17 @@ _INERT = frozenset(
         "tolist", "__format__", "__repr__", "__hash__", "__index__", "__int__", "__float__",
     }
 )
-#: function → (op name, inert); functions are few and long-lived
-_INFO: dict[Any, tuple[str, bool]] = {}
+#: function → (op name, inert, residual kind); functions are few and long-lived
+_INFO: dict[Any, tuple[str, bool, int]] = {}
 
 
-def _info(func: Any) -> tuple[str, bool]:
+def _info(func: Any) -> tuple[str, bool, int]:
     try:
         return _INFO[func]
     except (KeyError, TypeError):
         pass
-    name = _op_name(func)
-    info = (name, name in _INERT)
+    name = residual.op_name(func)
+    info = (name, name in _INERT, residual.classify(name))
     if len(_INFO) > 4096:  # bounded even if callables are created on the fly
         _INFO.clear()
     with contextlib.suppress(TypeError):  # unhashable callable: not cached
@@ -573,7 +569,7 @@ class ForwardMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        name, inert = _info(func)
+        name, inert, kind = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         if len(args) == 2 and name in _BROADCASTING:
@@ -591,7 +587,7 @@ class ForwardMode(TorchFunctionMode):
         elif not isinstance(out, (tuple, list)):
             return out
         if self.record:
-            residual.record(func, args, kwargs, out)
+            residual.record(func, name, kind, args, kwargs, out)
         attribute(func, args, kwargs, out, name)
         return out
 

@@ -54,7 +54,6 @@ with a clear error — put it inside the model.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +73,8 @@ __all__ = [
     "check_linear_in_params",
     "check_pass",
     "check_recording",
+    "classify",
+    "op_name",
     "push_residual",
     "record_nonlinearities",
 ]
@@ -176,27 +177,20 @@ _NONLINEAR = frozenset(
 )
 
 _LINEAR, _SMOOTH_KIND, _PRODUCT, _QUOTIENT, _NONLIN, _UNKNOWN = range(6)
-_KIND_CACHE: dict[Any, tuple[int, str]] = {}
 
 
-def _op_name(func: Any) -> str:
+def op_name(func: Any) -> str:
+    """The name of a function the forward mode sees (``x.T``: the property's name)."""
     name = getattr(func, "__name__", "") or ""
     if name == "__get__":  # property access (``x.T``): name the property
         name = getattr(getattr(func, "__self__", None), "__name__", name)
     return name
 
 
-def _classify(func: Any) -> tuple[int, str]:
-    try:
-        return _KIND_CACHE[func]
-    except (KeyError, TypeError):
-        pass
-    kind, name = _classify_name(_op_name(func))
-    if len(_KIND_CACHE) > 4096:  # bounded even if callables are created on the fly
-        _KIND_CACHE.clear()
-    with contextlib.suppress(TypeError):  # unhashable callable: not cached
-        _KIND_CACHE[func] = (kind, name)
-    return kind, name
+def classify(name: str) -> int:
+    """The kind of the operation ``name`` (``tanh``, ``addmm``, ``log_softmax``, …): the
+    forward mode caches it per function and passes it to :func:`record`."""
+    return _classify_name(name)[0]
 
 
 def _classify_name(name: str) -> tuple[int, str]:
@@ -483,9 +477,9 @@ def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
     return fn
 
 
-def record(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Classify one operation and register what DiagHessian will need (cheap)."""
-    kind, name = _classify(func)
+def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any) -> None:
+    """Register what DiagHessian will need of one operation ``func`` (named ``name``, of
+    :func:`classify`'s ``kind``); cheap."""
     if kind == _LINEAR:
         return
     if isinstance(out, (tuple, list)):

@@ -48,6 +48,14 @@ class Rule:
     #: whether the module's output depends on its parameters linearly (needed by DiagHessian:
     #: a parameter entering nonlinearly has a Hessian term of its own).
     linear_in_params: bool = True
+    #: whether every statistic is computed differentiably from the call's inputs and output
+    #: gradients (no detached parameters, no in-place ops on saved tensors), so that a
+    #: ``create_graph=True`` pass may hand it live inputs; others are refused in such a pass.
+    differentiable: bool = False
+    #: whether the rule acts on the trailing feature axes only, so that a call whose input has
+    #: the batch on another axis (after a ``batch_first=False`` RNN) may be captured with that
+    #: input moved batch-first (``Call.batch_axis``).
+    moves_batch_axis: bool = False
 
     def builds_per_sample(self, call: Call) -> bool:
         """Whether the statistics of ``call`` may build per-sample, per-column gradients

@@ -52,6 +52,7 @@ __all__ = [
     "LossRecord",
     "RootRecord",
     "active",
+    "sequence_first",
     "set_active",
     "suspended",
 ]
@@ -64,6 +65,12 @@ SITES = "backprism.sites"  # [Site] (Hessian residual sites and refusals, see en
 #: tensor attribute: the batch axis of an activation whose batch is not on axis 0 (the outputs
 #: of a ``batch_first=False`` RNN, and what is computed from them), ``-1`` if unknown
 AXIS = "_backprism_batch_axis"
+
+
+def sequence_first(module: nn.Module) -> bool:
+    """A module that takes its batch from axis 1 of a 3-d input by construction: an RNN or
+    ``nn.MultiheadAttention`` with ``batch_first=False``."""
+    return isinstance(module, (nn.RNNBase, nn.MultiheadAttention)) and not module.batch_first
 
 
 @dataclass(eq=False)
