@@ -618,21 +618,30 @@ class BackwardPass:
         keys = list(dict.fromkeys(e.column_key() for e in column_exts))
         for key in keys:
             exts = [e for e in column_exts if e.column_key() == key]
-            cols = loss_hessian_sqrt(module, record.inputs, key, n_samples)
-            origins = [record.inputs[i] for i in cols.inputs]
-            if scale != 1.0:
-                cols = cols.scaled(scale**0.5)
-            if self.whole_batch:
-                rows = origins[0].shape[0] if origins[0].dim() else 1
-                if self._rows not in (None, rows):
-                    raise RuntimeError(
-                        "backprism: whole-batch curvature (BatchNorm in train mode) with losses "
-                        f"of different numbers of rows ({self._rows} and {rows}) is not "
-                        "supported; use one loss, or model.eval() for the backward pass"
-                    )
-                self._rows = rows
-                cols = cols.split_rows(rows)
+            origins, cols = self.loss_columns(record, key, scale)
             self.process_columns(calls, origins, cols, exts, None)
+
+    def loss_columns(
+        self, record: LossRecord, key: Hashable, scale: float
+    ) -> tuple[list[Tensor], Columns]:
+        """The loss inputs and the square-root columns of the loss Hessian (``key``: exact or
+        MC) of ``record``'s loss entering the objective with factor ``scale``, as the pass
+        pushes them back: split per loss row in a whole-batch pass."""
+        cols = loss_hessian_sqrt(record.module, record.inputs, key, self.n_samples)
+        origins = [record.inputs[i] for i in cols.inputs]
+        if scale != 1.0:
+            cols = cols.scaled(scale**0.5)
+        if self.whole_batch:
+            rows = origins[0].shape[0] if origins[0].dim() else 1
+            if self._rows not in (None, rows):
+                raise RuntimeError(
+                    "backprism: whole-batch curvature (BatchNorm in train mode) with losses "
+                    f"of different numbers of rows ({self._rows} and {rows}) is not "
+                    "supported; use one loss, or model.eval() for the backward pass"
+                )
+            self._rows = rows
+            cols = cols.split_rows(rows)
+        return origins, cols
 
     def _loss_scale(self, record: LossRecord, grad: Tensor) -> float:
         """The factor ``∂(objective)/∂(loss output)`` the loss enters the backward with: ``1``

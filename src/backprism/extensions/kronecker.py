@@ -314,10 +314,7 @@ class KFRA(SecondOrderExtension):
         # loss-Hessian square root pushed back to their outputs (as KFLR would)
         diag_calls = [(c, e) for c, e in calls if id(c.module) in diagonal]
         if diag_calls:
-            exact = loss_hessian_sqrt(record.module, record.inputs, ("exact",), n)
-            origins = [record.inputs[i] for i in exact.inputs]
-            if scale != 1.0:
-                exact = exact.scaled(scale**0.5)
+            origins, exact = bp.loss_columns(record, ("exact",), scale)
             bp.process_columns(diag_calls, origins, exact, [_KFRADiagonal()], None)
         return None
 

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from backprism.engine.rule import Call, Rule, register_rule
 from backprism.rules.generic import GenericRule
-from backprism.rules.linear import LinearRule
+from backprism.rules.linear import LinearRule, linear_shell
 
 __all__ = ["MultiheadAttentionRule"]
 
@@ -88,16 +88,6 @@ class _Fixed(Rule):
 
     def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
         return self.dense
-
-
-def _linear_shell(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` never called, carrying ``weight``/``bias`` for the Linear rule."""
-    m = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(m)
-    m.in_features, m.out_features = weight.shape[1], weight.shape[0]
-    m._parameters["weight"] = weight  # type: ignore[assignment]
-    m._parameters["bias"] = bias  # type: ignore[assignment]
-    return m
 
 
 @dataclass
@@ -336,7 +326,7 @@ class MultiheadAttentionRule(GenericRule):
                   bn: str | None, rows: slice | None = None) -> None:
             if wn is None and bn is None:
                 return
-            shell = _linear_shell(w, b if bn is not None else None)
+            shell = linear_shell(w, b if bn is not None else None)
             sub = Call(
                 module=shell, args=(x,), kwargs={}, out_shapes=[torch.Size(gp.shape[1:])],
                 batch_size=n, training=False,

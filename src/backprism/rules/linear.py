@@ -74,6 +74,17 @@ def _flat(call: Call, g: Tensor) -> tuple[Tensor, Tensor]:
     return x.reshape(n, -1, x.shape[-1]), g.reshape(g.shape[0], n, -1, g.shape[-1])
 
 
+def linear_shell(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` never called, carrying ``weight``/``bias`` for the Linear rule (the
+    projections of attention, Hugging Face's ``Conv1D`` with ``Wᵀ``)."""
+    m = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(m)
+    m.in_features, m.out_features = weight.shape[1], weight.shape[0]
+    m._parameters["weight"] = weight  # type: ignore[assignment]
+    m._parameters["bias"] = bias  # type: ignore[assignment]
+    return m
+
+
 @register_rule(nn.Linear)
 class LinearRule(Rule):
     #: acts on the last axis only: an input with the batch elsewhere is moved batch-first

@@ -48,7 +48,7 @@ from torch.func import functional_call
 from backprism.engine.rule import Call, Rule, register_rule
 from backprism.engine.state import suspended
 from backprism.rules.generic import GenericRule
-from backprism.rules.linear import LinearRule
+from backprism.rules.linear import LinearRule, linear_shell
 
 __all__ = ["Conv1DRule", "ScaledNormRule", "register_transformers_rules"]
 
@@ -56,15 +56,6 @@ _LINEAR = LinearRule()
 
 
 # -- Conv1D ----------------------------------------------------------------------------------
-def _linear_shell(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    m = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(m)
-    m.in_features, m.out_features = weight.shape[1], weight.shape[0]
-    m._parameters["weight"] = weight  # type: ignore[assignment]
-    m._parameters["bias"] = bias  # type: ignore[assignment]
-    return m
-
-
 class Conv1DRule(Rule):
     """``y = x W + b``, ``W`` ``[in, out]``: the Linear rule on ``Wᵀ`` (module docstring)."""
 
@@ -73,7 +64,7 @@ class Conv1DRule(Rule):
         w = module.weight.detach().t()
         b = module.bias.detach() if module.bias is not None and "bias" in call.params else None
         return Call(
-            module=_linear_shell(w, b), args=(call.input,), kwargs={},
+            module=linear_shell(w, b), args=(call.input,), kwargs={},
             out_shapes=call.out_shapes, batch_size=call.batch_size, training=False,
             params={"weight": w} | ({} if b is None else {"bias": b}),
         )
