@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from backprism.engine.backward import BackwardPass
+from backprism.engine.distributed import check_process_group
 from backprism.engine.extension import Extension, FirstOrderExtension, SecondOrderExtension
 from backprism.engine.graph import analyse
 from backprism.engine.state import active, reset_active, set_active
@@ -165,12 +166,7 @@ class collect:
         self.chunk_size = chunk_size
         self.memory_budget = memory_budget
         # -- distributed (engine.distributed) --
-        if isinstance(process_group, str) and process_group != "auto":
-            raise ValueError(
-                "collect(process_group=...) takes 'auto', None or a process group, got "
-                f"{process_group!r}"
-            )
-        self.process_group = process_group
+        self.process_group = check_process_group(process_group, "collect")
         self.differentiable = differentiable
         #: what the last distributed backward pass communicated (a
         #: :class:`~backprism.engine.distributed.Communication`), ``None`` before one ran

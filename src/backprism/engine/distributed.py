@@ -75,7 +75,15 @@ from torch import Tensor, nn
 from backprism.engine.extension import CatPart, Extension, GlobalBatch, SumPart
 from backprism.engine.state import FORWARD_LISTENERS
 
-__all__ = ["Communication", "DistributedPass", "GlobalBatch", "describe", "setup"]
+__all__ = [
+    "Communication",
+    "DistributedPass",
+    "GlobalBatch",
+    "check_process_group",
+    "describe",
+    "initialized",
+    "setup",
+]
 
 try:  # torch built without distributed support
     import torch.distributed as dist
@@ -129,8 +137,19 @@ if _AVAILABLE and (_enter, _exit) not in FORWARD_LISTENERS:
 
 
 # -- the decision, before anything is written -------------------------------------------------
-def _initialized() -> bool:
+def initialized() -> bool:
+    """Whether ``torch.distributed`` is available and its default process group initialised."""
     return bool(_AVAILABLE and dist.is_initialized())
+
+
+def check_process_group(group: Any, owner: str) -> Any:
+    """``group`` if it is ``"auto"``, ``None`` or a process group; ``ValueError`` naming
+    ``owner`` (``"collect"``, ``"Monitor"``) for any other string."""
+    if isinstance(group, str) and group != "auto":
+        raise ValueError(
+            f"{owner}(process_group=...) takes 'auto', None or a process group, got {group!r}"
+        )
+    return group
 
 
 def _unique_roots(bp: Any) -> list[nn.Module]:
@@ -209,7 +228,7 @@ def setup(bp: Any) -> DistributedPass | None:
     :meth:`BackwardPass.check`, so before anything is written)."""
     ctx = bp.ctx
     mode = getattr(ctx, "process_group", "auto")
-    if not _initialized():
+    if not initialized():
         if mode is None or isinstance(mode, str):
             return None
         raise RuntimeError(
@@ -226,11 +245,7 @@ def setup(bp: Any) -> DistributedPass | None:
         ddp = entry[0]() if entry is not None else None
         if ddp is not None:
             ddps.append((ddp, entry[1]))
-    if isinstance(mode, str):
-        if mode != "auto":
-            raise ValueError(
-                f"collect(process_group=...) takes 'auto', None or a process group, got {mode!r}"
-            )
+    if isinstance(check_process_group(mode, "collect"), str):  # "auto"
         if not ddps or not all(sync for _, sync in ddps):
             return None
         groups = {id(d.process_group): d.process_group for d, _ in ddps}

@@ -49,39 +49,18 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from backprism.engine.backward import current_pass
+from backprism.engine.distributed import dist, initialized
 from backprism.engine.extension import FirstOrderExtension, GlobalBatch
 from backprism.engine.rule import Call, Rule
 
 __all__ = ["GlobalStep", "PassGradient", "RetainGraph", "several_ranks", "writes_log"]
-
-try:  # torch built without distributed support
-    import torch.distributed as dist
-
-    _AVAILABLE = dist.is_available()
-except ImportError:  # pragma: no cover
-    dist = None  # type: ignore[assignment]
-    _AVAILABLE = False
-
-
-def check_process_group(group: Any) -> Any:
-    """``"auto"``, ``None`` or a process group (``ValueError`` for any other string)."""
-    if isinstance(group, str) and group != "auto":
-        raise ValueError(
-            f"Monitor(process_group=...) takes 'auto', None or a process group, got {group!r}"
-        )
-    return group
-
-
-def _initialized() -> bool:
-    return bool(_AVAILABLE and dist.is_initialized())
-
 
 def several_ranks(group: Any) -> bool:
     """Whether ``torch.distributed`` runs with more than one rank (in ``group``; the default
     group for ``"auto"`` and ``None``): the monitor then asks the engine for the gradient of the
     pass (:class:`PassGradient`), since DDP's ``.grad`` is neither the global batch's gradient
     (unequal local batch sizes, accumulation) nor this rank's (``process_group=None``)."""
-    if not _initialized():
+    if not initialized():
         return False
     return dist.get_world_size(None if group is None or isinstance(group, str) else group) > 1
 
@@ -89,7 +68,7 @@ def several_ranks(group: Any) -> bool:
 def writes_log(group: Any) -> bool:
     """Whether this process writes the monitor's log: rank 0 of ``group`` (of the default group
     for ``"auto"``), every process for ``None`` or without ``torch.distributed``."""
-    if group is None or not _initialized():
+    if group is None or not initialized():
         return True
     return dist.get_rank(None if isinstance(group, str) else group) == 0
 

@@ -93,6 +93,7 @@ from torch import Tensor
 
 from backprism.engine.backward import current_pass
 from backprism.engine.collect import collect
+from backprism.engine.distributed import check_process_group
 from backprism.extensions import BatchDotWith, BatchGrad, BatchL2Grad, BatchProjGrad, GradHist
 from backprism.extensions.base import Extension
 from backprism.monitor.deferred import Transfer
@@ -100,7 +101,6 @@ from backprism.monitor.distributed import (
     GlobalStep,
     PassGradient,
     RetainGraph,
-    check_process_group,
     several_ranks,
     writes_log,
 )
@@ -189,7 +189,7 @@ class Monitor:
         keep_history: bool | None = None,
         process_group: Any = "auto",
     ) -> None:
-        self.process_group = check_process_group(process_group)
+        self.process_group = check_process_group(process_group, "Monitor")
         self.params = list(params)
         if not self.params:
             raise ValueError("Monitor needs at least one parameter")
