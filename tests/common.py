@@ -843,6 +843,22 @@ def individual_grads(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> torc
 
 
 # -- distributed tests (gloo processes spawned by a test) ---------------------------------------
+class TanhReluResidual(nn.Module):
+    """Two Linear branches meeting in a sum, a smooth and a piecewise-linear nonlinearity (the
+    monitor's quantity tests)."""
+
+    def __init__(self, d: int = 4, h: int = 5, c: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, h)
+        self.block = nn.Linear(h, h)
+        self.out = nn.Linear(h, c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + torch.relu(self.block(h))
+        return self.out(h)
+
+
 class TanhResidual(nn.Module):
     """Linear layers with tanh and a skip connection (Hessian residual terms, glue code)."""
 

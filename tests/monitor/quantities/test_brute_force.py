@@ -24,23 +24,10 @@ import backprism
 from backprism.monitor import Monitor, quantities, schedules
 from backprism.monitor.configuration import TRACKED
 from tests import reference
-from tests.common import individual_grads
+from tests.common import TanhReluResidual, individual_grads
 
 N, D_IN, C = 6, 4, 3
 STEPS = 4
-
-
-class Residual(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, 5)
-        self.block = nn.Linear(5, 5)
-        self.out = nn.Linear(5, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        h = h + torch.relu(self.block(h))
-        return self.out(h)
 
 
 def make_model(kind: str) -> nn.Module:
@@ -48,7 +35,7 @@ def make_model(kind: str) -> nn.Module:
     if kind == "chain":
         model = nn.Sequential(nn.Linear(D_IN, 5), nn.Tanh(), nn.Linear(5, C))
     else:
-        model = Residual()
+        model = TanhReluResidual(D_IN, 5, C)
     return model.double()
 
 

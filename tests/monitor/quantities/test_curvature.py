@@ -25,25 +25,10 @@ from backprism.monitor import Monitor, configuration, quantities, schedules
 from backprism.monitor.quantities.curvature import TRACE_CURVATURES
 from backprism.monitor.traces import GGNTrace, HessianTrace
 from tests import reference
-from tests.common import monitor_setup, monitor_step
+from tests.common import TanhReluResidual, monitor_setup, monitor_step
 
 N, D_IN, C = 6, 4, 3
 EVERY = schedules.linear(1)
-
-
-class Residual(nn.Module):
-    """Two Linear branches meeting in a sum, a smooth and a piecewise-linear nonlinearity."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, 5)
-        self.block = nn.Linear(5, 5)
-        self.out = nn.Linear(5, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        h = h + torch.relu(self.block(h))
-        return self.out(h)
 
 
 def make(kind: str) -> nn.Module:
@@ -51,7 +36,7 @@ def make(kind: str) -> nn.Module:
     if kind == "tanh":
         model: nn.Module = nn.Sequential(nn.Linear(D_IN, 5), nn.Tanh(), nn.Linear(5, C))
     elif kind == "residual":
-        model = Residual()
+        model = TanhReluResidual(D_IN, 5, C)
     elif kind == "conv":
         model = nn.Sequential(
             nn.Conv2d(2, 3, 3), nn.Sigmoid(), nn.Flatten(), nn.Linear(3 * 4 * 4, C)
