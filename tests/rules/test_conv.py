@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -218,6 +219,20 @@ def _check_case(case: dict) -> None:
 @given(case=conv_case(transpose=False))
 def test_conv_rule_methods(case: dict) -> None:
     _check_case(case)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@settings(max_examples=15, deadline=None)
+@given(case=conv_case(transpose=False))
+def test_conv_per_sample_paths(grouped: bool, case: dict) -> None:
+    """Both ways of building ``V`` — the weight gradient with the samples as groups, and the
+    unfolded input — on every configuration (the choice between them is a speed heuristic)."""
+    from backprism.rules.conv import _ConvRule
+
+    with mock.patch.object(_ConvRule, "_grouped", lambda self, call: grouped):
+        _check_case(case)
+        with mock.patch("backprism.rules.unfold.CHUNK_ELEMENTS", 20):  # in sample chunks
+            _check_case(case)
 
 
 @settings(max_examples=25, deadline=None)

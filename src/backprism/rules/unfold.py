@@ -200,6 +200,14 @@ class UnfoldRule(Rule):
         groups = call.module.groups
         return g.reshape(m, n, groups, cout // groups, -1)
 
+    def _in_features(self, call: Call) -> int:
+        """``I = (C_in/G)·K``, the unfolded input features per group (without unfolding)."""
+        return call.input.shape[1] // call.module.groups * math.prod(call.module.kernel_size)
+
+    def _samples(self, call: Call, g5: Tensor, sl: slice) -> Tensor:
+        """``V`` for the samples ``sl``: ``[M, n, G, O, I]`` (from the unfolded input)."""
+        return self._vmat(g5[:, sl], self._x(call)[sl])
+
     @staticmethod
     def _vmat(g5: Tensor, x: Tensor) -> Tensor:
         """``V = g Xᵀ``: ``[M, n, G, O, L] × [n, G, I, L] → [M, n, G, O, I]``."""
@@ -225,7 +233,7 @@ class UnfoldRule(Rule):
         if self._has_weight(call):
             v = self._cache.get_v(call, g)
             if v is None:
-                v = self.to_param(call, self._vmat(self._g(call, g), self._x(call)))
+                v = self.to_param(call, self._samples(call, self._g(call, g), slice(None)))
                 self._cache.set_v(call, g, v)
             out["weight"] = v
         if self._has_bias(call):
@@ -261,13 +269,13 @@ class UnfoldRule(Rule):
             if weights is not None:
                 sq = sq * weights.reshape(weights.shape + (1,) * (sq.dim() - 2))
             return sq.sum(0) if keep_batch else sq.sum((0, 1))
-        g5, x = self._g(call, g), self._x(call)
+        g5 = self._g(call, g)
         m, n, grp, o, _ = g5.shape
-        per = m * grp * o * x.shape[2]
+        per = m * grp * o * self._in_features(call)
         parts: list[Tensor] = []
         total: Tensor | None = None
         for sl in _sample_chunks(n, per):
-            v = self._vmat(g5[:, sl], x[sl])
+            v = self._samples(call, g5, sl)
             k = v.shape[1]
             flat = v.reshape(m * k, -1)
             flat.square_()
@@ -329,11 +337,12 @@ class UnfoldRule(Rule):
         return out
 
     def _batch_l2_weight(self, call: Call, g: Tensor) -> Tensor:
-        g5, x = self._g(call, g), self._x(call)
+        g5 = self._g(call, g)
         m, n, grp, o, length = g5.shape
-        i = x.shape[2]
+        i = self._in_features(call)
         parts = []
         if length * length * (m * o + i) < m * o * i * length:  # Gram form is cheaper
+            x = self._x(call)
             for sl in _sample_chunks(n, grp * length * length * 2):
                 gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
                 gs = g5[:, sl]
@@ -344,7 +353,7 @@ class UnfoldRule(Rule):
                 parts.append((gram_x * gram_g).sum((1, 2, 3)))
         else:
             for sl in _sample_chunks(n, m * grp * o * i):
-                v = self._vmat(g5[:, sl], x[sl])
+                v = self._samples(call, g5, sl)
                 k = v.shape[1]
                 # fused norm: no squared temporary
                 norms = torch.linalg.vector_norm(v.reshape(m, k, -1), dim=-1).square()
