@@ -13,6 +13,7 @@ number or a clear error" is accepted, a clear error is a ``RuntimeError``/``Valu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -90,6 +91,32 @@ def _two_batches(n1: int = 5, n2: int = 5) -> tuple[nn.Module, nn.Module, tuple]
         torch.randn(n2, 4, dtype=DT), seeded_labels((n2,), 3, 5),
     )
     return model, lf, data
+
+
+class _ScaledAttention(nn.Module):
+    """A module with a parameter of its own around an attention layer (whose ``out_proj`` is
+    never called: the attention call claims it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attn(x, x, x, need_weights=False)[0] * self.gamma
+
+
+def test_enclosing_call_claims_nothing_of_a_finished_subtree() -> None:
+    """A parameter-owning module around ``MultiheadAttention`` claimed ``out_proj`` too (a
+    descendant that never ran), so its per-sample gradients were counted twice; now the
+    finished attention call's whole subtree is its own."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(_ScaledAttention(), nn.Flatten(), nn.Linear(12, 3)).double())
+    lossfunc = extend(nn.CrossEntropyLoss())
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generic rule for the enclosing module
+        check_first_order_vs_vmap(model, lossfunc, x, torch.randint(0, 3, (5,)))
 
 
 @pytest.mark.parametrize("order", ["outputs_first", "alternating"])

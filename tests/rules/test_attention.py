@@ -14,7 +14,9 @@ References: ``reference.per_sample_grads`` (a parameter copy per sample, ``vmap`
 
 from __future__ import annotations
 
+import copy
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -354,19 +356,75 @@ def test_tiny_gpt_tied_embeddings():
 
 
 # -- what goes to the generic rule -----------------------------------------------------------
-def test_dropout_in_train_mode_is_refused_by_the_generic_path():
-    torch.manual_seed(0)
-    model = Attn()
+@pytest.mark.parametrize("case", ["self", "self_bool2d_weights", "self_key_padding_per_head"])
+def test_dropout_in_train_mode_self_attention(case: str):
+    """Self-attention with dropout in train mode (``TransformerEncoderLayer``'s default): the
+    input projection is a Linear call of its own and ``out_proj``'s input is kept, so the
+    real backward's gradients — dropout masks included — give the statistics. Reference: the
+    gradient of each sample's loss term through the same forward graph (the same masks)."""
+    model, X, y = _make(case, n=4)
     model.attn.dropout = 0.5
-    X = (torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.zeros(2, 3, dtype=torch.bool),
-         torch.zeros(2, 2, 3, 3))
-    X = (X[0], X[0], X[2], X[3])
+    n = y.shape[0]
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    out = model(*X)
+    terms = nn.functional.cross_entropy(out, y, reduction="none") / n
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", generic.GenericRuleWarning)  # no generic fallback
+        with collect(BatchGrad(), BatchL2Grad(), Variance()):
+            lossfunc(out, y).backward(retain_graph=True)
+    for name, p in trainable(model).items():
+        ref = torch.stack([torch.autograd.grad(t, p, retain_graph=True)[0] for t in terms])
+        exp = first_order_expected(ref)
+        for field in ("grad_batch", "batch_l2", "variance"):
+            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("cross")])
+def test_extended_forward_and_grad_are_pytorchs(case: str, dropout: float):
+    """The extended model runs self-attention through backprism's copy of PyTorch's
+    ``multi_head_attention_forward`` (so that the input projection is seen): outputs and
+    ``.grad`` are bitwise PyTorch's, dropout masks included; released configurations never
+    recompute the forward."""
+    model, X, y = _make(case)
+    model.attn.dropout = dropout
+    plain = copy.deepcopy(model)
+    torch.manual_seed(1)
+    ref = plain(*X)
+    nn.functional.cross_entropy(ref, y).backward()
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    released = "kv" not in case
+    with mock.patch.object(
+        MultiheadAttentionRule, "_compute_forward",
+        side_effect=AssertionError("recomputed") if released else
+        MultiheadAttentionRule._compute_forward, autospec=True,
+    ), warnings.catch_warnings():
+        warnings.simplefilter("ignore", generic.GenericRuleWarning)
+        torch.manual_seed(1)
+        out = model(*X)
+        assert torch.equal(out, ref)
+        if dropout and not released:  # the recomputing path has no masks (test above)
+            return
+        with collect(BatchGrad()):
+            lossfunc(out, y).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+        assert p.grad_batch.shape == (y.shape[0], *p.shape)
+
+
+def test_dropout_in_train_mode_is_refused_for_cross_attention():
+    """Cross-attention keeps the closed forms of the recomputed forward, which has no dropout
+    masks: refused by the generic path; in eval mode the closed forms again."""
+    model, X, y = _make("cross_packed_3d", n=2)
+    model.attn.dropout = 0.5
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", generic.GenericRuleWarning)
         with pytest.raises(RuntimeError, match="dropout"):
-            _run(model, X, torch.randint(0, 3, (2,)), BatchGrad())
+            _run(model, X, y, BatchGrad())
     model.eval()  # dropout off: the closed forms again
-    _run(model, X, torch.randint(0, 3, (2,)), BatchGrad())
+    _run(model, X, y, BatchGrad())
     assert model.attn.in_proj_weight.grad_batch.shape == (2, 12, 4)
 
 

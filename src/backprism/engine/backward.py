@@ -138,10 +138,13 @@ class BackwardPass:
         self.roots = view.roots
         self.param_count: Counter[int] = Counter()
         self.module_count: Counter[int] = Counter()
+        #: parameters of all calls of a module (the ``extension_hook`` waits for all of them)
+        self.module_params: dict[int, list[nn.Parameter]] = {}
         for call in self.calls:
             for p in call.params.values():
                 self.param_count[id(p)] += 1
-            self.module_count[id(call.module)] += 1
+            self.module_count[id(call.hook_module)] += 1
+            self.module_params.setdefault(id(call.hook_module), []).extend(call.params.values())
         self.n_samples = 0
         self.fired: Counter[int] = Counter()
         self.module_fired: Counter[int] = Counter()
@@ -258,7 +261,11 @@ class BackwardPass:
         the size of axis 0, nothing tells them apart (silently wrong when ``T == N``): refused.
         Otherwise a wrong guess shows as a batch size that differs from the other calls', which
         the batch-size check refuses."""
-        if not any(c.batch_axis or sequence_first(c.module) for c in self.calls):
+        # (a call inside a module that released its parameters has its batch axis from that
+        # module's own layout, e.g. attention's [T, N, E] projection: no RNN)
+        if not any(
+            (c.batch_axis and c.owner is None) or sequence_first(c.module) for c in self.calls
+        ):
             return
         for call in self.calls:
             if call.params and call.assumed_axis and _ambiguous_batch_axis(call):
@@ -490,10 +497,10 @@ class BackwardPass:
                 )
 
     def _on_output_grad(self, call: Call, grads: tuple[Tensor | None, ...]) -> None:
-        module = call.module
+        module = call.hook_module
         params = call.params
         if self.first and params and any(g is not None for g in grads):
-            rule = _Memo(get_rule(module))
+            rule = _Memo(get_rule(call.module))
             g = _with_column_axis(grads, call, self.create_graph)
             single, multi = {}, {}
             for name, p in params.items():
@@ -531,7 +538,7 @@ class BackwardPass:
 
     def _maybe_run_hook(self, call: Call) -> None:
         """Run ``extension_hook`` once the module's last call in this pass is done."""
-        module = call.module
+        module = call.hook_module
         hook = self.ctx.extension_hook
         if hook is None or id(module) not in self.touched or id(module) in self.hooked:
             return
@@ -544,7 +551,7 @@ class BackwardPass:
             self.fired[id(p)] < self.param_count[id(p)]
             or id(p) in self.partials
             or id(p) in self.dense
-            for p in call.params.values()
+            for p in self.module_params.get(id(module), ())
         ):
             return
         self.hooked.add(id(module))
@@ -732,7 +739,7 @@ class BackwardPass:
                             dense[id(p)][2] = dense[id(p)][2] + ps[name]
                         else:
                             dense[id(p)] = [p, call, ps[name]]
-                self.touched[id(call.module)] = call.module
+                self.touched[id(call.hook_module)] = call.hook_module
             for p, call, d in dense.values():
                 for ext in exts:
                     if not ext.additive:

@@ -10,10 +10,12 @@ from backprism.engine.forward import (
     loss_forward_hook,
     module_forward_hook,
     module_pre_hook,
+    module_pre_hook_inside,
     root_post_hook,
     root_pre_hook,
 )
 from backprism.engine.residual import ACTIVATION_TYPES, activation_forward_hook
+from backprism.engine.rule import Rule, get_rule
 
 __all__ = ["extend"]
 
@@ -27,6 +29,15 @@ def _is_batchnorm(module: nn.Module) -> bool:
 
 def _owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
+
+
+def _decides_inside(module: nn.Module) -> bool:
+    """Whether ``module``'s rule overrides :meth:`Rule.inside` (its pre-hook then asks it)."""
+    try:
+        rule = get_rule(module)
+    except NotImplementedError:  # a bare engine without the generic rule
+        return False
+    return type(rule).inside is not Rule.inside
 
 
 def extend(module: nn.Module) -> nn.Module:
@@ -58,7 +69,10 @@ def extend(module: nn.Module) -> nn.Module:
         if isinstance(sub, _LOSS_TYPES):
             extend(sub)
         elif _owns_params(sub) or _is_batchnorm(sub):
-            sub.register_forward_pre_hook(module_pre_hook)
+            if _decides_inside(sub):
+                sub.register_forward_pre_hook(module_pre_hook_inside, with_kwargs=True)
+            else:
+                sub.register_forward_pre_hook(module_pre_hook)
             sub.register_forward_hook(module_forward_hook, with_kwargs=True)
         elif isinstance(sub, ACTIVATION_TYPES):
             sub.register_forward_hook(activation_forward_hook)

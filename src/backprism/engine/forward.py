@@ -42,12 +42,21 @@ from backprism.engine.state import (
     LOSS,
     ROOT,
     Call,
+    Kept,
     LossRecord,
     RootRecord,
     sequence_first,
 )
 
-__all__ = ["call_params", "capture", "loss_forward_hook", "module_forward_hook"]
+__all__ = [
+    "call_params",
+    "capture",
+    "keep_linear",
+    "loss_forward_hook",
+    "module_forward_hook",
+    "module_pre_hook",
+    "module_pre_hook_inside",
+]
 
 
 #: hooks run inside the forward mode of an extended model; their own tensor operations
@@ -99,16 +108,66 @@ def _record_root(module: nn.Module, args: Any, output: Any) -> None:
             o.grad_fn.metadata[ROOT] = record
 
 
+_NONE: frozenset[int] = frozenset()
+
+
+def _new_frame(module: nn.Module) -> list[Any]:
+    """A :data:`~backprism.engine.state.FORWARD` call-stack frame (see its docstring)."""
+    return [module, set(), _NONE, None, None, None]
+
+
 def module_pre_hook(module: nn.Module, args: Any) -> None:
-    FORWARD.call_stack.append([module, set()])
+    FORWARD.call_stack.append([module, set(), _NONE, None, None, None])
 
 
-def call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
+def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The pre-hook of modules whose rule overrides :meth:`~backprism.engine.rule.Rule.inside`:
+    the frame carries the parameters the call releases and the ``F.linear`` uses it keeps."""
+    frame = _new_frame(module)
+    FORWARD.call_stack.append(frame)
+    mode_on = bool(FORWARD.modes) and FORWARD.modes[-1] is not None
+    # released uses are attributed by the forward mode (none without one: a sub-module called
+    # on its own keeps its parameters)
+    if not mode_on or FORWARD.suspended or not torch.is_grad_enabled():
+        return
+    with _NO_TORCH_FUNCTION():
+        inside = get_rule(module).inside(module, args, kwargs)
+        if not inside.release and not inside.keep:
+            return
+        named = dict(module.named_parameters())
+        frame[2] = frozenset(id(named[n]) for n in inside.release if n in named)
+        if inside.keep:
+            frame[3] = {id(named[n]): n for n in inside.keep if n in named}
+            frame[4] = Kept()
+        frame[5] = inside.functions
+
+
+def keep_linear(p: Tensor, x: Any, out: Any) -> None:
+    """Called by the forward mode for ``F.linear(x, p, ...)`` with ``p`` claimed by a module in
+    its forward: kept if the innermost frame asked for it (:attr:`Inside.keep`)."""
+    frame = FORWARD.call_stack[-1] if FORWARD.call_stack else None
+    if frame is None or frame[3] is None or not isinstance(out, Tensor):
+        return
+    name = frame[3].get(id(p))
+    if name is None or not isinstance(x, Tensor):
+        return
+    kept: Kept = frame[4]
+    with _NO_TORCH_FUNCTION():
+        # a second use of the parameter makes the record ambiguous: the rule recomputes
+        kept.linear[name] = (
+            None if name in kept.linear else (x.detach(), out.data_ptr(), out.shape)
+        )
+
+
+def call_params(
+    module: nn.Module, ran: set[int], released: frozenset[int] = _NONE
+) -> dict[str, nn.Parameter]:
     """Parameters a call of ``module`` is responsible for: its own, plus those of descendants
     whose forward did not run during the call (e.g. ``MultiheadAttention.out_proj``, used
-    functionally), which therefore have no call of their own."""
+    functionally), which therefore have no call of their own — less those ``released`` (ids)
+    to functional attribution (:attr:`Inside.release`)."""
     params: dict[str, nn.Parameter] = {}
-    seen: set[int] = set()
+    seen: set[int] = set(released)
     for n, p in module._parameters.items():  # named_parameters(recurse=False), cheaper
         if p is not None and p.requires_grad and id(p) not in seen:
             seen.add(id(p))
@@ -119,7 +178,7 @@ def call_params(module: nn.Module, ran: set[int]) -> dict[str, nn.Parameter]:
         if sub is module or id(sub) in ran:
             continue
         for n, p in sub.named_parameters(recurse=False):
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in released:
                 params[f"{name}.{n}"] = p
     return params
 
@@ -130,12 +189,17 @@ def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
 
 
 def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    frame = FORWARD.call_stack.pop() if FORWARD.call_stack else [module, set()]
+    frame = FORWARD.call_stack.pop() if FORWARD.call_stack else _new_frame(module)
     ran = frame[1]
     if FORWARD.call_stack:
+        # the module's whole subtree is accounted for — by the calls of descendants that ran,
+        # or by this call (those that did not, e.g. MultiheadAttention.out_proj): an enclosing
+        # call must not claim any of it
         parent = FORWARD.call_stack[-1][1]
         parent.add(id(module))
         parent.update(ran)
+        if module._modules:
+            parent.update(id(m) for m in module.modules())
     if not torch.is_grad_enabled() or FORWARD.suspended:
         return
     if isinstance(output, Tensor):  # the common case, without pytree traversals
@@ -158,7 +222,10 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
     if not arg_tensors:
         return
-    params = call_params(module, ran)
+    params = call_params(module, ran, frame[2])
+    kept: Kept | None = frame[4]
+    if kept is not None:
+        kept.outs = [(o.data_ptr(), o.stride()) for o in outs]
     first = arg_tensors[0]
     if sequence_first(module) and first.dim() == 3:
         # [T, N, features]: the batch on axis 1, in the outputs too (RNN: output, h_n, c_n;
@@ -174,7 +241,10 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
             setattr(o, AXIS, 0 if isinstance(module, nn.MultiheadAttention) and i else 1)
         FORWARD.layouts = True
         return
-    capture(module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs))
+    capture(
+        module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs),
+        inner=kept,
+    )
 
 
 def capture(
@@ -187,6 +257,7 @@ def capture(
     batch_size: int | None = None,
     live: tuple[tuple, dict] | None = None,
     layout_ok: bool = False,
+    inner: Kept | None = None,
 ) -> Call | None:
     """Record one call (of a module, or a functional use of parameters with a stand-in
     ``module``) whose outputs ``outs`` were computed from ``arg_tensors``; ``args``/``kwargs``
@@ -220,8 +291,18 @@ def capture(
         layout_error=None if layout_ok else _layout_error(module, arg_tensors),
         batch_axis=moved,
         assumed_axis=axis is None and not layout_ok,
+        inner=inner,
+        owner=_releaser(params),
     )
     return call if attach(call, outs) else None
+
+
+def _releaser(params: dict[str, nn.Parameter]) -> nn.Module | None:
+    """The module in its forward that released one of ``params`` (:attr:`Inside.release`)."""
+    for frame in reversed(FORWARD.call_stack):
+        if frame[2] and any(id(p) in frame[2] for p in params.values()):
+            return frame[0]
+    return None
 
 
 def _edge(a: Tensor) -> GradientEdge:

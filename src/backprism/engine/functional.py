@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - torch < 2.3
     _SDPBackend = _sdpa_kernel = None
 
 from backprism.engine import residual
-from backprism.engine.forward import attach, capture
+from backprism.engine.forward import attach, capture, keep_linear
 from backprism.engine.state import AXIS, CALLS, FORWARD, FORWARD_LISTENERS, Call, active
 
 __all__ = ["ForwardMode", "OpModule", "ParamBroadcast"]
@@ -87,7 +87,10 @@ def _is_owned(p: nn.Parameter) -> bool:
     is its own, or belongs to a descendant that has not run during the call (the engine's
     :func:`~backprism.engine.forward.call_params`)."""
     pid = id(p)
-    for module, ran in FORWARD.call_stack:
+    stack = FORWARD.call_stack
+    if any(frame[2] and pid in frame[2] for frame in stack):
+        return False  # released by a call to be attributed where it enters (Inside.release)
+    for module, ran, *_ in stack:
         subs = _owners(module).get(pid)
         if subs is not None and (id(module) in subs or not subs <= ran):
             return True
@@ -233,12 +236,16 @@ def _capture_one(module: nn.Module, x: Tensor, outs: list[Tensor], params: dict)
 def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
     views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
-    if not views or all(_is_owned(v[0]) for _, v in views):
+    if not views:
+        return
+    if name is None:
+        name = residual.op_name(func)
+    if all(_is_owned(v[0]) for _, v in views):
+        if name == "linear" and views[0][0] == 1 and views[0][1][2] == "param":
+            keep_linear(views[0][1][0], args[0], out)
         return
     if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
         return  # a parameter passed by keyword: left to the graph check, which refuses it
-    if name is None:
-        name = residual.op_name(func)
     tensors = [
         (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
     ]
@@ -541,6 +548,16 @@ def _info(func: Any) -> tuple[str, bool, int]:
     return info
 
 
+def _replacement(name: str) -> Callable[..., Any] | None:
+    """The innermost hooked call's replacement for the function ``name`` (``Inside.functions``:
+    the same computation written with operations the mode sees), if any."""
+    stack = FORWARD.call_stack
+    if not stack:
+        return None
+    functions = stack[-1][5]
+    return None if functions is None else functions.get(name)
+
+
 #: attention entry points that may pick a fused kernel without a second derivative
 _ATTENTION = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})
 
@@ -574,6 +591,12 @@ class ForwardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if len(args) == 2 and name in _BROADCASTING:
             args = _broadcast_calls(args)
+        replacement = _replacement(name)
+        if replacement is not None:
+            with self:  # the mode sees the operations inside, where released parameters enter
+                out = replacement(*args, **kwargs)
+            if out is not NotImplemented:
+                return out  # attributed, recorded and followed inside
         if self.math_attention and name in _ATTENTION:
             with _math_attention():
                 out = func(*args, **kwargs)

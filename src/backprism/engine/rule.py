@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from backprism.engine.state import Call
+from backprism.engine.state import Call, Inside
 
 __all__ = [
     "KRONECKER_DIAGONAL_MAX_BYTES",
@@ -35,6 +35,9 @@ __all__ = [
     "register_rule",
     "set_generic_rule",
 ]
+
+
+_NOTHING_INSIDE = Inside()
 
 
 class Rule:
@@ -56,6 +59,17 @@ class Rule:
     #: the batch on another axis (after a ``batch_first=False`` RNN) may be captured with that
     #: input moved batch-first (``Call.batch_axis``).
     moves_batch_axis: bool = False
+
+    def inside(self, module: nn.Module, args: tuple, kwargs: dict) -> Inside:
+        """What the forward of this call of ``module`` should do inside it (called before the
+        module's forward, only for rules that override it; decided once per call).
+
+        A rule may *release* parameters whose uses inside the module are better attributed
+        where they enter — e.g. attention's packed input projection, an ``F.linear`` whose
+        output gradient the real backward pass computes anyway — and ask the forward to *keep*
+        the input of the ``F.linear`` of a parameter it still claims, instead of recomputing
+        it (:attr:`Call.inner`). The default releases and keeps nothing."""
+        return _NOTHING_INSIDE
 
     def builds_per_sample(self, call: Call) -> bool:
         """Whether the statistics of ``call`` may build per-sample, per-column gradients

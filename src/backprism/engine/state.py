@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +49,8 @@ __all__ = [
     "ROOT",
     "SITES",
     "Call",
+    "Inside",
+    "Kept",
     "LossRecord",
     "RootRecord",
     "active",
@@ -109,6 +111,11 @@ class Call:
         live: ``(args, kwargs)`` as passed, not detached (upstream of the call's output, so no
             reference cycle): what rules see in a ``create_graph=True`` pass, whose first-order
             results are differentiable.
+        owner: for a functional use of a parameter that a module released
+            (:attr:`Inside.release`), that module: ``extension_hook`` runs for it once all its
+            calls are done.
+        inner: what the forward kept from inside the call at its rule's request
+            (:meth:`~backprism.engine.rule.Rule.inside`), or ``None``.
         pass_: the backward pass processing this call right now (set and cleared by it).
     """
 
@@ -129,7 +136,14 @@ class Call:
     layout_error: str | None = None
     live: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     whole_batch: bool = False
+    inner: Kept | None = None
+    owner: nn.Module | None = None
     pass_: Any = None
+
+    @property
+    def hook_module(self) -> nn.Module:
+        """The module ``extension_hook`` is called with for this call's results."""
+        return self.module if self.owner is None else self.owner
 
     @property
     def input(self) -> Tensor:
@@ -154,6 +168,44 @@ class Call:
                     "in-place operations on tensors fed to extended modules (e.g. use "
                     "nn.ReLU(inplace=False) before them)."
                 )
+
+
+class Inside(NamedTuple):
+    """What a rule asks of the forward of one call (:meth:`~backprism.engine.rule.Rule.inside`).
+
+    Attributes:
+        release: names of the module's parameters that the call does not claim: their uses
+            inside the forward are attributed as functional uses (calls of their own, captured
+            where the parameter enters, with the gradients of the real backward pass); where
+            the batch is not on axis 0 there, the replacement function marks it (:data:`AXIS`).
+        keep: names of parameters the call keeps claiming whose ``F.linear`` input and output
+            the forward keeps (:class:`Kept`), so that the rule need not recompute them.
+        functions: replacements, by name, for functions the module calls that dispatch
+            ``__torch_function__`` for their whole body (``F.multi_head_attention_forward``):
+            the forward mode sees such a function as one operation, so it runs the replacement
+            — the same computation, written with operations it sees — to find where the
+            released parameters enter. A replacement returns ``NotImplemented`` for arguments
+            it does not cover (the function then runs as one operation).
+    """
+
+    release: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    functions: Mapping[str, Callable[..., Any]] | None = None
+
+
+@dataclass(eq=False)
+class Kept:
+    """What the forward kept from inside one call (see :class:`Inside`).
+
+    Attributes:
+        linear: parameter name → ``(x, y_ptr, y_shape)`` of the one ``F.linear(x, p, ...)``
+            that used it (``x`` detached; ``None`` if the parameter was used more than once).
+        outs: ``(data_ptr(), stride())`` of the call's tensor outputs, to check how ``y``
+            became them.
+    """
+
+    linear: dict[str, tuple[Tensor, int, torch.Size] | None] = field(default_factory=dict)
+    outs: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
 
 class LossRecord:
@@ -188,7 +240,10 @@ class _ForwardState(threading.local):
 
     def __init__(self) -> None:
         #: one frame per hooked module currently in its forward: [module, ids of hooked
-        #: descendants that ran during it]
+        #: descendants that ran during it, ids of the parameters it releases to functional
+        #: attribution (``Inside.release``), ``{parameter id: name}`` of the ``F.linear``
+        #: uses it keeps (``Inside.keep``), the :class:`Kept` record being filled, the
+        #: replacement functions (``Inside.functions``) or ``None``]
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []

@@ -48,9 +48,19 @@ cross-attention has three different inputs, so it is no single Kronecker product
 refused); ``bias_k``/``bias_v`` get ``[B]``, ``B = Σₘₙ δₘₙ δₘₙᵀ`` at their position.
 
 The module is not linear in its parameters (``W_q``, ``W_k`` enter through the softmax), so
-``linear_in_params`` is ``False``. Configurations outside this form — ``batch_first=False`` or
-unbatched input, dropout in train mode — go to the generic ``torch.func`` rule this class
-derives from (which explains its refusals).
+``linear_in_params`` is ``False``.
+
+**Self-attention with the packed projection** (``query is key is value``, ``batch_first``, no
+``bias_k``/``add_zero_attn`` — every ``TransformerEncoderLayer``/``DecoderLayer`` self-attention)
+takes a shorter way (:meth:`MultiheadAttentionRule.inside`): the extended forward runs
+:func:`_self_attention_forward`, PyTorch's own sequence of operations written out, so that the
+forward mode sees ``F.linear(query, in_proj_weight, in_proj_bias)`` and captures it as a Linear
+call of its own (the attention call *releases* those parameters), and keeps ``o``, the input of
+``out_proj``. The real backward pass then delivers ``[δq, δk, δv]`` at the projection's output
+— masks, causal attention, returned weights, the fused kernels and **dropout in train mode**
+included — and nothing is recomputed. Other configurations recompute the forward as above;
+there, dropout in train mode and ``batch_first=False`` or unbatched input go to the generic
+``torch.func`` rule this class derives from (which explains its refusals).
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.engine.rule import Call, Rule, register_rule
+from backprism.engine.state import AXIS, FORWARD, Inside
 from backprism.rules.generic import GenericRule
 from backprism.rules.linear import LinearRule, linear_shell
 
@@ -78,6 +89,170 @@ _LINEAR = LinearRule()
 _CAT_AXIS = {"per_sample": 2, "summed": 1, "sum_squared": 0, "batch_sum_squared": 1}
 _SUMMED = frozenset({"batch_l2", "batch_dot"})
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def _self_attention_forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: Tensor | None,
+    in_proj_bias: Tensor | None,
+    bias_k: Tensor | None,
+    bias_v: Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None,
+    training: bool = True,
+    key_padding_mask: Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: Tensor | None = None,
+    k_proj_weight: Tensor | None = None,
+    v_proj_weight: Tensor | None = None,
+    static_k: Tensor | None = None,
+    static_v: Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> Any:
+    """``F.multi_head_attention_forward`` for batched self-attention with the packed input
+    projection (``query is key is value``, ``[L, N, E]``; no ``bias_k``/``bias_v``,
+    ``add_zero_attn``, static keys/values) — PyTorch's own sequence of operations, written
+    out so that the forward mode sees them: the input projection ``F.linear(query, W, b)``
+    becomes a Linear call of its own and ``out_proj``'s input is kept. ``NotImplemented`` for
+    every other configuration (the function then runs as one operation)."""
+    if (
+        query is not key
+        or key is not value
+        or query.dim() != 3
+        or in_proj_weight is None
+        or bias_k is not None
+        or bias_v is not None
+        or add_zero_attn
+        or use_separate_proj_weight
+        or static_k is not None
+        or static_v is not None
+    ):
+        return NotImplemented
+    F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
+    tgt_len, bsz, embed_dim = query.shape
+    src_len = tgt_len
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask, mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+            "module method `generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # SDPA's is_causal instead
+    else:
+        attn_mask = F._canonical_mask(
+            mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
+            target_type=query.dtype, check_other=False,
+        )
+        if key_padding_mask is not None:
+            is_causal = False
+    if embed_dim != embed_dim_to_check:
+        raise AssertionError(
+            f"was expecting embedding dimension of {embed_dim_to_check}, but got {embed_dim}"
+        )
+    head_dim = embed_dim // num_heads
+    if head_dim * num_heads != embed_dim:
+        raise AssertionError(f"embed_dim {embed_dim} not divisible by num_heads {num_heads}")
+    # the packed projection: one F.linear (a Linear call of its own, the batch on axis 1 of
+    # its input), split as PyTorch splits it
+    setattr(query, AXIS, 1)
+    proj = F.linear(query, in_proj_weight, in_proj_bias)
+    proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+    proj = proj.contiguous()
+    q, k, v = proj[0], proj[1], proj[2]
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if attn_mask.shape != (tgt_len, src_len):
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be "
+                    f"{(tgt_len, src_len)}."
+                )
+            attn_mask = attn_mask.unsqueeze(0)
+        elif attn_mask.dim() == 3:
+            if attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
+                raise RuntimeError(
+                    f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                    f"{(bsz * num_heads, tgt_len, src_len)}."
+                )
+        else:
+            raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+    q = q.view(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
+    k = k.view(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    v = v.view(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    src_len = k.size(1)
+    if key_padding_mask is not None:
+        check = getattr(F, "_check_key_padding_mask", None)
+        if check is not None:
+            check(key_padding_mask, src_len, bsz)
+        key_padding_mask = (
+            key_padding_mask.view(bsz, 1, 1, src_len)
+            .expand(-1, num_heads, -1, -1)
+            .reshape(bsz * num_heads, 1, src_len)
+        )
+        attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    if not training:
+        dropout_p = 0.0
+    if need_weights:
+        if is_causal and attn_mask is None:
+            raise AssertionError("FIXME: is_causal not implemented for need_weights")
+        q_scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+        if attn_mask is not None:
+            weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+        else:
+            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        weights = F.softmax(weights, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        out = torch.bmm(weights, v)
+        out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+        out = F.linear(out, out_proj_weight, out_proj_bias)
+        out = out.view(tgt_len, bsz, out.size(1))
+        weights = weights.view(bsz, num_heads, tgt_len, src_len)
+        if average_attn_weights:
+            weights = weights.mean(dim=1)
+        return _batch_axes(out, 1), _batch_axes(weights, 0)
+    if attn_mask is not None:
+        if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(0)
+        else:
+            attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
+    q = q.view(bsz, num_heads, tgt_len, head_dim)
+    k = k.view(bsz, num_heads, src_len, head_dim)
+    v = v.view(bsz, num_heads, src_len, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+    del q, k, v
+    out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+    out = F.linear(out, out_proj_weight, out_proj_bias)
+    return _batch_axes(out.view(tgt_len, bsz, out.size(1)), 1), None
+
+
+def _batch_axes(t: Tensor, axis: int) -> Tensor:
+    """Mark ``t``'s batch axis where the forward follows it (after a ``batch_first=False``
+    RNN): as for the function run as one operation."""
+    if FORWARD.layouts:
+        setattr(t, AXIS, axis)
+    return t
+
+
+_NOTHING = Inside()
+_RELEASE = Inside(
+    release=("in_proj_weight", "in_proj_bias"),
+    keep=("out_proj.weight",),
+    functions={"multi_head_attention_forward": _self_attention_forward},
+)
 
 
 class _Fixed(Rule):
@@ -160,6 +335,59 @@ class MultiheadAttentionRule(GenericRule):
         self._fw: tuple[weakref.ref, _Forward] | None = None
         self._bw: tuple[weakref.ref, weakref.ref, tuple, _Pieces] | None = None
 
+    # -- what the forward attributes where the parameters enter -------------------------------
+    def inside(self, module: nn.Module, args: tuple, kwargs: dict) -> Inside:
+        """Self-attention with the packed projection (``TransformerEncoderLayer``'s case):
+        ``in_proj_weight``/``in_proj_bias`` are released — their ``F.linear`` inside the forward
+        becomes a Linear call of its own, whose output gradient ``[δq, δk, δv]`` the real
+        backward pass computes (masks, dropout and the fused kernels included) — and the input
+        ``o`` of ``out_proj`` is kept: no recomputed forward, no written-out attention
+        backward for first-order statistics."""
+        if (
+            type(module) is not nn.MultiheadAttention
+            or not module.batch_first
+            or not module._qkv_same_embed_dim
+            or module.bias_k is not None
+            or module.in_proj_weight is None
+        ):
+            return _NOTHING
+        query = args[0] if args else kwargs.get("query")
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        if (
+            not isinstance(query, Tensor)
+            or query is not key
+            or key is not value
+            or query.dim() != 3
+            or query.is_nested
+        ):
+            return _NOTHING
+        return _RELEASE
+
+    def _kept_o(self, call: Call) -> Tensor | None:
+        """``o`` ``[N, L, E]`` (the input of ``out_proj``) as the forward kept it, if the call
+        released its input projection and the kept ``F.linear`` is the one whose output the
+        module returned: ``y [L·N, E]`` viewed as ``[L, N, E]`` and transposed (the layout of
+        ``F.multi_head_attention_forward``, checked through the output's storage and strides,
+        so a PyTorch that lays it out otherwise takes the recomputing path)."""
+        kept = call.inner
+        if kept is None or not kept.outs or any(k in call.params for k in _RELEASE.release):
+            return None
+        rec = kept.linear.get("out_proj.weight")
+        if rec is None:
+            return None
+        x, y_ptr, y_shape = rec
+        n, length, e = call.out_shapes[0]
+        out_ptr, out_stride = kept.outs[0]
+        if (
+            y_ptr != out_ptr
+            or tuple(y_shape) != (length * n, e)
+            or tuple(x.shape) != (length * n, x.shape[-1])
+            or (n > 1 and length > 1 and tuple(out_stride) != (e, n * e, 1))
+        ):
+            return None
+        return x.view(length, n, x.shape[-1]).transpose(0, 1)
+
     # -- which calls take the closed forms --------------------------------------------------
     @staticmethod
     def _arguments(call: Call) -> dict[str, Any]:
@@ -170,6 +398,8 @@ class MultiheadAttentionRule(GenericRule):
         return args
 
     def _supported(self, call: Call) -> bool:
+        if call.inner is not None and self._kept_o(call) is not None:
+            return True
         module = call.module
         if type(module) is not nn.MultiheadAttention or not module.batch_first:
             return False
@@ -306,15 +536,17 @@ class MultiheadAttentionRule(GenericRule):
 
     def _compute_pieces(self, call: Call, g: Any) -> _Pieces:
         m: nn.MultiheadAttention = call.module
-        fw = self._forward(call)
         params = call.params
         gs = list(g) if isinstance(g, tuple) else [g]
         g_out = gs[0]
-        g_w = gs[1] if len(gs) > 1 and fw.need_weights else None
+        kept_o = self._kept_o(call)
+        fw = None if kept_o is not None else self._forward(call)
+        o = kept_o if fw is None else fw.o
+        g_w = gs[1] if len(gs) > 1 and fw is not None and fw.need_weights else None
         mcols, n, length, e = g_out.shape
         h = m.num_heads
         d = e // h
-        dt = fw.o.dtype
+        dt = o.dtype
         g_out = g_out.to(dt)
         out = _Pieces()
         wo = m.out_proj.weight.detach()
@@ -335,7 +567,7 @@ class MultiheadAttentionRule(GenericRule):
             out.linear.append(_Piece(sub, gp, wn, bn, rows))
 
         ob = m.out_proj.bias
-        piece(fw.o, g_out, wo, None if ob is None else ob.detach(),
+        piece(o, g_out, wo, None if ob is None else ob.detach(),
               name("out_proj.weight"), name("out_proj.bias") if ob is not None else None)
         in_names = ["in_proj_weight"] if m._qkv_same_embed_dim else [
             "q_proj_weight", "k_proj_weight", "v_proj_weight"
@@ -343,6 +575,7 @@ class MultiheadAttentionRule(GenericRule):
         wanted = [k for k in (*in_names, "in_proj_bias", "bias_k", "bias_v") if k in params]
         if not wanted:
             return out
+        assert fw is not None  # a released input projection is not among the call's params
         # δo = g W_o, by heads [M, N, H, L, d] (contiguous: used by two products)
         do = torch.matmul(g_out, wo).view(mcols, n, length, h, d).transpose(2, 3).contiguous()
         probs = fw.probs
