@@ -10,6 +10,7 @@ container, a child run through ``torch.func.functional_call``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -117,6 +118,45 @@ def test_first_order(op: str):
     extend(model), extend(lf)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lf(model(X), y).backward()
+    assert_first_order(model, ref, **TOL)
+
+
+class _BorrowingLeaf(nn.Module):
+    """A leaf module with a parameter of its own that also uses another module's weight."""
+
+    def __init__(self, lender: nn.Linear) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.linspace(0.5, 1.5, 5))
+        object.__setattr__(self, "lender", lender)  # not a sub-module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x @ self.lender.weight.T) * self.g
+
+
+class _Borrow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.leaf = _BorrowingLeaf(self.lin)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.leaf(self.lin(x))))
+
+
+def test_foreign_parameter_inside_a_hooked_leaf_module():
+    """Inside a hooked leaf module its own parameters are claimed by its call (the fast path);
+    another module's parameter used there is still a functional use of its own."""
+    torch.manual_seed(0)
+    model = _Borrow().to(DT)
+    X, y = torch.randn(N, 5, dtype=DT), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lf, X, y)
+    extend(model), extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generic rule of the leaf module
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+            lf(model(X), y).backward()
     assert_first_order(model, ref, **TOL)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from backprism.engine import functional  # noqa: F401  (registers the forward mode)
+from backprism.engine import functional  # (importing it registers the forward mode)
 from backprism.engine.forward import (
     loss_forward_hook,
     module_forward_hook,
@@ -82,4 +82,5 @@ def extend(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         if p.requires_grad:
             p._backprism_hooked = True  # type: ignore[attr-defined]
+            functional.PARAM_IDS.add(id(p))
     return module

@@ -104,7 +104,9 @@ def _record_root(module: nn.Module, args: Any, output: Any) -> None:
     for o in outs:
         if isinstance(o, Tensor) and o.grad_fn is not None:
             if record is None:
-                record = RootRecord(module, tuple(tree_map(_detach, a) for a in args))
+                flat = all(_flat(a) for a in args)
+                detached = tuple(_detach(a) if flat else tree_map(_detach, a) for a in args)
+                record = RootRecord(module, detached)
             o.grad_fn.metadata[ROOT] = record
 
 
@@ -113,11 +115,11 @@ _NONE: frozenset[int] = frozenset()
 
 def _new_frame(module: nn.Module) -> list[Any]:
     """A :data:`~backprism.engine.state.FORWARD` call-stack frame (see its docstring)."""
-    return [module, set(), _NONE, None, None, None]
+    return [module, set(), _NONE, None, None, None, not module._modules]
 
 
 def module_pre_hook(module: nn.Module, args: Any) -> None:
-    FORWARD.call_stack.append([module, set(), _NONE, None, None, None])
+    FORWARD.call_stack.append([module, set(), _NONE, None, None, None, not module._modules])
 
 
 def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -189,13 +191,17 @@ def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: An
 
 
 def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    frame = FORWARD.call_stack.pop() if FORWARD.call_stack else _new_frame(module)
+    arg_tensors: list[Tensor]
+    call_args: tuple
+    call_kwargs: dict[str, Any]
+    stack = FORWARD.call_stack
+    frame = stack.pop() if stack else _new_frame(module)
     ran = frame[1]
-    if FORWARD.call_stack:
+    if stack:
         # the module's whole subtree is accounted for — by the calls of descendants that ran,
         # or by this call (those that did not, e.g. MultiheadAttention.out_proj): an enclosing
         # call must not claim any of it
-        parent = FORWARD.call_stack[-1][1]
+        parent = stack[-1][1]
         parent.add(id(module))
         parent.update(ran)
         if module._modules:
@@ -210,12 +216,16 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
         if not any(o.requires_grad for o in outs):
             return
-    if all(_flat(a) for a in args) and all(_flat(v) for v in kwargs.values()):
+    if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # Linear, Conv, norms
+        arg_tensors = [args[0]]
+        call_args = (args[0].detach(),)
+        call_kwargs = {}
+    elif all(_flat(a) for a in args) and all(_flat(v) for v in kwargs.values()):
         # tensors and scalars only (``attn_mask=None, need_weights=False``): no pytree walks
-        arg_tensors: list[Tensor] = [a for a in args if isinstance(a, Tensor)]
+        arg_tensors = [a for a in args if isinstance(a, Tensor)]
         arg_tensors += [v for v in kwargs.values() if isinstance(v, Tensor)]
-        call_args: tuple = tuple(_detach(a) for a in args)
-        call_kwargs: dict[str, Any] = {k: _detach(v) for k, v in kwargs.items()}
+        call_args = tuple(_detach(a) for a in args)
+        call_kwargs = {k: _detach(v) for k, v in kwargs.items()}
     else:
         arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         call_args = tuple(tree_map(_detach, a) for a in args)

@@ -50,7 +50,7 @@ from backprism.engine import residual
 from backprism.engine.forward import attach, capture, keep_linear
 from backprism.engine.state import AXIS, CALLS, FORWARD, FORWARD_LISTENERS, Call, active
 
-__all__ = ["ForwardMode", "OpModule", "ParamBroadcast"]
+__all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast"]
 
 _VIEW = "_backprism_view"
 _VIEW_OPS = frozenset(
@@ -88,6 +88,11 @@ def _is_owned(p: nn.Parameter) -> bool:
     :func:`~backprism.engine.forward.call_params`)."""
     pid = id(p)
     stack = FORWARD.call_stack
+    if not stack:
+        return False
+    top = stack[-1]
+    if top[6] and not top[2] and pid in _owners(top[0]):
+        return True  # the common case: a leaf module (Linear, Conv, a norm) using its own
     if any(frame[2] and pid in frame[2] for frame in stack):
         return False  # released by a call to be attributed where it enters (Inside.release)
     for module, ran, *_ in stack:
@@ -97,11 +102,20 @@ def _is_owned(p: nn.Parameter) -> bool:
     return False
 
 
+#: ids of extended parameters (filled by ``extend``); a tensor whose id is neither here nor in
+#: ``FORWARD.view_ids`` (views of them made in this thread's forward) is neither
+PARAM_IDS: set[int] = set()
+
+
 def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
     """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter or a view of one.
 
-    Called on every operand of every operation of an extended forward: plain attribute
-    lookups only (``isinstance(a, nn.Parameter)`` runs a Python-level metaclass check)."""
+    Called on every operand of every operation of an extended forward: set lookups first,
+    then plain attribute lookups (``isinstance(a, nn.Parameter)`` runs a Python-level
+    metaclass check; an id may be reused by another tensor, so the attributes decide)."""
+    i = id(a)
+    if i not in PARAM_IDS and i not in FORWARD.view_ids:
+        return None
     if not isinstance(a, Tensor):
         return None
     if getattr(a, "_backprism_hooked", False):
@@ -269,6 +283,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
         new_kind = "T" if kind == "param" and two_d_transpose else "view"
         setattr(out, _VIEW, (p, rebuilt, new_kind))
+        FORWARD.view_ids.add(id(out))
         return
     outs = _outputs(out)
     if not tensors or not outs:
@@ -548,16 +563,6 @@ def _info(func: Any) -> tuple[str, bool, int]:
     return info
 
 
-def _replacement(name: str) -> Callable[..., Any] | None:
-    """The innermost hooked call's replacement for the function ``name`` (``Inside.functions``:
-    the same computation written with operations the mode sees), if any."""
-    stack = FORWARD.call_stack
-    if not stack:
-        return None
-    functions = stack[-1][5]
-    return None if functions is None else functions.get(name)
-
-
 #: attention entry points that may pick a fused kernel without a second derivative
 _ATTENTION = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward"})
 
@@ -591,10 +596,12 @@ class ForwardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if len(args) == 2 and name in _BROADCASTING:
             args = _broadcast_calls(args)
-        replacement = _replacement(name)
+        stack = FORWARD.call_stack
+        top = stack[-1] if stack else None
+        replacement = None if top is None or top[5] is None else top[5].get(name)
         if replacement is not None:
-            with self:  # the mode sees the operations inside, where released parameters enter
-                out = replacement(*args, **kwargs)
+            # it runs the operations where released parameters enter with the mode re-entered
+            out = replacement(self, *args, **kwargs)
             if out is not NotImplemented:
                 return out  # attributed, recorded and followed inside
         if self.math_attention and name in _ATTENTION:
@@ -616,6 +623,7 @@ class ForwardMode(TorchFunctionMode):
 
 
 def _enter(root: nn.Module) -> None:
+    FORWARD.view_ids.clear()  # views of parameters are tracked per top-level forward
     if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record
         FORWARD.modes.append(None)
         return

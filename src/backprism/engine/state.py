@@ -183,9 +183,12 @@ class Inside(NamedTuple):
         functions: replacements, by name, for functions the module calls that dispatch
             ``__torch_function__`` for their whole body (``F.multi_head_attention_forward``):
             the forward mode sees such a function as one operation, so it runs the replacement
-            — the same computation, written with operations it sees — to find where the
-            released parameters enter. A replacement returns ``NotImplemented`` for arguments
-            it does not cover (the function then runs as one operation).
+            instead — the same computation — called as ``replacement(mode, *args, **kwargs)``;
+            it runs the operations where parameters enter (and any whose kernel the mode
+            chooses, such as attention) inside ``with mode:``, so that the mode sees them, and
+            the rest without the mode's per-operation cost. A replacement returns
+            ``NotImplemented`` for arguments it does not cover (the function then runs as one
+            operation).
     """
 
     release: tuple[str, ...] = ()
@@ -243,7 +246,8 @@ class _ForwardState(threading.local):
         #: descendants that ran during it, ids of the parameters it releases to functional
         #: attribution (``Inside.release``), ``{parameter id: name}`` of the ``F.linear``
         #: uses it keeps (``Inside.keep``), the :class:`Kept` record being filled, the
-        #: replacement functions (``Inside.functions``) or ``None``]
+        #: replacement functions (``Inside.functions``) or ``None``, whether the module is a
+        #: leaf (no sub-modules)]
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []
@@ -257,6 +261,9 @@ class _ForwardState(threading.local):
         #: this forward produced activations with the batch off axis 0 (``AXIS``): the
         #: forward mode follows their batch axis through operations
         self.layouts = False
+        #: ids of the views of extended parameters made during this thread's top-level
+        #: forward (``engine.functional``)
+        self.view_ids: set[int] = set()
 
 
 FORWARD = _ForwardState()
