@@ -458,3 +458,77 @@ def test_generic_fallback_warns_once_per_module_type():
         warnings.simplefilter("error", generic.GenericRuleWarning)
         with collect(BatchL2Grad()):
             lossfunc(model(x), y).backward()
+
+
+class SeqFirstEncoder(nn.Module):
+    """``nn.TransformerEncoderLayer`` with its defaults (``batch_first=False``, ReLU) on
+    batch-first input transposed to ``[T, N, E]`` inside, a mean over time and a head."""
+
+    def __init__(self, d: int = 4, heads: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(d, heads, 8, dropout=dropout)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.enc(x.transpose(0, 1)).mean(0))
+
+
+def test_sequence_first_encoder_layer_releases_its_projection():
+    """``batch_first=False`` self-attention takes the released path too (no recomputed
+    forward): first-order statistics and the exact GGN diagonal against dense references."""
+    torch.manual_seed(3)
+    model = SeqFirstEncoder().to(DT)
+    x, y = torch.randn(3, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    G, _, _ = ggn_blocks(model, nn.CrossEntropyLoss(), x, y)
+    diag = split(torch.diagonal(G.sum((0, 1))), model)
+    with mock.patch.object(
+        MultiheadAttentionRule, "_compute_forward", side_effect=AssertionError("recomputed")
+    ), warnings.catch_warnings():
+        warnings.simplefilter("error", generic.GenericRuleWarning)
+        _run(model, (x,), y, BatchGrad(), BatchL2Grad(), Variance(), DiagGGNExact())
+    for name, p in model.named_parameters():
+        exp = first_order_expected(ref[name])
+        for field in ("grad_batch", "batch_l2", "variance"):
+            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact, diag[name], **TOL, msg=name)
+
+
+def test_sequence_first_encoder_layer_with_default_dropout():
+    """The encoder layer exactly as ``nn.TransformerEncoderLayer(d, heads)`` builds it (dropout
+    0.1, train mode): per-sample gradients through the same forward graph (same masks)."""
+    torch.manual_seed(4)
+    model = SeqFirstEncoder(dropout=0.1).to(DT)
+    x, y = torch.randn(5, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    out = model(x)
+    terms = nn.functional.cross_entropy(out, y, reduction="none") / y.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", generic.GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), Variance()):
+            lossfunc(out, y).backward(retain_graph=True)
+    for name, p in trainable(model).items():
+        ref = torch.stack([torch.autograd.grad(t, p, retain_graph=True)[0] for t in terms])
+        exp = first_order_expected(ref)
+        for field in ("grad_batch", "batch_l2", "variance"):
+            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
+
+
+def test_sequence_first_extended_forward_and_grad_are_pytorchs():
+    torch.manual_seed(6)
+    model = SeqFirstEncoder(dropout=0.1).to(DT)
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(5, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
+    torch.manual_seed(1)
+    ref = plain(x)
+    nn.functional.cross_entropy(ref, y).backward()
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    torch.manual_seed(1)
+    out = model(x)
+    assert torch.equal(out, ref)
+    with collect(BatchGrad()):
+        lossfunc(out, y).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad), name

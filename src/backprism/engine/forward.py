@@ -142,6 +142,14 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             frame[3] = {id(named[n]): n for n in inside.keep if n in named}
             frame[4] = Kept()
         frame[5] = inside.functions
+        first = next((a for a in args if isinstance(a, Tensor)), None)
+        if (
+            frame[2] and sequence_first(module) and first is not None and first.dim() == 3
+            and getattr(first, AXIS, None) is None
+        ):
+            # the released parameters' calls inside see the batch on axis 1 of this input;
+            # mark it (and move the call that produced it) before they are captured
+            _batch_on_axis_one(first)
 
 
 def keep_linear(p: Tensor, x: Any, out: Any) -> None:
@@ -245,7 +253,7 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         # its rule (generic) takes the batch from axis 1 itself
         capture(
             module, call_args, call_kwargs, arg_tensors, outs, params,
-            batch_size=first.shape[1], live=(args, kwargs), layout_ok=True,
+            batch_size=first.shape[1], live=(args, kwargs), layout_ok=True, inner=kept,
         )
         for i, o in enumerate(outs):
             setattr(o, AXIS, 0 if isinstance(module, nn.MultiheadAttention) and i else 1)

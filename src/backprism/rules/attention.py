@@ -50,17 +50,19 @@ refused); ``bias_k``/``bias_v`` get ``[B]``, ``B = Σₘₙ δₘₙ δₘₙᵀ
 The module is not linear in its parameters (``W_q``, ``W_k`` enter through the softmax), so
 ``linear_in_params`` is ``False``.
 
-**Self-attention with the packed projection** (``query is key is value``, ``batch_first``, no
-``bias_k``/``add_zero_attn`` — every ``TransformerEncoderLayer``/``DecoderLayer`` self-attention)
+**Self-attention with the packed projection** (``query is key is value``, no
+``bias_k``/``add_zero_attn``, ``batch_first`` either way — every
+``TransformerEncoderLayer``/``DecoderLayer`` self-attention, with its defaults too)
 takes a shorter way (:meth:`MultiheadAttentionRule.inside`): the extended forward runs
 :func:`_self_attention_forward`, PyTorch's own sequence of operations written out, so that the
 forward mode sees ``F.linear(query, in_proj_weight, in_proj_bias)`` and captures it as a Linear
 call of its own (the attention call *releases* those parameters), and keeps ``o``, the input of
 ``out_proj``. The real backward pass then delivers ``[δq, δk, δv]`` at the projection's output
 — masks, causal attention, returned weights, the fused kernels and **dropout in train mode**
-included — and nothing is recomputed. Other configurations recompute the forward as above;
-there, dropout in train mode and ``batch_first=False`` or unbatched input go to the generic
-``torch.func`` rule this class derives from (which explains its refusals).
+included — and nothing is recomputed. Other configurations (cross-attention, ``kdim``/``vdim``,
+``bias_k``, ``add_zero_attn``) recompute the forward as above; there, dropout in train mode and
+``batch_first=False`` or unbatched input go to the generic ``torch.func`` rule this class
+derives from (which explains its refusals).
 """
 
 from __future__ import annotations
@@ -352,7 +354,6 @@ class MultiheadAttentionRule(GenericRule):
         backward for first-order statistics."""
         if (
             type(module) is not nn.MultiheadAttention
-            or not module.batch_first
             or not module._qkv_same_embed_dim
             or module.bias_k is not None
             or module.in_proj_weight is None
@@ -384,13 +385,19 @@ class MultiheadAttentionRule(GenericRule):
         if rec is None:
             return None
         x, y_ptr, y_shape = rec
-        n, length, e = call.out_shapes[0]
+        first = call.module.batch_first
+        if first:  # the output is y.view(L, N, E).transpose(0, 1)
+            n, length, e = call.out_shapes[0]
+            stride = (e, n * e, 1)
+        else:  # the output is y.view(L, N, E)
+            length, n, e = call.out_shapes[0]
+            stride = (n * e, e, 1)
         out_ptr, out_stride = kept.outs[0]
         if (
             y_ptr != out_ptr
             or tuple(y_shape) != (length * n, e)
             or tuple(x.shape) != (length * n, x.shape[-1])
-            or (n > 1 and length > 1 and tuple(out_stride) != (e, n * e, 1))
+            or (n > 1 and length > 1 and tuple(out_stride) != stride)
         ):
             return None
         return x.view(length, n, x.shape[-1]).transpose(0, 1)
@@ -547,6 +554,8 @@ class MultiheadAttentionRule(GenericRule):
         gs = list(g) if isinstance(g, tuple) else [g]
         g_out = gs[0]
         kept_o = self._kept_o(call)
+        if kept_o is not None and not m.batch_first:  # [M, L, N, E] as the module returned it
+            g_out = g_out.transpose(1, 2)
         fw = None if kept_o is not None else self._forward(call)
         o = kept_o if fw is None else fw.o
         g_w = gs[1] if len(gs) > 1 and fw is not None and fw.need_weights else None
