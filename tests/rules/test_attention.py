@@ -323,7 +323,12 @@ def test_transformer_layers_first_order_and_ggn():
     torch.manual_seed(5)
     model = Seq2Seq().to(DT)
     X = (torch.randn(2, 3, 4, dtype=DT), torch.randn(2, 2, 4, dtype=DT))
-    y = torch.randint(0, 3, (2,))
+    _check_first_order_and_ggn(model, X, torch.randint(0, 3, (2,)))
+
+
+def _check_first_order_and_ggn(model: nn.Module, X: tuple, y: Tensor) -> None:
+    """BatchGrad, BatchL2Grad, Variance and DiagGGNExact of one pass (no generic fallback)
+    against ``torch.func`` per-sample gradients and the dense GGN."""
     ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
     G, _, _ = ggn_blocks(model, nn.CrossEntropyLoss(), X, y)
     diag = split(torch.diagonal(G.sum((0, 1))), model)
@@ -335,6 +340,24 @@ def test_transformer_layers_first_order_and_ggn():
         for field in ("grad_batch", "batch_l2", "variance"):
             torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
         torch.testing.assert_close(p.diag_ggn_exact, diag[name], **TOL, msg=name)
+
+
+def _check_same_graph(model: nn.Module, X: tuple, y: Tensor) -> None:
+    """First-order statistics (no generic fallback) against the gradients of each sample's loss
+    term through the same forward graph — the reference for random forwards (dropout)."""
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    out = model(*X)
+    terms = nn.functional.cross_entropy(out, y, reduction="none") / y.shape[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", generic.GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), Variance()):
+            lossfunc(out, y).backward(retain_graph=True)
+    for name, p in trainable(model).items():
+        ref = torch.stack([torch.autograd.grad(t, p, retain_graph=True)[0] for t in terms])
+        exp = first_order_expected(ref)
+        for field in ("grad_batch", "batch_l2", "variance"):
+            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
 
 
 def test_tiny_gpt_tied_embeddings():
@@ -364,20 +387,7 @@ def test_dropout_in_train_mode_self_attention(case: str):
     gradient of each sample's loss term through the same forward graph (the same masks)."""
     model, X, y = _make(case, n=4)
     model.attn.dropout = 0.5
-    n = y.shape[0]
-    lossfunc = extend(nn.CrossEntropyLoss())
-    extend(model)
-    out = model(*X)
-    terms = nn.functional.cross_entropy(out, y, reduction="none") / n
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", generic.GenericRuleWarning)  # no generic fallback
-        with collect(BatchGrad(), BatchL2Grad(), Variance()):
-            lossfunc(out, y).backward(retain_graph=True)
-    for name, p in trainable(model).items():
-        ref = torch.stack([torch.autograd.grad(t, p, retain_graph=True)[0] for t in terms])
-        exp = first_order_expected(ref)
-        for field in ("grad_batch", "batch_l2", "variance"):
-            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
+    _check_same_graph(model, X, y)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
@@ -479,19 +489,10 @@ def test_sequence_first_encoder_layer_releases_its_projection():
     torch.manual_seed(3)
     model = SeqFirstEncoder().to(DT)
     x, y = torch.randn(3, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
-    ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
-    G, _, _ = ggn_blocks(model, nn.CrossEntropyLoss(), x, y)
-    diag = split(torch.diagonal(G.sum((0, 1))), model)
     with mock.patch.object(
         MultiheadAttentionRule, "_compute_forward", side_effect=AssertionError("recomputed")
-    ), warnings.catch_warnings():
-        warnings.simplefilter("error", generic.GenericRuleWarning)
-        _run(model, (x,), y, BatchGrad(), BatchL2Grad(), Variance(), DiagGGNExact())
-    for name, p in model.named_parameters():
-        exp = first_order_expected(ref[name])
-        for field in ("grad_batch", "batch_l2", "variance"):
-            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
-        torch.testing.assert_close(p.diag_ggn_exact, diag[name], **TOL, msg=name)
+    ):
+        _check_first_order_and_ggn(model, (x,), y)
 
 
 def test_sequence_first_encoder_layer_with_default_dropout():
@@ -499,20 +500,7 @@ def test_sequence_first_encoder_layer_with_default_dropout():
     0.1, train mode): per-sample gradients through the same forward graph (same masks)."""
     torch.manual_seed(4)
     model = SeqFirstEncoder(dropout=0.1).to(DT)
-    x, y = torch.randn(5, 4, 4, dtype=DT), torch.randint(0, 3, (5,))
-    lossfunc = extend(nn.CrossEntropyLoss())
-    extend(model)
-    out = model(x)
-    terms = nn.functional.cross_entropy(out, y, reduction="none") / y.shape[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", generic.GenericRuleWarning)
-        with collect(BatchGrad(), BatchL2Grad(), Variance()):
-            lossfunc(out, y).backward(retain_graph=True)
-    for name, p in trainable(model).items():
-        ref = torch.stack([torch.autograd.grad(t, p, retain_graph=True)[0] for t in terms])
-        exp = first_order_expected(ref)
-        for field in ("grad_batch", "batch_l2", "variance"):
-            torch.testing.assert_close(getattr(p, field), exp[field], **TOL, msg=name)
+    _check_same_graph(model, (torch.randn(5, 4, 4, dtype=DT),), torch.randint(0, 3, (5,)))
 
 
 def test_sequence_first_extended_forward_and_grad_are_pytorchs():
