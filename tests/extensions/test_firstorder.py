@@ -14,6 +14,8 @@ family in ``tests/end_to_end/test_invariants.py``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -95,3 +97,44 @@ def test_variance_without_parameter_gradients_and_hook_order():
         lossfunc(model(X), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(seen[p], ref[name].var(0, unbiased=False))
+
+
+class _Recurrent(nn.Module):
+    """An LSTM (``batch_first`` either way, so the input or only the hidden states carry the
+    batch on axis 1) read at its last state, and a head."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=batch_first)
+        self.head = nn.Linear(4, 2)
+        self.batch_first = batch_first
+
+    def forward(self, x):
+        seq = x if self.batch_first else x.transpose(0, 1)
+        _, (h, _) = self.rnn(seq)
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_subsampling_of_recurrent_layers(batch_first: bool):
+    """Subsampling takes each tensor on its own batch axis: ``h_n``/``c_n`` carry it on axis 1
+    even with ``batch_first=True`` (BackPACK's RNN/LSTM subsampling tests failed on this)."""
+    torch.manual_seed(2)
+    model = _Recurrent(batch_first).double()
+    lossfunc = nn.CrossEntropyLoss()
+    X, y = torch.randn(4, 5, 3, dtype=torch.double), torch.randint(0, 2, (4,))
+    params = dict(trainable(model))
+    # reference: one sample at a time, ∇(ℓₙ/N) (torch.func has no batching rule for LSTM)
+    rows = [
+        torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(y),
+                            list(params.values()))
+        for n in range(len(y))
+    ]
+    ref = {k: torch.stack([r[i] for r in rows]) for i, k in enumerate(params)}
+    extend(model), extend(lossfunc)
+    for sub in ([0, 0], [2, 0], [3]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the generic rule of the LSTM announces itself
+            fresh_backward(model, lossfunc, X, y, BatchGrad(subsampling=sub))
+        for name, p in trainable(model):
+            torch.testing.assert_close(p.grad_batch, ref[name][sub], msg=name)

@@ -29,11 +29,15 @@ __all__ = [
 ]
 
 
-def check_subsampling(subsampling: Sequence[int] | None) -> list[int] | None:
+def check_subsampling(
+    subsampling: Sequence[int] | None, unique: bool = True
+) -> list[int] | None:
+    """The validated sample indices; repeated indices only where ``unique`` is off (a row per
+    index, as BackPACK's ``BatchGrad(subsampling=[0, 0])`` gives)."""
     if subsampling is None:
         return None
     idx = [int(i) for i in subsampling]
-    if len(set(idx)) != len(idx):
+    if unique and len(set(idx)) != len(idx):
         raise ValueError(f"subsampling indices must be unique, got {list(subsampling)}")
     if any(i < 0 for i in idx):
         raise ValueError(f"subsampling indices must be non-negative, got {list(subsampling)}")

@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from backprism.engine.backward import current_pass
 from backprism.engine.extension import CatPart, GlobalBatch, SumPart
@@ -46,36 +47,65 @@ from backprism.extensions.base import (
 __all__ = ["BatchDotGrad", "BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"]
 
 
+def _axes(call: Call) -> tuple[list[int], list[int]]:
+    """Batch axes of the call's positional arguments and of its tensor outputs. Axis 0, except
+    for recurrent layers: ``input``/``output`` on axis 0 or 1 (``batch_first``), the hidden
+    states ``h_0``/``h_n``/``c_n`` (``[layers, N, H]``) always on axis 1."""
+    module = call.module
+    if isinstance(module, nn.RNNBase):
+        seq = 0 if module.batch_first else 1
+        return [seq] + [1] * (len(call.args) - 1), [seq] + [1] * (len(call.out_shapes) - 1)
+    if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
+        # query, key, value [L|S, N, E]; the output [L, N, E], the weights [N, L, S]
+        return [1] * len(call.args), [1] + [0] * (len(call.out_shapes) - 1)
+    return [0] * len(call.args), [0] * len(call.out_shapes)
+
+
 def _subset_call(call: Call, index: Tensor) -> Call:
-    """The call restricted to the samples ``index`` (tensors with the batch axis first)."""
+    """The call restricted to the samples ``index`` (tensors with the batch on their batch
+    axis, see :func:`_axes`)."""
     from dataclasses import replace
 
-    def take(x: Any) -> Any:
-        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == call.batch_size:
-            return x.index_select(0, index.to(x.device))
+    arg_axes, out_axes = _axes(call)
+    n = call.batch_size
+
+    def take(x: Any, axis: int) -> Any:
+        if isinstance(x, tuple):  # LSTM's (h_0, c_0)
+            return tuple(take(t, axis) for t in x)
+        if isinstance(x, Tensor) and x.dim() > axis and x.shape[axis] == n:
+            return x.index_select(axis, index.to(x.device))
         return x
 
     new = replace(
         call,
-        args=tuple(take(a) for a in call.args),
-        kwargs={k: take(v) for k, v in call.kwargs.items()},
+        args=tuple(take(a, ax) for a, ax in zip(call.args, arg_axes)),
+        kwargs={k: take(v, 0) for k, v in call.kwargs.items()},
         batch_size=len(index),
         versions=[],
     )
     new.group = getattr(call, "group", None)  # type: ignore[attr-defined]
     new.out_shapes = [
-        s if len(s) == 0 or s[0] != call.batch_size else (len(index), *s[1:])
-        for s in call.out_shapes
+        s if len(s) <= ax or s[ax] != n else torch.Size((*s[:ax], len(index), *s[ax + 1 :]))
+        for s, ax in zip(call.out_shapes, out_axes)
     ]
     return new
 
 
-def subset_columns(g: Any, index: Tensor, batch_size: int) -> Any:
-    """Restrict ``[M, N, ...]`` columns (or a tuple of them) to the samples ``index``."""
+def subset_columns(g: Any, index: Tensor, batch_size: int, call: Call | None = None) -> Any:
+    """Restrict ``[M, *out.shape]`` columns (or a tuple of them, one per output of ``call``)
+    to the samples ``index``."""
+    axes = _axes(call)[1] if call is not None else []
     if isinstance(g, tuple):
-        return tuple(subset_columns(x, index, batch_size) for x in g)
-    if g.dim() > 1 and g.shape[1] == batch_size:
-        return g.index_select(1, index.to(g.device))
+        axes = axes or [0] * len(g)
+        return tuple(
+            _subset_one(x, index, batch_size, ax) for x, ax in zip(g, axes, strict=False)
+        )
+    return _subset_one(g, index, batch_size, axes[0] if axes else 0)
+
+
+def _subset_one(g: Any, index: Tensor, batch_size: int, axis: int) -> Any:
+    if isinstance(g, Tensor) and g.dim() > axis + 1 and g.shape[axis + 1] == batch_size:
+        return g.index_select(axis + 1, index.to(g.device))
     return g
 
 
@@ -84,20 +114,20 @@ class BatchGrad(PerSampleRows, FirstOrderExtension):
 
     Args:
         subsampling: indices of the samples to keep (default: all); the result then has
-            ``len(subsampling)`` rows, in the given order. In a distributed pass the indices
-            count this rank's samples.
+            ``len(subsampling)`` rows, in the given order (a repeated index repeats its row).
+            In a distributed pass the indices count this rank's samples.
     """
 
     savefield = "grad_batch"
     additive = True
 
     def __init__(self, subsampling: Sequence[int] | None = None) -> None:
-        self.subsampling = check_subsampling(subsampling)
+        self.subsampling = check_subsampling(subsampling, unique=False)
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         idx = subsample_index(self.subsampling, call.batch_size, "BatchGrad")
         if idx is not None:
-            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size)
+            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size, call)
         return {k: v[0] for k, v in rule.per_sample(call, g).items()}
 
 

@@ -114,7 +114,7 @@ class _Sqrt(PerSampleRows):
             )
         idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
         if idx is not None:
-            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size)
+            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size, call)
         return rule.per_sample(call, g)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:

@@ -1,5 +1,6 @@
 """BackPACK-compatible entry points: ``backpack`` (the context), ``extend``, ``disable`` and the
-sub-packages ``extensions``, ``custom_module``, ``hessianfree``, ``utils``, ``core``.
+sub-packages ``extensions``, ``custom_module``, ``hessianfree``, ``utils``, ``core``, and
+``convert_module_to_backpack`` (BackPACK exports it at the top level too).
 
 A script written for BackPACK 1.7 runs after changing only its imports::
 
@@ -30,12 +31,13 @@ from typing import Any
 from torch import nn
 
 from backprism.compat.backpack import extensions
+from backprism.compat.backpack.custom_module import convert_module_to_backpack
 from backprism.engine.collect import collect
 from backprism.engine.extend import extend as _extend
 from backprism.engine.extension import Extension
 from backprism.engine.state import suspended
 
-__all__ = ["backpack", "disable", "extend", "extensions"]
+__all__ = ["backpack", "convert_module_to_backpack", "disable", "extend", "extensions"]
 
 
 class InvalidExtensionError(ValueError, TypeError):
@@ -49,8 +51,6 @@ def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) 
     ``use_converter=True`` returns the module unchanged (no conversion is needed, see the
     module docstring); ``debug`` prints what is extended."""
     if use_converter:
-        from backprism.compat.backpack.custom_module import convert_module_to_backpack
-
         module = convert_module_to_backpack(module, debug)
     if debug:
         print(f"[DEBUG] Extending {type(module).__name__}")
