@@ -98,6 +98,10 @@ def test_hessian_and_ggn_vector_products():
     torch.testing.assert_close(
         torch.cat([t.reshape(-1) for t in Gv]), G[P2:, P2:] @ vflat[P2:]
     )
+    # one parameter, its vector as a tensor (BackPACK's own tests pass it so)
+    P3 = P2 + params[2].numel()
+    (Gv,) = ggn_vector_product_from_plist(loss, out, [params[2]], v[2])
+    torch.testing.assert_close(Gv.reshape(-1), G[P2:P3, P2:P3] @ vflat[P2:P3])
     grads = torch.autograd.grad(loss, params, create_graph=True)
     Hv = hessian_vector_product(loss, params, v, grad_params=grads)
     torch.testing.assert_close(torch.cat([t.reshape(-1) for t in Hv]), H @ vflat)

@@ -152,12 +152,12 @@ def hessian_vector_product(
 
 
 def ggn_vector_product_from_plist(
-    loss: Tensor, output: Tensor, plist: Sequence[Tensor], v: Sequence[Tensor]
+    loss: Tensor, output: Tensor, plist: Sequence[Tensor], v: TensorOrList
 ) -> tuple[Tensor, ...]:
     """``G v = Jᵀ (∇²_output loss) J v`` for the block of ``plist`` (``J``: Jacobian of
     ``output`` w.r.t. ``plist``); ``v`` and the result are lists shaped like ``plist``."""
     plist = list(plist)
-    Jv = R_op(output, plist, list(v))
+    Jv = R_op(output, plist, _as_list(v))  # one tensor for a one-parameter plist, as BackPACK
     (HJv,) = hessian_vector_product(loss, [output], list(Jv))
     return L_op(output, plist, [HJv])
 
