@@ -1,4 +1,5 @@
-"""Shared pytest configuration: the ``device`` fixture and the CPU thread count.
+"""Shared pytest configuration: the ``device`` and ``float64_default`` fixtures and the CPU
+thread count.
 
 ``device`` parametrises a test over ``cpu`` and, where ``torch.cuda.is_available()``, ``cuda``
 (the ids read ``test_x[cpu-...]`` / ``test_x[cuda-...]``). ``BACKPRISM_TEST_DEVICES`` (a comma
@@ -39,3 +40,13 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     if not _available(request.param):
         pytest.skip(f"device {request.param} is not available")
     return torch.device(request.param)
+
+
+@pytest.fixture
+def float64_default():
+    """float64 as torch's default dtype for the test (modules use it with
+    ``pytestmark = pytest.mark.usefixtures("float64_default")``)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

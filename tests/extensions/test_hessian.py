@@ -42,13 +42,7 @@ from tests.reference import loss_hessian, split, trainable
 
 DT = torch.float64
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(DT)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def per_sample_hessian_diags(model: nn.Module, loss_fn, X: Tensor, y: Tensor) -> Tensor:
@@ -241,7 +235,6 @@ def test_sum_reduction_and_scaled_backward():
     seed=st.integers(0, 2**16),
 )
 def test_hypothesis_shapes(n: int, d: int, h: int, c: int, loss: str, seed: int):
-    torch.set_default_dtype(DT)
     torch.manual_seed(seed)
     X, y, lf = data(n, d, c, loss)
     model = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, c, bias=seed % 2 == 0))

@@ -26,13 +26,7 @@ from tests.reference import ggn, loss_hessian, trainable
 
 DT = torch.float64
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(DT)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def blocks(M: Tensor, model: nn.Module) -> dict[str, Tensor]:
