@@ -578,9 +578,26 @@ def check_rule(module: nn.Module, x: Tensor, seed: int) -> None:
     ref = vjp_per_sample(module, x, g)
     rule = get_rule(module)
     assert type(rule).__module__ != "backprism.rules.generic"
+    check_rule_statistics(rule, call, g, ref, w, atol=RULE_ATOL, rtol=RULE_RTOL)
+
+
+def check_rule_statistics(
+    rule: Any,
+    call: Any,
+    g: Any,
+    ref: dict[str, Tensor],
+    w: Tensor,
+    vectors: dict[str, Tensor] | None = None,
+    **tol: float,
+) -> None:
+    """Every statistic of ``rule`` on ``call`` for the columns ``g`` against the dense per-sample,
+    per-column reference ``ref`` (``{name: [M, N, *p]}``, ``Vₘₙ = Jₙᵀ g[m, n]``): per-sample,
+    summed, squared (plain and weighted by ``w`` ``[M, N]``), ``batch_l2``, ``batch_dot`` and,
+    given ``vectors``, ``batch_dot_with``; equal shapes and values within ``tol``."""
+    m, n = w.shape
 
     def stats(p: Tensor) -> dict[str, Tensor]:
-        wsq = p.square() * w.reshape(RULE_COLUMNS, n, *([1] * (p.dim() - 2)))
+        wsq = p.square() * w.reshape(m, n, *([1] * (p.dim() - 2)))
         f = p.flatten(2)
         return {
             "per_sample": p,
@@ -607,13 +624,17 @@ def check_rule(module: nn.Module, x: Tensor, seed: int) -> None:
     results = {
         what: (got, {k: expected[k][what] for k in expected}) for what, got in computed.items()
     }
+    if vectors is not None:
+        results["batch_dot_with"] = (
+            rule.batch_dot_with(call, g, vectors),
+            {k: p.flatten(2).sum(0) @ vectors[k].reshape(-1) for k, p in ref.items()},
+        )
+    tol = tol or {"atol": RULE_ATOL, "rtol": RULE_RTOL}
     for what, (got, want) in results.items():
         assert set(got) == set(want), (what, set(got), set(want))
         for k in want:
-            try:
-                close(got[k], want[k])
-            except AssertionError as err:
-                raise AssertionError(f"{what}[{k}]: {err}") from err
+            assert got[k].shape == want[k].shape, (what, k, got[k].shape, want[k].shape)
+            torch.testing.assert_close(got[k], want[k], **tol, msg=f"{what}[{k}]")
 
 
 def randomize(module: nn.Module, seed: int) -> nn.Module:

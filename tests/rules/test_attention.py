@@ -37,7 +37,7 @@ from backprism.extensions import (
 )
 from backprism.rules import generic
 from backprism.rules.attention import MultiheadAttentionRule
-from tests.common import TinyGPT, first_order_expected
+from tests.common import TinyGPT, check_rule_statistics, first_order_expected
 from tests.reference import diag_blocks, ggn_blocks, per_sample_grads, split
 
 DT = torch.float64
@@ -263,8 +263,6 @@ def test_rule_columns(case: str):
     )
     gg = g if len(g) > 1 else g[0]
     rule = MultiheadAttentionRule()
-    ps = rule.per_sample(call, gg)
-    assert set(ps) == set(params)
     ref = {k: torch.zeros(m, n, *p.shape, dtype=DT) for k, p in params.items()}
     for i in range(n):
         outs = one(i)
@@ -275,30 +273,7 @@ def test_rule_columns(case: str):
                 ref[name][k, i] = gr
     w = torch.rand(m, n, dtype=DT) - 0.3  # signed weights, as DiagHessian's residuals
     vec = {k: torch.randn_like(p) for k, p in params.items()}
-    checks = {
-        "summed": (rule.summed(call, gg), {k: v.sum(1) for k, v in ref.items()}),
-        "sum_squared": (
-            rule.sum_squared(call, gg, w),
-            {k: (v.square() * w.view(m, n, *[1] * (v.dim() - 2))).sum((0, 1))
-             for k, v in ref.items()},
-        ),
-        "batch_sum_squared": (
-            rule.batch_sum_squared(call, gg, w),
-            {k: (v.square() * w.view(m, n, *[1] * (v.dim() - 2))).sum(0)
-             for k, v in ref.items()},
-        ),
-        "batch_l2": (rule.batch_l2(call, gg),
-                     {k: v.flatten(2).square().sum((0, 2)) for k, v in ref.items()}),
-        "batch_dot": (rule.batch_dot(call, gg),
-                      {k: torch.einsum("mni,mki->nk", v.flatten(2), v.flatten(2))
-                       for k, v in ref.items()}),
-        "batch_dot_with": (rule.batch_dot_with(call, gg, vec),
-                           {k: v.flatten(2).sum(0) @ vec[k].reshape(-1) for k, v in ref.items()}),
-    }
-    for name in params:
-        torch.testing.assert_close(ps[name], ref[name], **TOL, msg=f"per_sample {name}")
-        for method, (got, want) in checks.items():
-            torch.testing.assert_close(got[name], want[name], **TOL, msg=f"{method} {name}")
+    check_rule_statistics(rule, call, gg, ref, w, vec, **TOL)
 
 
 # -- whole transformer layers ----------------------------------------------------------------

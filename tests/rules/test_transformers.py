@@ -37,7 +37,7 @@ from backprism.extensions import (
 )
 from backprism.rules import generic
 from backprism.rules import transformers as hf_rules
-from tests.common import first_order_expected
+from tests.common import check_rule_statistics, first_order_expected
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -136,32 +136,9 @@ def _rule_columns(module: nn.Module, args: tuple, kwargs: dict, m: int = 3, **to
                                         retain_graph=True)
             for name, gr in zip(params, grads):
                 ref[name][k, i] = gr
-    rule = get_rule(module)
     w = torch.rand(m, n, dtype=DT) - 0.3
     vec = {k: torch.randn_like(p) for k, p in params.items()}
-
-    def wsq(v: Tensor) -> Tensor:
-        return v.square() * w.view(m, n, *[1] * (v.dim() - 2))
-
-    checks = {
-        "per_sample": (rule.per_sample(call, g), ref),
-        "summed": (rule.summed(call, g), {k: v.sum(1) for k, v in ref.items()}),
-        "sum_squared": (rule.sum_squared(call, g, w), {k: wsq(v).sum((0, 1))
-                                                       for k, v in ref.items()}),
-        "batch_sum_squared": (rule.batch_sum_squared(call, g, w),
-                              {k: wsq(v).sum(0) for k, v in ref.items()}),
-        "batch_l2": (rule.batch_l2(call, g),
-                     {k: v.flatten(2).square().sum((0, 2)) for k, v in ref.items()}),
-        "batch_dot": (rule.batch_dot(call, g),
-                      {k: torch.einsum("mni,mki->nk", v.flatten(2), v.flatten(2))
-                       for k, v in ref.items()}),
-        "batch_dot_with": (rule.batch_dot_with(call, g, vec),
-                           {k: v.flatten(2).sum(0) @ vec[k].reshape(-1) for k, v in ref.items()}),
-    }
-    for method, (got, want) in checks.items():
-        assert set(got) == set(params), method
-        for name in params:
-            torch.testing.assert_close(got[name], want[name], **tol, msg=f"{method} {name}")
+    check_rule_statistics(get_rule(module), call, g, ref, w, vec, **tol)
 
 
 @pytest.mark.parametrize("shape", [(4, 3), (4, 5, 3), (3, 2, 2, 3)])
