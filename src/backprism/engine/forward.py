@@ -119,7 +119,7 @@ def _new_frame(module: nn.Module) -> list[Any]:
 
 
 def module_pre_hook(module: nn.Module, args: Any) -> None:
-    FORWARD.call_stack.append([module, set(), _NONE, None, None, None, not module._modules])
+    FORWARD.call_stack.append(_new_frame(module))
 
 
 def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None:

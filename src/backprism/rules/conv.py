@@ -39,11 +39,7 @@ class _ConvRule(UnfoldRule):
 
     def weight_grad(self, call: Call, g: Tensor) -> Tensor:
         mod = call.module
-        x, pads = call.input, conv_padding(mod)
-        if mod.padding_mode != "zeros" or any(a != b for a, b in pads):
-            mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-            x = F.pad(x, [p for pair in reversed(pads) for p in pair], mode=mode)
-            pads = [(0, 0)] * len(pads)
+        x, pads = _padded(mod, call.input)
         d = len(mod.kernel_size)
         return torch.ops.aten.convolution_backward(
             g, x, mod.weight.detach(), None, mod.stride, [a for a, _ in pads], mod.dilation,
@@ -60,11 +56,7 @@ class _ConvRule(UnfoldRule):
         if not self._grouped(call):
             return super()._samples(call, g5, sl)
         mod = call.module
-        x, pads = call.input[sl], conv_padding(mod)
-        if mod.padding_mode != "zeros" or any(a != b for a, b in pads):
-            mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
-            x = F.pad(x, [p for pair in reversed(pads) for p in pair], mode=mode)
-            pads = [(0, 0)] * len(pads)
+        x, pads = _padded(mod, call.input[sl])
         n, cin = x.shape[:2]
         grp, o = g5.shape[2:4]
         d = len(mod.kernel_size)
@@ -112,6 +104,18 @@ class _ConvRule(UnfoldRule):
         w = call.module.weight
         lead = v.shape[:-3]
         return v.reshape(*lead, *w.shape)
+
+
+def _padded(mod: nn.Module, x: Tensor) -> tuple[Tensor, list[tuple[int, int]]]:
+    """``x`` and the ``(left, right)`` padding per axis for PyTorch's weight gradient, which
+    pads symmetrically with zeros only: other modes and asymmetric ``'same'`` padding are
+    applied to ``x`` here (then no padding is left)."""
+    pads = conv_padding(mod)
+    if mod.padding_mode != "zeros" or any(a != b for a, b in pads):
+        mode = "constant" if mod.padding_mode == "zeros" else mod.padding_mode
+        x = F.pad(x, [p for pair in reversed(pads) for p in pair], mode=mode)
+        pads = [(0, 0)] * len(pads)
+    return x, pads
 
 
 @register_rule(nn.Conv1d)
