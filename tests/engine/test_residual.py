@@ -182,3 +182,74 @@ def test_forward_not_recorded_inside_a_context_without_diag_hessian():
             (loss if loss is not None else lossfunc(model(X), y)).backward()
         got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
         torch.testing.assert_close(got, H, rtol=1e-8, atol=1e-10)
+
+
+class _TanhBlock(nn.Module):
+    """A block whose nonlinearity is functional (``torch.tanh``) or a module (``nn.Tanh``)."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.act = (lambda z: torch.tanh(z)) if functional else nn.Tanh()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.block = _TanhBlock(functional)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x)
+
+
+def _dense_diag_h(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> Tensor:
+    return torch.diagonal(loss_hessian(model, lossfunc, X, y))
+
+
+@pytest.mark.parametrize("functional", [True, False])
+def test_sub_module_called_on_its_own(functional: bool):
+    """A sub-module of an extended model called by hand runs without the recording mode. A
+    functional nonlinearity in it has no residual site: refused before anything is written
+    (it used to miss the residual term silently). An activation module records its own site,
+    and the diagonal is exact."""
+    torch.manual_seed(3)
+    model, lf = extend(_Wrapper(functional)), extend(nn.MSELoss())
+    X, y = torch.randn(5, 3), torch.randn(5, 2)
+    if functional:
+        match = r"'tanh'.*sub-module called on its own"
+        with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
+            lf(model.block(X), y).backward()
+        assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+        return
+    with collect(DiagHessian()):
+        lf(model.block(X), y).backward()
+    ours = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+    torch.testing.assert_close(ours, _dense_diag_h(model, lf, X, y))
+
+
+def test_nonlinearity_between_two_extended_models_refused():
+    """``m2(torch.tanh(m1(X)))``: the tanh lies outside both recorded forwards."""
+    torch.manual_seed(4)
+    m1, m2 = extend(nn.Linear(3, 4)), extend(nn.Linear(4, 2))
+    lf = extend(nn.MSELoss())
+    X, y = torch.randn(5, 3), torch.randn(5, 2)
+    with pytest.raises(NonlinearityError, match="'tanh'"), collect(DiagHessian()):
+        lf(m2(torch.tanh(m1(X))), y).backward()
+    assert all(p.grad is None for p in [*m1.parameters(), *m2.parameters()])
+    # linear glue between the models is fine, and exact
+    with collect(DiagHessian()):
+        lf(m2(2.0 * m1(X)[:, [1, 0, 2, 3]]), y).backward()
+    ours = torch.cat([p.diag_h.flatten() for p in [*m1.parameters(), *m2.parameters()]])
+
+    class Glued(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m1, self.m2 = m1, m2
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.m2(2.0 * self.m1(x)[:, [1, 0, 2, 3]])
+
+    torch.testing.assert_close(ours, _dense_diag_h(Glued(), lf, X, y))

@@ -91,14 +91,15 @@ def root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
     FORWARD.root_stack.pop()
     if FORWARD.root_stack:
         return
+    recorded = FORWARD.recording > 0  # the mode recorded this forward's nonlinearities
     for _, exit_ in reversed(FORWARD_LISTENERS):
         exit_(module)
     if torch.is_grad_enabled():
         with _NO_TORCH_FUNCTION():
-            _record_root(module, args, output)
+            _record_root(module, args, output, recorded)
 
 
-def _record_root(module: nn.Module, args: Any, output: Any) -> None:
+def _record_root(module: nn.Module, args: Any, output: Any, recorded: bool) -> None:
     outs = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     record = None
     for o in outs:
@@ -106,7 +107,11 @@ def _record_root(module: nn.Module, args: Any, output: Any) -> None:
             if record is None:
                 flat = all(_flat(a) for a in args)
                 detached = tuple(_detach(a) if flat else tree_map(_detach, a) for a in args)
-                record = RootRecord(module, detached)
+                leaves = args if flat else tree_flatten(args)[0]
+                stops = tuple(
+                    a.grad_fn for a in leaves if isinstance(a, Tensor) and a.grad_fn is not None
+                )
+                record = RootRecord(module, detached, recorded, stops)
             o.grad_fn.metadata[ROOT] = record
 
 

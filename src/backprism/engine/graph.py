@@ -44,6 +44,8 @@ class GraphView:
     #: reached extended losses with the node of their output
     losses: list[tuple[LossRecord, Any]] = field(default_factory=list)
     roots: list[RootRecord] = field(default_factory=list)
+    #: the reached roots with the node that holds each record (an output of its forward)
+    root_nodes: list[tuple[RootRecord, Any]] = field(default_factory=list)
     sites: list[Any] = field(default_factory=list)
     #: sites that want a hook on the node holding them, with that node
     site_nodes: list[tuple[Any, Any]] = field(default_factory=list)
@@ -141,6 +143,7 @@ def analyse(roots: list[Tensor]) -> GraphView:
             root = md.get(ROOT)
             if root is not None:
                 view.roots.append(root)
+                view.root_nodes.append((root, fn))
             sites = md.get(SITES)
             if sites:
                 view.sites.extend(sites)

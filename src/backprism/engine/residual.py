@@ -54,6 +54,7 @@ with a clear error — put it inside the model.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +64,9 @@ from torch import Tensor, nn
 
 from backprism.engine import backward as _backward
 from backprism.engine.columns import Columns
+from backprism.engine.graph import _upstream
 from backprism.engine.rule import get_rule
-from backprism.engine.state import AXIS, CALLS, FORWARD, ROOT, SITES, active
+from backprism.engine.state import AXIS, FORWARD, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -296,45 +298,137 @@ def _feeds_nll(bp: Any, output: weakref.ref) -> bool:
     return False
 
 
-def _snake(name: str) -> str:
-    out = []
-    for i, ch in enumerate(name):
-        if ch.isupper() and i and not name[i - 1].isupper():
-            out.append("_")
-        out.append(ch.lower())
-    return "".join(out)
-
-
 def _node_op(node: Any) -> str:
+    """The operation an autograd node differentiates, in :func:`classify`'s spelling:
+    ``TanhBackward0`` → ``tanh``, ``MaxPool2DWithIndicesBackward0`` →
+    ``max_pool2d_with_indices``, ``CopySlices`` → ``copy_slices``."""
     name = type(node).__name__
     cut = name.find("Backward")
-    return _snake(name[:cut] if cut > 0 else name)
+    name = name[:cut] if cut > 0 else name
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
+    return re.sub(r"(?<=\d)_", "", snake)
 
 
-def _outside_model_nonlinearity(bp: Any) -> str | None:
-    """A nonlinear operation between an extended loss and the outputs of the extended models
-    (outside every recorded forward), if any: its residual term would be missing."""
-    stop = (ROOT, CALLS)
-    for rec, _ in bp.view.losses:
-        stack = [
-            x.grad_fn for x in rec.inputs if isinstance(x, Tensor) and x.grad_fn is not None
-        ]
-        seen: dict[int, Any] = {}
-        while stack:
-            fn = stack.pop()
-            if id(fn) in seen or getattr(fn, "variable", None) is not None:
-                continue
-            seen[id(fn)] = fn
-            md = fn.metadata
-            if any(k in md for k in stop):
-                continue
-            op = _node_op(fn)
-            kind, _ = _classify_name(op)
-            nexts = [f for f, _ in fn.next_functions if f is not None]
-            product = kind in (_PRODUCT, _QUOTIENT) and len(nexts) > 1
-            if kind in (_SMOOTH_KIND, _NONLIN) or product:
-                return op
-            stack.extend(nexts)
+#: node-only spellings of operations that are linear in their tensor operands
+_NODE_LINEAR = frozenset(
+    _words(
+        """to_copy unsafe_view reshape_alias alias slice select index copy_slices
+    constant_pad_nd reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d
+    split_with_sizes unsafe_split squeeze unsqueeze expand unfold_backward accumulate_grad
+    sum mean native_dropout mul div im2col col2im upsample_nearest1d upsample_nearest2d
+    upsample_nearest3d upsample_linear1d upsample_bilinear2d upsample_bicubic2d
+    upsample_trilinear3d _ddp_sink"""
+    )
+)
+
+
+def _node_kind(node: Any, op: str) -> int:
+    """:func:`classify`'s kind of the operation of ``node`` (named ``op``), deciding products,
+    quotients and powers by how many of their operands carry a gradient (``next_functions``):
+    ``x * c`` is linear in ``x``, ``x * y`` with both differentiable is a product."""
+    nexts = [f for f, _ in node.next_functions if f is not None]
+    kind = classify(op)
+    if op in ("mul", "div") or kind in (_PRODUCT, _QUOTIENT):
+        if op == "div" or kind == _QUOTIENT:  # nonlinear in a differentiable denominator
+            fns = node.next_functions
+            return _QUOTIENT if len(fns) > 1 and fns[1][0] is not None else _LINEAR
+        return _PRODUCT if len(nexts) > 1 else _LINEAR
+    if kind == _SMOOTH_KIND and len(nexts) > 1:  # x ** y, xlogy: a second operand
+        return _PRODUCT
+    if kind == _UNKNOWN and op in _NODE_LINEAR:
+        return _LINEAR
+    return kind
+
+
+def _region(outputs: list[Any], inputs: list[Any]) -> dict[int, Any]:
+    """The nodes of a recorded computation: upstream of its ``outputs``, down to (excluding)
+    the nodes that produced its ``inputs``."""
+    return _upstream(outputs, {id(n) for n in inputs if n is not None})
+
+
+def _param_dependent(view: Any) -> set[int]:
+    """Ids of the graph's nodes from which an extended parameter is reached (their curvature
+    terms reach the parameters)."""
+    consumers: dict[int, list[Any]] = {}
+    for fn in view.nodes.values():
+        for f, _ in fn.next_functions:
+            if f is not None:
+                consumers.setdefault(id(f), []).append(fn)
+    found: set[int] = set()
+    stack = [node for _, node in view.params.values()]
+    while stack:
+        fn = stack.pop()
+        for c in consumers.get(id(fn), ()):
+            if id(c) not in found:
+                found.add(id(c))
+                stack.append(c)
+    return found
+
+
+def _is_nll_input(bp: Any, node: Any) -> bool:
+    """Whether ``node`` produced the input of an ``NLLLoss`` of the pass (``log_softmax``
+    before it is part of the loss)."""
+    for rec in bp.loss_records:
+        if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
+            x = rec.inputs[0]
+            if isinstance(x, Tensor) and x.grad_fn is node:
+                return True
+    return False
+
+
+def _unrecorded_nonlinearity(bp: Any) -> str | None:
+    """A nonlinear operation between the extended losses and the parameters that no forward
+    recording saw (so its Hessian term has no site), if any.
+
+    The recorded parts of the graph are the regions of top-level forwards that ran with the
+    recording mode (:class:`~backprism.engine.state.RootRecord` ``recorded``) and the internals
+    of every captured call (its rule accounts for them, :func:`check_linear_in_params`).
+    Elsewhere — between models and the loss, between two extended models, in a sub-module called
+    on its own — every operation on a path to a parameter must be linear by its node's name, or
+    an elementwise nonlinearity an activation module's hook recorded (a site on its node)."""
+    view = bp.view
+    trusted: set[int] = set()
+    for root, node in view.root_nodes:
+        if root.recorded:
+            trusted.update(_region([node], list(root.stops)))
+    for call, edges in view.calls.items():
+        trusted.update(
+            _region(
+                [e[0] for e in edges if e is not None],
+                [e.node for e in call.input_edges],
+            )
+        )
+    dependent: set[int] | None = None
+    seen: set[int] = set()
+    stack = [
+        x.grad_fn
+        for rec, _ in view.losses
+        for x in rec.inputs
+        if isinstance(x, Tensor) and x.grad_fn is not None
+    ]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen or getattr(fn, "variable", None) is not None:
+            continue
+        seen.add(id(fn))
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+        if id(fn) in trusted:
+            continue
+        if dependent is None:
+            dependent = _param_dependent(view)
+        if id(fn) not in dependent:
+            continue
+        op = _node_op(fn)
+        kind = _node_kind(fn, op)
+        if kind == _LINEAR:
+            continue
+        if kind == _SMOOTH_KIND and any(
+            isinstance(s, ResidualSite) for s in fn.metadata.get(SITES, ())
+        ):
+            continue  # an activation module's hook recorded it
+        if op == "log_softmax" and _is_nll_input(bp, fn):
+            continue
+        return op
     return None
 
 
@@ -353,13 +447,15 @@ def check_pass(bp: Any, exts: list) -> None:
                 "Hessian term is not an elementwise residual, so the exact Hessian "
                 f"diagonal/blocks cannot be built from columns. {_WAY_OUT}"
             )
-    op = _outside_model_nonlinearity(bp)
+    op = _unrecorded_nonlinearity(bp)
     if op is not None:
         raise NonlinearityError(
-            f"backprism {names}: the nonlinear operation '{op}' lies between the extended "
-            "model's outputs and the loss, outside the model's forward, so its Hessian "
-            "residual term is not recorded. Apply it inside the model's forward (or as part of "
-            f"an extended loss). {_WAY_OUT}"
+            f"backprism {names}: the nonlinear operation '{op}' lies between the parameters "
+            "and the loss where no recorded forward saw it (outside the extended model's "
+            "forward, e.g. applied to its outputs, or inside a sub-module called on its own), "
+            "so its Hessian residual term is not recorded. Apply it inside the forward of the "
+            "extended model and call that model (or make it part of an extended loss). "
+            f"{_WAY_OUT}"
         )
 
 

@@ -229,13 +229,19 @@ class LossRecord:
 
 class RootRecord:
     """One top-level forward of an extended model: the model and its detached inputs (for
-    chain-wise recursions such as KFRA)."""
+    chain-wise recursions such as KFRA), whether the forward mode recorded its nonlinearities
+    (``recorded``) and the nodes that produced its differentiable inputs (``stops``: the
+    forward's region of the graph ends there)."""
 
-    __slots__ = ("args", "module")
+    __slots__ = ("args", "module", "recorded", "stops")
 
-    def __init__(self, module: nn.Module, args: tuple) -> None:
+    def __init__(
+        self, module: nn.Module, args: tuple, recorded: bool = False, stops: tuple = ()
+    ) -> None:
         self.module = module
         self.args = args
+        self.recorded = recorded
+        self.stops = stops
 
 
 class _ForwardState(threading.local):
