@@ -361,3 +361,30 @@ def test_backpack_style_script():
         torch.testing.assert_close(p.sum_grad_squared, gb[name].square().sum(0))
         torch.testing.assert_close(p.diag_ggn_exact, diag[name])
     assert set(calls) == {model[0], model[2]}
+
+
+def test_is_nll_names_backpacks_sampled_losses():
+    """``utils.module_classification.is_nll``: the losses BackPACK treats as negative
+    log-likelihoods (MSE, cross-entropy, BCE with logits), nothing else."""
+    from backprism.compat.backpack.utils.module_classification import is_loss, is_nll
+
+    for loss in (nn.MSELoss(), nn.CrossEntropyLoss(), nn.BCEWithLogitsLoss()):
+        assert is_nll(loss) and is_loss(loss)
+    for other in (nn.NLLLoss(), nn.L1Loss(), nn.GaussianNLLLoss(), nn.Linear(2, 2)):
+        assert not is_nll(other)
+
+
+@pytest.mark.parametrize("make", [ext.KFAC, ext.KFLR, ext.KFRA])
+def test_kronecker_refuse_linear_with_middle_axes(make):
+    """As BackPACK 1.7: KFAC/KFLR/KFRA take Linear inputs ``[N, I]`` only and raise
+    ``NotImplementedError`` for ``[N, *T, I]`` (a trainable Linear); a 2d input still works."""
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 3), nn.Sigmoid(), nn.Linear(3, 2), nn.Flatten()))
+    lossfunc = extend(nn.MSELoss())
+    X, y = torch.randn(3, 4, 5), torch.randn(3, 8)
+    with pytest.raises(NotImplementedError, match="Only 2d inputs"):
+        run(model, lossfunc, X, y, make())
+    model, lossfunc, X, y = problem(n=2)
+    e = make()
+    run(model, lossfunc, X, y, e)
+    assert all(hasattr(p, e.savefield) for p in model.parameters())

@@ -189,3 +189,77 @@ def test_kronecker_on_device(name, ext, device):
         assert [tuple(f.shape) for f in factors] == expected[key], key
         for f in factors:
             torch.testing.assert_close(f, f.T)
+
+
+def _dense_kfra(model: nn.Sequential, lossfunc: nn.Module, X: Tensor, y: Tensor) -> dict:
+    """KFRA from its definition on dense matrices (``torch.func``): ``Ḡ = Σₙ ∇²_{fₙ} L`` at
+    the output, ``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ`` with per-sample Jacobians of each module on the
+    flattened sample, and for a Linear layer with output ``[N, *T, O]``:
+    ``B = Σₜₛ Ḡ_out[t, s]`` (``[O, O]`` blocks), ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``."""
+    from torch.func import hessian, jacrev
+
+    n = X.shape[0]
+    xs = [X]
+    with torch.no_grad():
+        for m in model:
+            xs.append(m(xs[-1]))
+    H = hessian(lambda o: lossfunc(o, y))(xs[-1]).reshape(n, -1, n, xs[-1][0].numel())
+    G = sum(H[i, :, i, :] for i in range(n))
+    refs = {}
+    for k in reversed(range(len(model))):
+        m, x = model[k], xs[k]
+        if isinstance(m, nn.Linear):
+            o = m.out_features
+            t = xs[k + 1][0].numel() // o
+            xf = x.reshape(-1, x.shape[-1])
+            refs[k] = (G.reshape(t, o, t, o).sum((0, 2)), xf.t() @ xf / n)
+
+        def f(v: Tensor, m: nn.Module = m, x: Tensor = x) -> Tensor:
+            return m(v.reshape(1, *x.shape[1:])).reshape(-1)
+
+        Js = [jacrev(f)(x[i].reshape(-1)) for i in range(n)]
+        G = sum(J.t() @ G @ J for J in Js) / n
+    return refs
+
+
+@pytest.mark.parametrize(
+    ("shape", "act", "lossfunc"),
+    [
+        ((3, 4, 5), nn.Identity, nn.MSELoss()),
+        ((3, 4, 2, 5), nn.Sigmoid, nn.MSELoss(reduction="sum")),
+        ((2, 3, 5), nn.Tanh, nn.CrossEntropyLoss()),
+    ],
+)
+def test_kfra_linear_with_middle_axes(shape, act, lossfunc):
+    """Linear layers with inputs ``[N, *T, I]`` in the KFRA chain: the recursion goes through
+    ``I_T ⊗ W`` and ``B`` sums ``Ḡ_out`` over the positions (previously a shape error)."""
+    torch.manual_seed(7)
+    model = extend(nn.Sequential(nn.Linear(5, 3), act(), nn.Linear(3, 2), nn.Flatten())).to(DT)
+    lossfunc = extend(lossfunc)
+    X = torch.randn(*shape, dtype=DT)
+    d = 2 * (X[0].numel() // 5)
+    if isinstance(lossfunc, nn.CrossEntropyLoss):
+        y = torch.randint(0, d, (X.shape[0],))
+    else:
+        y = torch.randn(X.shape[0], d, dtype=DT)
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    for k, (B, A) in _dense_kfra(model, lossfunc, X, y).items():
+        torch.testing.assert_close(model[k].weight.kfra[0], B)
+        torch.testing.assert_close(model[k].weight.kfra[1], A)
+        torch.testing.assert_close(model[k].bias.kfra[0], B)
+        # the input factor is KFLR's
+        torch.testing.assert_close(model[k].weight.kfra[1], model[k].weight.kflr[1])
+
+
+def test_kfra_linear_middle_axes_last_layer_single_sample_is_kflr():
+    """N = 1: the last Linear's ``B = Σₜₛ Ḡ[t, s]`` equals KFLR's ``Σₘ (Σₜ gₘₜ)(Σₜ gₘₜ)ᵀ``."""
+    torch.manual_seed(8)
+    model = extend(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2), nn.Flatten())).to(DT)
+    lossfunc = extend(nn.MSELoss())
+    X, y = torch.randn(1, 3, 4, dtype=DT), torch.randn(1, 6, dtype=DT)
+    with collect(KFRA(), KFLR()):
+        lossfunc(model(X), y).backward()
+    for p in model[2].parameters():
+        for a, b in zip(p.kfra, p.kflr):
+            torch.testing.assert_close(a, b)

@@ -206,9 +206,12 @@ class KFRA(SecondOrderExtension):
 
     The batch-averaged Hessian of the loss w.r.t. the model output, ``Ḡ = (1/N) Σₙ ∇²_{fₙ} ℓₙ``
     (for a mean loss; ``Σₙ`` for sum), is propagated backwards through the chain:
-    ``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ`` (Linear: ``Wᵀ Ḡ W``; elementwise σ: ``Ḡ ⊙ E[σ'σ'ᵀ]``;
-    convolution / pooling: through autograd). A weight gets ``[Ḡ_out, A]`` (for convolutions
-    ``Ḡ_out`` summed over output positions, as BackPACK does), a bias ``[Ḡ_out]``.
+    ``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ`` (Linear: ``Wᵀ Ḡ W``, with middle axes ``T`` of the input
+    ``[N, *T, I]`` ``(I_T ⊗ W)ᵀ Ḡ (I_T ⊗ W)``; elementwise σ: ``Ḡ ⊙ E[σ'σ'ᵀ]``; convolution /
+    pooling: through autograd). A weight gets ``[B, A]`` with ``A`` as in :class:`KFLR` and
+    ``B = Σₜₛ Ḡ_out[t, s]`` (the ``[O, O]`` / ``[C_out, C_out]`` blocks of ``Ḡ_out`` summed over
+    output positions ``t, s`` — Linear middle axes or convolution positions, as BackPACK does for
+    convolutions and as :class:`KFLR`'s ``B`` sums the columns over positions), a bias ``[B]``.
 
     Parameters without Kronecker structure — the scales and shifts of LayerNorm, RMSNorm,
     GroupNorm and eval-mode BatchNorm, and the parameters of any other module in the chain whose
@@ -322,9 +325,14 @@ class KFRA(SecondOrderExtension):
         if call is None:
             return
         a = get_rule(m).kfac_input(call)
-        positions = out[0].numel() // out.shape[1] if out.dim() > 2 else 1
-        c = out.shape[1]
-        B = G.view(c, positions, c, positions).sum((1, 3)) if positions > 1 else G
+        if isinstance(m, nn.Linear):  # features last: output [N, *T, O], Ḡ over (t, o)
+            c = out.shape[-1]
+            positions = out[0].numel() // c
+            B = G.reshape(positions, c, positions, c).sum((0, 2)) if positions > 1 else G
+        else:  # convolutions: channels first, output [N, C, *S], Ḡ over (c, s)
+            c = out.shape[1]
+            positions = out[0].numel() // c
+            B = G.view(c, positions, c, positions).sum((1, 3)) if positions > 1 else G
         for name, p in call.params.items():
             value = KroneckerFactors(
                 [B, a[name]] if name in a else [B],
@@ -362,7 +370,15 @@ class KFRA(SecondOrderExtension):
                 return t
 
         if isinstance(m, nn.Linear):
-            return m.weight.detach().t() @ G @ m.weight.detach()
+            w = m.weight.detach()
+            t = x[0].numel() // x.shape[-1]  # positions: product of the middle axes
+            if t == 1:
+                return w.t() @ G @ w
+            # Jₙ = I_T ⊗ W on the flattened [T, O] output:
+            # Ḡ_in[s, a, u, b] = Σₒᵣ W[o, a] Ḡ[s, o, u, r] W[r, b]
+            o = w.shape[0]
+            Gin = torch.einsum("oa,sour,rb->saub", w, G.reshape(t, o, t, o), w)
+            return Gin.reshape(t * w.shape[1], t * w.shape[1])
         if isinstance(m, _IDENTITY):
             return G
         x = x.detach().requires_grad_(True)

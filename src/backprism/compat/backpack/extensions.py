@@ -17,6 +17,9 @@ BackPACK                          here
 ``ext.get_num_mc_samples()``,
 ``ext.expects_backpropagation_quantities()``
 ``ext.set_module_extension``      see *Custom modules* below
+``KFAC``, ``KFLR``, ``KFRA``      refuse ``nn.Linear`` inputs other than ``[N, I]`` with
+                                  ``NotImplementedError``, as BackPACK (backprism's own
+                                  extensions compute them, positions summed)
 ``HBP(curv_type, …)``             builds the matching ``KFAC``/``KFLR``/``KFRA`` (GGN curvature,
                                   ``E[Jᵀ H J]`` expectation); other combinations raise
 ``DiagGGN(strategy, savefield)``  ``DiagGGNExact``/``DiagGGNMC`` (likewise ``BatchDiagGGN``,
@@ -536,7 +539,36 @@ class SqrtGGNMC(SecondOrderBackpropExtension, _so.SqrtGGNMC):
         _so.SqrtGGNMC.__init__(self, mc_samples=mc_samples, subsampling=unique)
 
 
+def _refuse_linear_middle_axes(ext: Extension, call: Call) -> None:
+    """Refuse ``KFAC``/``KFLR``/``KFRA`` for an ``nn.Linear`` whose input is not ``[N, I]``, as
+    BackPACK 1.7 does (``NotImplementedError``; its ``HBPLinear`` checks the input dimension).
+
+    With middle axes ``[N, *T, I]`` the weight is shared over the ``T`` positions and a Kronecker
+    approximation needs a convention for them, which BackPACK leaves undefined. backprism's own
+    extensions (:mod:`backprism.extensions.kronecker`) pick one — ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``,
+    ``B`` from the position-summed output gradients, BackPACK's convolution convention — but a
+    script ported from BackPACK gets BackPACK's answer, not numbers under a convention it never
+    chose.
+
+    Raises:
+        NotImplementedError: ``call`` is a Linear call with an input of dimension other than 2.
+    """
+    if isinstance(call.module, nn.Linear) and call.input.dim() != 2:
+        name = type(ext).__name__
+        raise NotImplementedError(
+            f"Only 2d inputs are supported by {name} (got {call.input.dim()}). "
+            "backprism.compat.backpack follows BackPACK 1.7 here; backprism.extensions."
+            f"{name} computes the factors of Linear layers with middle axes (positions summed, "
+            "BackPACK's convolution convention)"
+        )
+
+
 class _KroneckerCustom:
+    def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
+        if type(call.module) not in getattr(self, "_module_exts", {}):
+            _refuse_linear_middle_axes(self, call)  # type: ignore[arg-type]
+        return super().from_rule(rule, call, g, weights)  # type: ignore[misc]
+
     def _custom_value(self, call: Call, value: Any) -> Any:
         factors = list(value) if isinstance(value, (list, tuple)) else [value]
         side = [True] + [False] * (len(factors) - 1)
@@ -583,6 +615,11 @@ class KFRA(SecondOrderBackpropExtension, _k.KFRA):
 
     def __init__(self) -> None:
         self._bp_setup()
+
+    def handle_loss(self, bp: Any, record: Any, calls: list, n: int, scale: float) -> None:
+        for call, _ in calls:
+            _refuse_linear_middle_axes(self, call)
+        return super().handle_loss(bp, record, calls, n, scale)
 
     def get_loss_hessian_strategy(self) -> str:
         return LossHessianStrategy.SUM

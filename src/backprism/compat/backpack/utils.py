@@ -157,6 +157,17 @@ def is_loss(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.loss._Loss)
 
 
+def is_nll(module: nn.Module) -> bool:
+    """Whether ``module`` is a loss BackPACK treats as a negative log-likelihood (and samples
+    Monte-Carlo curvature from): ``MSELoss`` (Gaussian, ``σ² = 1/2``), ``CrossEntropyLoss``
+    (categorical) and ``BCEWithLogitsLoss`` (Bernoulli).
+
+    backprism's own Monte-Carlo columns cover more losses (``NLLLoss``, ``GaussianNLLLoss``);
+    this predicate keeps BackPACK's answer so code branching on it behaves as with BackPACK.
+    """
+    return isinstance(module, (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss))
+
+
 def is_no_op(module: nn.Module) -> bool:
     """Whether ``module`` is a container without an operation of its own."""
     return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or (
@@ -199,6 +210,7 @@ alias_module(
     f"{__name__}.module_classification",
     "BackPACK's utils.module_classification.",
     is_loss=is_loss,
+    is_nll=is_nll,
     is_no_op=is_no_op,
     is_nn=is_nn,
 )
