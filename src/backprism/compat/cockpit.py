@@ -37,12 +37,13 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from backprism.compat import _cockpit_quantities as _cq
 from backprism.compat._modules import alias_module
 from backprism.monitor import quantities as _q
 from backprism.monitor import schedules
@@ -51,8 +52,9 @@ from backprism.monitor.configuration import (
 )
 from backprism.monitor.monitor import Monitor
 from backprism.monitor.quantities import base as _base
-from backprism.monitor.quantities import bin_adaptation as _bins
 from backprism.monitor.quantities.base import Quantity, Schedule, StepData
+from backprism.monitor.quantities.optim import is_sgd_default_kwargs as _is_sgd_default
+from backprism.monitor.quantities.optim import single_lr as _single_lr
 
 __all__ = ["Cockpit", "CockpitPlotter", "quantities", "utils"]
 
@@ -69,6 +71,11 @@ class CABS(_q.CABS):
 
     def nan_value(self) -> Any:
         return math.nan
+
+    @staticmethod
+    def get_lr(optimizer: Any) -> float:
+        """The learning rate shared by all parameter groups (``ValueError`` if they differ)."""
+        return _single_lr(optimizer)
 
 
 def _cabs_float(value: Any) -> Any:
@@ -96,33 +103,85 @@ class HessMaxEV(_q.HessMaxEV):
         self._use_power = use_power
 
 
-def _cockpit_compute(cls: type) -> bool:
-    """Whether ``cls._compute`` has Cockpit's signature ``(global_step, params, batch_loss)``."""
-    fn = getattr(cls, "_compute", None)
+_COCKPIT_ARGS = ["global_step", "params", "batch_loss"]
+
+
+def _cockpit_signature(cls: type, name: str) -> bool:
+    """Whether ``cls.<name>`` has Cockpit's signature ``(global_step, params, batch_loss)``."""
+    fn = getattr(cls, name, None)
     if fn is None:
         return False
     try:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return False
-    return names[1:] == ["global_step", "params", "batch_loss"]
+    return names[1:] == _COCKPIT_ARGS
 
 
-class SingleStepQuantity(_base.SingleStepQuantity):
-    """Cockpit's base class of single-step quantities. Subclasses may implement either
-    backprism's ``_compute(global_step, data)`` or Cockpit's
-    ``_compute(global_step, params, batch_loss)``."""
+def _save_format(value: Any) -> Any:
+    """Cockpit's storage format: tensors become (detached, CPU) numpy arrays, recursively in
+    dicts, lists and tuples."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: _save_format(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_save_format(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_save_format(v) for v in value)
+    return value
 
-    def compute(self, global_step: int, data: StepData) -> tuple[int, Any]:
-        if _cockpit_compute(type(self)):
-            loss = data.info.get("loss")
-            return global_step, self._compute(global_step, data.params, loss)  # type: ignore[call-arg]
-        return super().compute(global_step, data)
+
+def _adapt_cockpit_methods(q: Quantity) -> None:
+    """Let ``q`` (a Cockpit-style quantity) run under the monitor: methods written with
+    Cockpit's signatures are called with ``(global_step, params, batch_loss)`` where the monitor
+    passes ``(global_step, data)``; ``extension_hooks(step)`` returning ``[]`` switches the
+    quantity's per-sample transforms off (Cockpit's way to request none); a ``Quantity``
+    subclass that overrides ``track`` and no ``should_compute`` counts as active every step."""
+    cls = type(q)
+
+    def loss_of(data: StepData) -> Any:
+        return data.info.get("loss")
+
+    for name in ("_compute", "_compute_start", "_compute_end"):
+        if _cockpit_signature(cls, name):
+            method = getattr(q, name)
+
+            def adapted(global_step: int, data: StepData, _m: Any = method) -> Any:
+                return _save_format(_m(global_step, data.params, loss_of(data)))
+
+            setattr(q, name, adapted)
+    if _cockpit_signature(cls, "track"):
+        track = q.track
+        if cls.should_compute is _base.Quantity.should_compute:
+            q.should_compute = lambda global_step: True  # type: ignore[method-assign]
+
+        def adapted_track(global_step: int, data: StepData, _t: Any = track) -> None:
+            _t(global_step, data.params, loss_of(data))
+
+        q.track = adapted_track  # type: ignore[method-assign]
+    hooks = getattr(q, "extension_hooks", None)
+    if callable(hooks):
+
+        def adapted_transforms(global_step: int, data: StepData) -> Any:
+            got = hooks(global_step)
+            if not got:
+                return {}
+            raise NotImplementedError(
+                f"backprism.compat.cockpit: {cls.__name__}.extension_hooks returns BackPACK "
+                "extension hooks, which backprism does not run. Return per-sample gradient "
+                "transforms fn(param, grad_batch) from transforms(global_step, data) instead"
+            )
+
+        q.transforms = adapted_transforms  # type: ignore[method-assign]
 
 
-class ByproductQuantity(SingleStepQuantity):
-    """Cockpit's base class of quantities that need no extension."""
-
+#: Cockpit's base classes are backprism's (``isinstance`` checks against them hold for every
+#: built-in quantity); a subclass may implement Cockpit's ``_compute(global_step, params,
+#: batch_loss)`` (adapted by :class:`Cockpit`) or backprism's ``_compute(global_step, data)``.
+SingleStepQuantity = _base.SingleStepQuantity
+ByproductQuantity = _base.ByproductQuantity
+TwoStepQuantity = _base.TwoStepQuantity
 
 _REPLACED: dict[type, type] = {_q.CABS: CABS, _q.HessMaxEV: HessMaxEV}
 
@@ -179,6 +238,111 @@ def _to_tensor(v: Any) -> Any:
     return v
 
 
+class CockpitCTX:
+    """Cockpit's store of the ``info`` handed to ``cockpit(global_step, info=...)``, which
+    custom quantities query through :func:`get_batch_size`, :func:`get_individual_losses`,
+    :func:`get_optimizer` and :func:`get_loss` while the step is tracked."""
+
+    INFO: ClassVar[dict[int, dict[str, Any]]] = {}
+
+    @staticmethod
+    def set(info: dict[str, Any], global_step: int) -> None:
+        """Store ``info`` for ``global_step``."""
+        CockpitCTX.INFO[global_step] = info
+
+    @staticmethod
+    def get(name: str, global_step: int) -> Any:
+        """``info[name]`` of ``global_step`` (``KeyError`` saying how to pass it)."""
+        try:
+            return CockpitCTX.INFO[global_step][name]
+        except KeyError as e:
+            raise KeyError(f"Please hand in '{name}' via cockpit(info=...).") from e
+
+    @staticmethod
+    def erase() -> None:
+        """Forget all stored information."""
+        CockpitCTX.INFO = {}
+
+
+def get_individual_losses(global_step: int) -> Any:
+    """``info["individual_losses"]`` of the current step."""
+    return CockpitCTX.get("individual_losses", global_step)
+
+
+def get_batch_size(global_step: int) -> Any:
+    """``info["batch_size"]`` of the current step."""
+    return CockpitCTX.get("batch_size", global_step)
+
+
+def get_optimizer(global_step: int) -> Any:
+    """``info["optimizer"]`` of the current step."""
+    return CockpitCTX.get("optimizer", global_step)
+
+
+def get_loss(global_step: int) -> Any:
+    """``info["loss"]`` of the current step (a warning if it is not finite)."""
+    loss = CockpitCTX.get("loss", global_step)
+    if isinstance(loss, Tensor) and not bool(torch.isfinite(loss).all()):
+        import warnings
+
+        warnings.warn(f"[Step {global_step}] Encountered invalid loss: {loss}", stacklevel=2)
+    return loss
+
+
+class _CockpitStep:
+    """The monitor's step context with the step's ``info`` in :class:`CockpitCTX`."""
+
+    def __init__(self, inner: Any, global_step: int, info: dict[str, Any] | None) -> None:
+        self._inner, self._step, self._info = inner, global_step, dict(info or {})
+
+    def __enter__(self) -> Any:
+        CockpitCTX.set(self._info, self._step)
+        try:
+            return self._inner.__enter__()
+        except BaseException:
+            CockpitCTX.erase()
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        try:
+            return bool(self._inner.__exit__(exc_type, exc, tb))
+        finally:
+            CockpitCTX.erase()
+
+
+class ComputeStep:
+    """Cockpit's ``cockpit.utils.optim.ComputeStep``: the update step of zero-momentum SGD from
+    the per-sample gradients (``param.grad_batch``, e.g. from ``extensions.BatchGrad``)."""
+
+    @staticmethod
+    def compute_update_step(optimizer: Any, parameter_ids: list[int]) -> dict[int, Tensor]:
+        """``{id(param): update}`` of ``optimizer`` for the parameters ``parameter_ids``
+        (``NotImplementedError`` for other optimizers than default zero-momentum SGD)."""
+        if ComputeStep.is_sgd_default_kwargs(optimizer):
+            return ComputeStep.update_sgd_default_kwargs(optimizer, parameter_ids)
+        raise NotImplementedError
+
+    @staticmethod
+    def is_sgd_default_kwargs(optimizer: Any) -> bool:
+        """Whether ``optimizer`` is ``torch.optim.SGD`` without momentum, dampening, weight
+        decay and Nesterov."""
+        return bool(_is_sgd_default(optimizer))
+
+    @staticmethod
+    def update_sgd_default_kwargs(optimizer: Any, parameter_ids: list[int]) -> dict[int, Tensor]:
+        """``-lr · Σ_n grad_batch[n]`` per parameter id (the SGD step of a sum over the
+        per-sample gradients ``param.grad_batch``)."""
+        wanted = set(parameter_ids)
+        updates: dict[int, Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in wanted:
+                    updates[id(p)] = -group["lr"] * p.grad_batch.sum(0).detach()
+        if len(updates) != len(wanted):
+            raise ValueError("Could not compute step for all specified parameters")
+        return updates
+
+
 class Cockpit(Monitor):
     """Cockpit's class: ``Cockpit(params, quantities=None)``; use as
     ``with cockpit(global_step, *exts, info={...}): loss.backward(create_graph=...)``."""
@@ -191,12 +355,23 @@ class Cockpit(Monitor):
         super().__init__(params, quantities)
         self.output: dict[int, dict[str, Any]] = defaultdict(dict)
 
+    def add(self, quantity: Quantity) -> None:
+        """Track one more quantity; Cockpit-style methods (``_compute(global_step, params,
+        batch_loss)``, ``track(global_step, params, batch_loss)``, ``extension_hooks``) are
+        adapted to the monitor."""
+        if isinstance(quantity, Quantity):
+            _adapt_cockpit_methods(quantity)
+        super().add(quantity)
+
     def __call__(  # type: ignore[override]
         self, global_step: int, *exts: Any, info: dict[str, Any] | None = None, debug: bool = False
     ) -> Any:
+        """Context for the backward pass of ``global_step``; while it is open (and while the
+        quantities compute on leaving it) ``cockpit.context.get_batch_size(global_step)`` & co.
+        return the entries of ``info``."""
         if debug:
             print(f"[DEBUG, step {global_step}] quantities: {self.quantities}")
-        return super().__call__(global_step, *exts, info=info)
+        return _CockpitStep(super().__call__(global_step, *exts, info=info), global_step, info)
 
     def log(  # type: ignore[override]
         self,
@@ -337,7 +512,7 @@ def _monitor_layout(source: Any) -> Any:
         return Monitor.get_output(source)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not os.path.exists(path) and os.path.exists(path + ".json"):
+        if not os.path.isfile(path) and os.path.isfile(path + ".json"):  # Cockpit.write's
             path += ".json"
         if path.endswith(".json"):
             import json
@@ -402,10 +577,15 @@ alias_module(
 alias_module(
     f"{_Q}.bin_adaptation",
     "Cockpit's bin adaptation policies.",
-    BinAdaptation=_bins.BinAdaptation,
-    NoAdaptation=_bins.NoAdaptation,
-    GradAbsMax=_bins.GradAbsMax,
-    ParamAbsMax=_bins.ParamAbsMax,
+    BinAdaptation=_cq.BinAdaptation,
+    NoAdaptation=_cq.NoAdaptation,
+    GradAbsMax=_cq.GradAbsMax,
+    ParamAbsMax=_cq.ParamAbsMax,
+)
+alias_module(
+    f"{_Q}.alpha",
+    "Cockpit's helpers of the α computation.",
+    **{n: getattr(_cq, n) for n in _cq.__all__ if n.startswith("_")},
 )
 for _file, _names in {
     "alpha": ["Alpha"],
@@ -447,3 +627,19 @@ alias_module(
     linear=schedules.linear,
     logarithmic=schedules.logarithmic,
 )
+alias_module(
+    f"{__name__}.utils.optim",
+    "Cockpit's ``cockpit.utils.optim``.",
+    ComputeStep=ComputeStep,
+)
+alias_module(
+    f"{__name__}.context",
+    "Cockpit's ``cockpit.context``: the step's ``info`` for custom quantities.",
+    CockpitCTX=CockpitCTX,
+    get_individual_losses=get_individual_losses,
+    get_batch_size=get_batch_size,
+    get_optimizer=get_optimizer,
+    get_loss=get_loss,
+)
+alias_module(f"{__name__}.cockpit", "Cockpit's ``cockpit.cockpit``.", Cockpit=Cockpit)
+alias_module(f"{__name__}.plotter", "Cockpit's ``cockpit.plotter``.", CockpitPlotter=CockpitPlotter)

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from backprism.compat import _vivit_extras as _vx
+from backprism.compat import _vivit_hessianfree as _vhf
 from backprism.compat._modules import alias_module
 from backprism.engine.rule import Call, Rule
 from backprism.extensions import secondorder as _so
@@ -64,6 +66,7 @@ def _module(name: str, doc: str, **attrs: object) -> types.ModuleType:
     mod = types.ModuleType(full, doc)
     mod.__dict__.update(attrs)
     mod.__all__ = sorted(k for k in attrs if not isinstance(attrs[k], types.ModuleType))  # type: ignore[attr-defined]
+    mod.__path__ = []  # type: ignore[attr-defined]  # package-like, as the other alias modules
     sys.modules[full] = mod
     return mod
 
@@ -187,4 +190,46 @@ alias_module(
     "ViViT's functional access to the GGN square root.",
     ViViTGGNExact=ViViTGGNExact,
     ViViTGGNMC=ViViTGGNMC,
+)
+
+# -- ViViT's Gram-matrix hooks and utilities (backprism.compat._vivit_extras) ------------------
+alias_module(f"{__name__}.extensions.firstorder", "ViViT's first-order extension hooks.")
+alias_module(f"{__name__}.extensions.firstorder.batch_grad", "ViViT's BatchGrad hooks.")
+alias_module(
+    f"{__name__}.extensions.firstorder.batch_grad.gram_batch_grad",
+    "Gram matrices of the individual gradients (hooks for BatchGrad).",
+    CenteredBatchGrad=_vx.CenteredBatchGrad,
+    GramBatchGrad=_vx.GramBatchGrad,
+    CenteredGramBatchGrad=_vx.CenteredGramBatchGrad,
+)
+alias_module(f"{__name__}.extensions.secondorder.sqrt_ggn", "ViViT's GGN square root hooks.")
+alias_module(
+    f"{__name__}.extensions.secondorder.sqrt_ggn.gram_sqrt_ggn",
+    "Gram matrices of the GGN square root (hooks for SqrtGGNExact/SqrtGGNMC).",
+    GramSqrtGGNExact=_vx.GramSqrtGGNExact,
+    GramSqrtGGNMC=_vx.GramSqrtGGNMC,
+)
+_utils_gram = alias_module(
+    f"{__name__}.utils.gram", "ViViT's Gram-matrix utilities.",
+    pairwise_dot=_vx.pairwise_dot, reshape_as_square=_vx.reshape_as_square,
+)
+_utils_eig = alias_module(
+    f"{__name__}.utils.eig", "ViViT's symmetric eigen-decomposition utilities.",
+    symeig=_vx.symeig, symeig_psd=_vx.symeig_psd, shift_diag=_vx.shift_diag,
+    remove_zero_evals=_vx.remove_zero_evals,
+)
+_utils_checks = alias_module(
+    f"{__name__}.utils.checks", "ViViT's checks of parameter groups and sub-sampling.",
+    check_key_exists=_vx.check_key_exists, check_unique_params=_vx.check_unique_params,
+    check_subsampling_unique=_vx.check_subsampling_unique,
+)
+utils = alias_module(
+    f"{__name__}.utils", "ViViT's utilities.",
+    gram=_utils_gram, eig=_utils_eig, checks=_utils_checks,
+)
+alias_module(
+    f"{__name__}.hessianfree",
+    "ViViT's Hessian and GGN of a data set's loss as SciPy linear operators.",
+    GGNLinearOperator=_vhf.GGNLinearOperator,
+    HessianLinearOperator=_vhf.HessianLinearOperator,
 )

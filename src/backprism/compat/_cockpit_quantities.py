@@ -1,0 +1,136 @@
+"""Cockpit 1.0 names below ``cockpit.quantities`` that need more than an alias.
+
+* ``cockpit.quantities.bin_adaptation``: the policies take Cockpit's extension point
+  ``_get_abs_max(global_step, params, batch_loss, range) -> float`` (a subclass that overrides it
+  decides the limits ``±(1 + padding)·max(min_size/2, value)`` itself; the monitor then computes
+  no per-sample gradient maximum for it);
+* ``cockpit.quantities.alpha``: the helpers of Cockpit's α computation
+  (``_projected_gradient``, ``_exact_variance``, ``_fit_quadratic``, ``_get_alpha``,
+  ``_root_sum_of_squares``), which custom α variants reuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from backprism.monitor.quantities import bin_adaptation as _bins
+from backprism.monitor.quantities.alpha import fit_quadratic, get_alpha
+
+__all__ = [
+    "BinAdaptation",
+    "GradAbsMax",
+    "NoAdaptation",
+    "ParamAbsMax",
+    "_exact_variance",
+    "_fit_quadratic",
+    "_get_alpha",
+    "_projected_gradient",
+    "_root_sum_of_squares",
+]
+
+BinAdaptation = _bins.BinAdaptation
+NoAdaptation = _bins.NoAdaptation
+
+
+class _CockpitAbsMax(_bins._AbsMax):
+    """An absolute-maximum policy whose maximum a subclass may compute with Cockpit's
+    ``_get_abs_max(global_step, params, batch_loss, range)``."""
+
+    def _custom_abs_max(self) -> bool:
+        """Whether a subclass overrides :meth:`_get_abs_max`."""
+        own = next(c for c in type(self).__mro__ if "_get_abs_max" in c.__dict__)
+        return own not in (GradAbsMax, ParamAbsMax)
+
+    def compute(
+        self, global_step: int, params: list[Tensor], grad_abs_max: Any, range: Any
+    ) -> tuple[Any, Any]:
+        self._cockpit_call = (global_step, range)
+        return super().compute(global_step, params, grad_abs_max, range)
+
+    def _abs_max(self, params: list[Tensor], grad_abs_max: Any) -> Any:
+        if self._custom_abs_max():
+            from backprism.compat.cockpit import CockpitCTX
+
+            step, rng = self._cockpit_call
+            loss = CockpitCTX.INFO.get(step, {}).get("loss")
+            return float(self._get_abs_max(step, params, loss, rng))
+        return super()._abs_max(params, grad_abs_max)
+
+    def _get_abs_max(
+        self, global_step: int, params: list[Tensor], batch_loss: Any, range: Any
+    ) -> float:
+        raise NotImplementedError
+
+
+class GradAbsMax(_CockpitAbsMax, _bins.GradAbsMax):
+    """Limits ``±(1 + padding)·max(min_size/2, max |∇ℓₙ|)`` from the individual gradients
+    (Cockpit's ``GradAbsMax``)."""
+
+    @property  # type: ignore[override]
+    def needs_grad_batch(self) -> bool:
+        """The monitor computes ``max |∇ℓₙ|`` unless a subclass overrides ``_get_abs_max``."""
+        return not self._custom_abs_max()
+
+    def _get_abs_max(
+        self, global_step: int, params: list[Tensor], batch_loss: Any, range: Any
+    ) -> float:
+        """``max |∇ℓₙ|`` is computed by the monitor during the backward pass; a subclass
+        overriding this method computes it itself."""
+        raise NotImplementedError(
+            "GradAbsMax gets max |∇ℓₙ| from the monitor; override _get_abs_max to compute it"
+        )
+
+
+class ParamAbsMax(_CockpitAbsMax, _bins.ParamAbsMax):
+    """Limits ``±(1 + padding)·max(min_size/2, max |θ|)`` from the parameter values
+    (Cockpit's ``ParamAbsMax``)."""
+
+    def _get_abs_max(
+        self, global_step: int, params: list[Tensor], batch_loss: Any, range: Any
+    ) -> float:
+        """``max |θ|`` over all parameters."""
+        return float(max(p.detach().abs().max() for p in params))
+
+
+# -- Cockpit's α helpers ------------------------------------------------------------------------
+def _root_sum_of_squares(values: Iterable[float]) -> float:
+    """``√(Σ xᵢ²)`` of a list of floats."""
+    return math.sqrt(sum(float(v) ** 2 for v in values))
+
+
+def _projected_gradient(u: Sequence[Tensor], v: Sequence[Tensor]) -> float:
+    """Length of the projection of ``u`` onto the direction ``v`` (both lists of tensors, one
+    per parameter): ``⟨u, v⟩ / ‖v‖``."""
+    dot = sum(float(torch.sum(a * b)) for a, b in zip(u, v))
+    return dot / _root_sum_of_squares(float(b.norm(2)) for b in v)
+
+
+def _exact_variance(grads: Sequence[Iterable[Tensor]], search_dir: Sequence[Tensor]) -> float:
+    """Sample variance (``ddof=1``) over the batch of the individual gradients projected onto
+    ``search_dir``; ``grads`` holds per parameter the individual gradients (e.g. ``[N, *p]``)."""
+    per_sample = [
+        [g for g in sample if g is not None] for sample in itertools.zip_longest(*grads)
+    ]
+    projections = [_projected_gradient(sample, search_dir) for sample in per_sample]
+    return float(np.var(projections, ddof=1))
+
+
+def _fit_quadratic(
+    t: float, fs: list[float], dfs: list[float], fs_var: list[float], dfs_var: list[float]
+) -> np.ndarray | None:
+    """Cockpit's noisy quadratic fit ``[c₀, c₁, c₂]`` to ``f(0), f(t), f'(0), f'(t)`` (see
+    :func:`backprism.monitor.quantities.alpha.fit_quadratic`)."""
+    return fit_quadratic(t, fs, dfs, fs_var, dfs_var)
+
+
+def _get_alpha(mu: Any, t: float) -> float | None:
+    """Cockpit's local step size α from the fit ``mu`` and step length ``t`` (see
+    :func:`backprism.monitor.quantities.alpha.get_alpha`)."""
+    return get_alpha(mu, t)
