@@ -48,7 +48,7 @@ from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
-from backprism.engine.state import Call, LossRecord, sequence_first
+from backprism.engine.state import Call, LossRecord, forget_mode_free, sequence_first
 
 __all__ = ["BackwardPass", "current_pass"]
 
@@ -184,7 +184,21 @@ class BackwardPass:
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
-        """Refuse what cannot be computed, before anything is written (module docstring)."""
+        """Refuse what cannot be computed, before anything is written (module docstring).
+
+        A refused pass through forwards that ran without the forward mode
+        (:data:`~backprism.engine.state.MODE_FREE`) has the models of those forwards recorded
+        again from their next forward on: the refusal may come from a path the mode would have
+        attributed (a functional parameter use, a functional nonlinearity)."""
+        try:
+            self._check()
+        except BaseException:
+            for root, _ in self.view.root_nodes:
+                if root.modeless is not None:
+                    forget_mode_free(root.module)
+            raise
+
+    def _check(self) -> None:
         view, exts = self.view, self.extensions
         if not self.calls:
             if view.losses:
@@ -247,7 +261,7 @@ class BackwardPass:
                 "(for example in code after the model's forward, or in a term added to the loss)"
                 f"; {_names(exts)} would miss that use. Move the use into the forward of the "
                 "extended model (functional uses there are attributed), or compute it in a "
-                "separate backward pass"
+                f"separate backward pass{modeless_note(view)}"
             )
         if self.second:
             self._check_second_order(view)
@@ -769,6 +783,18 @@ def _no_residual_check(bp: BackwardPass, exts: list[Any]) -> None:
 
 #: set by :mod:`backprism.engine.residual` (a plug-in above the core)
 RESIDUAL_CHECK: list[Callable[[BackwardPass, list[Any]], None]] = [_no_residual_check]
+
+
+def modeless_note(view: GraphView) -> str:
+    """The sentence a refusal adds when the pass runs through forwards without the forward
+    mode (their models are recorded again from the next forward on, :meth:`check`)."""
+    if not any(root.modeless is not None for root, _ in view.root_nodes):
+        return ""
+    return (
+        ". (This forward ran without backprism's forward mode, which the model's first forward "
+        "did not need; its next forwards are recorded again: repeat the forward and backward "
+        "pass if the use above lies inside the model)"
+    )
 
 
 def _node_name(node: Any) -> str:

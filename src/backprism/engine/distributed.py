@@ -128,7 +128,7 @@ def _enter(module: nn.Module) -> None:
     _DDP_OF[module] = (weakref.ref(ddp), bool(ddp.require_backward_grad_sync))
 
 
-def _exit(module: nn.Module) -> None:
+def _exit(module: nn.Module, output: Any) -> None:
     return None
 
 

@@ -92,14 +92,19 @@ def root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
     if FORWARD.root_stack:
         return
     recorded = FORWARD.recording > 0  # the mode recorded this forward's nonlinearities
+    modeless = FORWARD.free_ops
+    if modeless is not None:
+        exit_local_modes()
     for _, exit_ in reversed(FORWARD_LISTENERS):
-        exit_(module)
+        exit_(module, output)
     if torch.is_grad_enabled():
         with _NO_TORCH_FUNCTION():
-            _record_root(module, args, output, recorded)
+            _record_root(module, args, output, recorded, modeless)
 
 
-def _record_root(module: nn.Module, args: Any, output: Any, recorded: bool) -> None:
+def _record_root(
+    module: nn.Module, args: Any, output: Any, recorded: bool, modeless: frozenset[str] | None
+) -> None:
     outs = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     record = None
     for o in outs:
@@ -111,7 +116,7 @@ def _record_root(module: nn.Module, args: Any, output: Any, recorded: bool) -> N
                 stops = tuple(
                     a.grad_fn for a in leaves if isinstance(a, Tensor) and a.grad_fn is not None
                 )
-                record = RootRecord(module, detached, recorded, stops)
+                record = RootRecord(module, detached, recorded, stops, modeless)
             o.grad_fn.metadata[ROOT] = record
 
 
@@ -120,7 +125,29 @@ _NONE: frozenset[int] = frozenset()
 
 def _new_frame(module: nn.Module) -> list[Any]:
     """A :data:`~backprism.engine.state.FORWARD` call-stack frame (see its docstring)."""
-    return [module, set(), _NONE, None, None, None, not module._modules]
+    return [module, set(), _NONE, None, None, None, not module._modules, None]
+
+
+#: ``[factory]`` of the forward mode entered for one module's forward inside a top-level
+#: forward that runs without it (set by ``engine.functional``, which builds on this module)
+LOCAL_MODE: list[Any] = [None]
+
+
+def _exit_local(frame: list[Any]) -> None:
+    """Leave the local forward mode ``frame`` entered (:func:`module_pre_hook_inside`)."""
+    mode = frame[7]
+    if mode is not None:
+        frame[7] = None
+        if FORWARD.modes and FORWARD.modes[-1] is mode:
+            FORWARD.modes.pop()
+        mode.__exit__(None, None, None)
+
+
+def exit_local_modes() -> None:
+    """Leave every local forward mode still entered (a module's forward raised before its
+    forward hook ran); called at the end of the top-level forward."""
+    for frame in FORWARD.call_stack:
+        _exit_local(frame)
 
 
 def module_pre_hook(module: nn.Module, args: Any) -> None:
@@ -132,10 +159,20 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
     the frame carries the parameters the call releases and the ``F.linear`` uses it keeps."""
     frame = _new_frame(module)
     FORWARD.call_stack.append(frame)
+    if FORWARD.suspended or not torch.is_grad_enabled():
+        return
     mode_on = bool(FORWARD.modes) and FORWARD.modes[-1] is not None
+    if not mode_on and FORWARD.free_ops is not None and LOCAL_MODE[0] is not None:
+        # a top-level forward without the mode (engine.functional): the mode is entered for
+        # this module's forward alone, so that it can release its parameters all the same
+        mode = LOCAL_MODE[0]()
+        mode.__enter__()
+        FORWARD.modes.append(mode)
+        frame[7] = mode
+        mode_on = True
     # released uses are attributed by the forward mode (none without one: a sub-module called
     # on its own keeps its parameters)
-    if not mode_on or FORWARD.suspended or not torch.is_grad_enabled():
+    if not mode_on:
         return
     with _NO_TORCH_FUNCTION():
         inside = get_rule(module).inside(module, args, kwargs)
@@ -209,6 +246,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
     call_kwargs: dict[str, Any]
     stack = FORWARD.call_stack
     frame = stack.pop() if stack else _new_frame(module)
+    if frame[7] is not None:
+        _exit_local(frame)
     ran = frame[1]
     if stack:
         # the module's whole subtree is accounted for — by the calls of descendants that ran,

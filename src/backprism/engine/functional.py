@@ -46,9 +46,18 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.3
     _SDPBackend = _sdpa_kernel = None
 
+from backprism.engine import forward as _forward
 from backprism.engine import residual
 from backprism.engine.forward import attach, capture, keep_linear
-from backprism.engine.state import AXIS, CALLS, FORWARD, FORWARD_LISTENERS, Call, active
+from backprism.engine.state import (
+    AXIS,
+    CALLS,
+    FORWARD,
+    FORWARD_LISTENERS,
+    MODE_FREE,
+    Call,
+    active,
+)
 
 __all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast"]
 
@@ -258,6 +267,8 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         if name == "linear" and views[0][0] == 1 and views[0][1][2] == "param":
             keep_linear(views[0][1][0], args[0], out)
         return
+    if not any(frame[2] and id(v[0]) in frame[2] for frame in FORWARD.call_stack for _, v in views):
+        FORWARD.acted += 1  # a use no module hook sees (released ones are optional)
     if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
         return  # a parameter passed by keyword: left to the graph check, which refuses it
     tensors = [
@@ -434,6 +445,7 @@ def _broadcast_calls(args: tuple) -> tuple:
         if attach(expanded, [wide]):
             call.superseded = True
             new[i] = wide
+            FORWARD.acted += 1
     return tuple(new)
 
 
@@ -622,15 +634,50 @@ class ForwardMode(TorchFunctionMode):
         return out
 
 
+#: a model not seen yet for a ``training`` flag (:data:`~backprism.engine.state.MODE_FREE`)
+_UNSEEN = object()
+
+
+def _functorch_level() -> Any:
+    """The innermost active ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, …), or
+    ``None``: forwards inside one always run with the mode (it also keeps attention off the
+    fused kernels those transforms cannot differentiate)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return None if peek is None else peek()
+
+
 def _enter(root: nn.Module) -> None:
+    """Enter the forward mode for a top-level forward of ``root`` — unless the forward runs
+    outside any ``collect()`` and an earlier recorded forward of ``root`` (same ``training``
+    flag) showed that the mode has nothing to do in it (no functional parameter use, no
+    nonlinearity outside activation modules, no broadcast call, no batch off axis 0). Such a
+    forward pays for no per-operation dispatch. Its backward checks what the mode would have
+    seen in the graph (:mod:`backprism.engine.graph`'s attribution,
+    :func:`backprism.engine.residual.check_pass`'s node walk) and refuses, never misses, what
+    a different path needs; the model is then recorded again
+    (:func:`~backprism.engine.state.forget_mode_free`)."""
     FORWARD.view_ids.clear()  # views of parameters are tracked per top-level forward
     if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record
         FORWARD.modes.append(None)
         return
     record = residual.recording_wanted()
     ctx = active()
+    learn = False
+    if ctx is None and record and _functorch_level() is None:
+        known = MODE_FREE.get(root, {}).get(root.training, _UNSEEN)
+        if known is not _UNSEEN and known is not None:
+            FORWARD.modes.append(None)  # activation modules' hooks record their sites
+            FORWARD.free_ops = known  # type: ignore[assignment]
+            return
+        # learn from a forward with the model's own (extended) parameters only, not one
+        # through torch.func.functional_call's stand-ins
+        learn = known is _UNSEEN and all(
+            id(p) in PARAM_IDS for p in root.parameters() if p.requires_grad
+        )
     math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
     mode = ForwardMode(record, math)
+    mode.learn = learn  # type: ignore[attr-defined]
+    FORWARD.acted = 0
     # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
     # calls are marked so that such an extension in a later backward refuses them
     mode.skipped = not record and residual.recording_enabled()  # type: ignore[attr-defined]
@@ -640,7 +687,8 @@ def _enter(root: nn.Module) -> None:
     FORWARD.modes.append(mode)
 
 
-def _exit(root: nn.Module) -> None:
+def _exit(root: nn.Module, output: Any) -> None:
+    FORWARD.free_ops = None
     if FORWARD.modes:
         mode = FORWARD.modes.pop()
         if mode is None:
@@ -648,7 +696,22 @@ def _exit(root: nn.Module) -> None:
         FORWARD.recording -= int(mode.record)
         FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
+        if mode.learn and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            free = FORWARD.acted == 0 and not FORWARD.layouts
+            known = MODE_FREE.setdefault(root, {})
+            known[root.training] = residual.node_ops(output) if free else None
 
+
+def _local_mode() -> ForwardMode:
+    """The mode for one module's forward inside a top-level forward without it: attribution
+    only (nonlinearities are found by the backward's graph walk there)."""
+    mode = ForwardMode(False)
+    mode.learn = False  # type: ignore[attr-defined]
+    mode.skipped = False  # type: ignore[attr-defined]
+    return mode
+
+
+_forward.LOCAL_MODE[0] = _local_mode
 
 if (_enter, _exit) not in FORWARD_LISTENERS:
     FORWARD_LISTENERS.append((_enter, _exit))

@@ -76,6 +76,7 @@ __all__ = [
     "check_pass",
     "check_recording",
     "classify",
+    "node_ops",
     "op_name",
     "push_residual",
     "record_nonlinearities",
@@ -285,6 +286,9 @@ def _add_error(out: Tensor, what: str, nll_output: weakref.ref | None = None) ->
 
 def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
     _add_site(out, ResidualSite(fn, z, name, out.output_nr))
+    # only the mode records it (refusals the graph walk finds without it, engine.functional);
+    # an activation module's own site is taken back by its hook
+    FORWARD.acted += 1
 
 
 def _feeds_nll(bp: Any, output: weakref.ref) -> bool:
@@ -322,21 +326,52 @@ _NODE_LINEAR = frozenset(
 )
 
 
+def node_ops(output: Any) -> frozenset[str]:
+    """The operations (:func:`_node_op`) of the graph upstream of ``output`` (tensors, or
+    containers of them) that carry no refusal site: what a later forward of the same model
+    without the forward mode may contain outside module calls (:func:`_unrecorded_nonlinearity`).
+    An operation refused anywhere in this graph is left out."""
+    outs = [output] if isinstance(output, Tensor) else torch.utils._pytree.tree_flatten(output)[0]
+    starts = [o.grad_fn for o in outs if isinstance(o, Tensor) and o.grad_fn is not None]
+    ok: set[str] = set()
+    refused: set[str] = set()
+    for fn in _upstream(starts, set()).values():
+        op = _node_op(fn)
+        sites = fn.metadata.get(SITES, ()) if fn.metadata else ()
+        (refused if any(isinstance(x, ErrorSite) for x in sites) else ok).add(op)
+    return frozenset(ok - refused)
+
+
+_NODE_NONLINEAR = ("native_layer_norm", "native_group_norm", "linalg_vector_norm", "linalg_norm")
+_NODE_BATCH_NORM = ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+
+
 def _node_kind(node: Any, op: str) -> int:
-    """:func:`classify`'s kind of the operation of ``node`` (named ``op``), deciding products,
-    quotients and powers by how many of their operands carry a gradient (``next_functions``):
-    ``x * c`` is linear in ``x``, ``x * y`` with both differentiable is a product."""
+    """:func:`classify`'s kind of the operation of ``node`` (named ``op``), deciding as the
+    forward mode's :func:`record` does from the node's operands (``next_functions``): ``x * c``
+    is linear in ``x`` while ``x * y`` with both differentiable is a product; a quotient is
+    nonlinear only in a differentiable denominator; a normalisation of parameters alone is
+    linear in the data; eval-mode batch norm is affine."""
     nexts = [f for f, _ in node.next_functions if f is not None]
     kind = classify(op)
+    if kind == _UNKNOWN:
+        if op in _NODE_LINEAR:
+            kind = _LINEAR
+        elif op.startswith(_NODE_BATCH_NORM):
+            if not getattr(node, "_saved_training", True):
+                return _LINEAR
+            kind = _NONLIN
+        elif op.startswith(_NODE_NONLINEAR) or "attention" in op:
+            kind = _NONLIN
     if op in ("mul", "div") or kind in (_PRODUCT, _QUOTIENT):
-        if op == "div" or kind == _QUOTIENT:  # nonlinear in a differentiable denominator
+        if op == "div" or kind == _QUOTIENT:
             fns = node.next_functions
             return _QUOTIENT if len(fns) > 1 and fns[1][0] is not None else _LINEAR
         return _PRODUCT if len(nexts) > 1 else _LINEAR
     if kind == _SMOOTH_KIND and len(nexts) > 1:  # x ** y, xlogy: a second operand
         return _PRODUCT
-    if kind == _UNKNOWN and op in _NODE_LINEAR:
-        return _LINEAR
+    if kind == _NONLIN and all(getattr(f, "variable", None) is not None for f in nexts):
+        return _LINEAR  # of parameters alone: linear in the data
     return kind
 
 
@@ -380,19 +415,27 @@ def _unrecorded_nonlinearity(bp: Any) -> str | None:
     """A nonlinear operation between the extended losses and the parameters that no forward
     recording saw (so its Hessian term has no site), if any.
 
-    The recorded parts of the graph are the regions of top-level forwards that ran with the
-    recording mode (:class:`~backprism.engine.state.RootRecord` ``recorded``) and the internals
-    of every captured call (its rule accounts for them, :func:`check_linear_in_params`).
-    Elsewhere — between models and the loss, between two extended models, in a sub-module called
-    on its own — every operation on a path to a parameter must be linear by its node's name, or
-    an elementwise nonlinearity an activation module's hook recorded (a site on its node)."""
+    The regions of top-level forwards that ran with the recording mode
+    (:class:`~backprism.engine.state.RootRecord` ``recorded``) carry sites for everything the
+    mode found. Elsewhere — forwards without the mode (:data:`~backprism.engine.state.MODE_FREE`),
+    sub-modules called on their own, code between models and the loss — the nodes on a path to a
+    parameter are classified as the mode classifies operations (:func:`record`): an elementwise
+    nonlinearity needs a site (activation modules' hooks record one), a non-elementwise one is
+    refused, a product of two differentiable operands or a division by one is refused outside a
+    module call (inside, the module's rule accounts for it), and an operation of unknown kind
+    is accepted inside a module call, or where the model's recorded forward had it without a
+    refusal."""
     view = bp.view
     trusted: set[int] = set()
+    known_ops: set[str] = set()
     for root, node in view.root_nodes:
         if root.recorded:
             trusted.update(_region([node], list(root.stops)))
+        elif root.modeless is not None:
+            known_ops.update(root.modeless)
+    inside: set[int] = set()
     for call, edges in view.calls.items():
-        trusted.update(
+        inside.update(
             _region(
                 [e[0] for e in edges if e is not None],
                 [e.node for e in call.input_edges],
@@ -422,13 +465,17 @@ def _unrecorded_nonlinearity(bp: Any) -> str | None:
         kind = _node_kind(fn, op)
         if kind == _LINEAR:
             continue
-        if kind == _SMOOTH_KIND and any(
-            isinstance(s, ResidualSite) for s in fn.metadata.get(SITES, ())
-        ):
-            continue  # an activation module's hook recorded it
+        if kind == _SMOOTH_KIND:
+            if any(isinstance(x, ResidualSite) for x in fn.metadata.get(SITES, ())):
+                continue  # an activation module's hook recorded it
+            return op
+        if kind in (_PRODUCT, _UNKNOWN):
+            if id(fn) in inside or (kind == _UNKNOWN and op in known_ops):
+                continue
+            return op
         if op == "log_softmax" and _is_nll_input(bp, fn):
             continue
-        return op
+        return op  # a quotient, or a non-elementwise nonlinearity
     return None
 
 
@@ -455,7 +502,7 @@ def check_pass(bp: Any, exts: list) -> None:
             "forward, e.g. applied to its outputs, or inside a sub-module called on its own), "
             "so its Hessian residual term is not recorded. Apply it inside the forward of the "
             "extended model and call that model (or make it part of an extended loss). "
-            f"{_WAY_OUT}"
+            f"{_WAY_OUT}{_backward.modeless_note(bp.view)}"
         )
 
 
@@ -652,7 +699,15 @@ def recording_wanted() -> bool:
 def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None:
     """Forward hook of activation modules: records ``a = module(z)`` when the recording mode is
     not active (a sub-module called on its own); otherwise the mode saw its functional call."""
-    if FORWARD.recording or not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
+    if FORWARD.recording:
+        # the mode recorded the module's operation; without the mode this hook records it, so
+        # it is no reason to keep the mode for this model (engine.functional)
+        fn = getattr(output, "grad_fn", None)
+        if fn is not None:
+            sites = fn.metadata.get(SITES, ()) if fn.metadata else ()
+            FORWARD.acted -= sum(isinstance(x, ResidualSite) for x in sites)
+        return
+    if not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
         return
     if FORWARD.unrecorded:  # inside a forward deliberately not recorded
         return

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ __all__ = [
     "FORWARD",
     "FORWARD_LISTENERS",
     "LOSS",
+    "MODE_FREE",
     "ROOT",
     "SITES",
     "Call",
@@ -54,6 +56,7 @@ __all__ = [
     "LossRecord",
     "RootRecord",
     "active",
+    "forget_mode_free",
     "sequence_first",
     "set_active",
     "suspended",
@@ -233,15 +236,23 @@ class RootRecord:
     (``recorded``) and the nodes that produced its differentiable inputs (``stops``: the
     forward's region of the graph ends there)."""
 
-    __slots__ = ("args", "module", "recorded", "stops")
+    __slots__ = ("args", "modeless", "module", "recorded", "stops")
 
     def __init__(
-        self, module: nn.Module, args: tuple, recorded: bool = False, stops: tuple = ()
+        self,
+        module: nn.Module,
+        args: tuple,
+        recorded: bool = False,
+        stops: tuple = (),
+        modeless: frozenset[str] | None = None,
     ) -> None:
         self.module = module
         self.args = args
         self.recorded = recorded
         self.stops = stops
+        #: for a forward run without the forward mode (:data:`MODE_FREE`), the operations the
+        #: model's recorded forward had without refusal; ``None`` otherwise
+        self.modeless = modeless
 
 
 class _ForwardState(threading.local):
@@ -253,7 +264,8 @@ class _ForwardState(threading.local):
         #: attribution (``Inside.release``), ``{parameter id: name}`` of the ``F.linear``
         #: uses it keeps (``Inside.keep``), the :class:`Kept` record being filled, the
         #: replacement functions (``Inside.functions``) or ``None``, whether the module is a
-        #: leaf (no sub-modules)]
+        #: leaf (no sub-modules), the forward mode entered for this module's forward alone or
+        #: ``None``]
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []
@@ -270,13 +282,34 @@ class _ForwardState(threading.local):
         #: ids of the views of extended parameters made during this thread's top-level
         #: forward (``engine.functional``)
         self.view_ids: set[int] = set()
+        #: what the forward mode did in this top-level forward that module hooks alone would
+        #: not (functional parameter uses, nonlinearity records outside activation modules,
+        #: broadcast calls); ``0`` after a forward that did not need the mode
+        self.acted = 0
+        #: in a top-level forward run without the mode: :data:`MODE_FREE`'s entry for it
+        self.free_ops: frozenset[str] | None = None
 
 
 FORWARD = _ForwardState()
 
 #: ``(enter, exit)`` callables run around every top-level forward of an extended root model
-#: (e.g. the mode recording nonlinearities and functional parameter uses).
-FORWARD_LISTENERS: list[tuple[Callable[[nn.Module], None], Callable[[nn.Module], None]]] = []
+#: (e.g. the mode recording nonlinearities and functional parameter uses); ``exit`` also gets
+#: the forward's output.
+FORWARD_LISTENERS: list[
+    tuple[Callable[[nn.Module], None], Callable[[nn.Module, Any], None]]
+] = []
+
+#: Extended root models whose forward does not need the forward mode, per ``training`` flag:
+#: the names of the graph nodes (:func:`backprism.engine.residual.node_op`) its recorded
+#: forward produced, or ``None`` where the mode is needed (``engine.functional``).
+MODE_FREE: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[str] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def forget_mode_free(module: nn.Module) -> None:
+    """Record every later forward of ``module`` with the forward mode."""
+    MODE_FREE[module] = {True: None, False: None}
 
 
 @contextmanager

@@ -1,0 +1,227 @@
+"""Forwards without the forward mode (``engine.functional``, ``MODE_FREE``): once a model's
+recorded forward showed that the mode has nothing to do in it, its later forwards outside
+``collect`` run without it. Every result of a backward through such a forward is checked here
+against dense float64 references (``torch.func``), and every path the mode would have seen —
+a functional nonlinearity, a functional parameter use — is refused, never missed, after which
+the model is recorded again."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.engine.functional import ForwardMode
+from backprism.engine.residual import NonlinearityError
+from backprism.engine.state import FORWARD, MODE_FREE
+from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from backprism.extensions.hessian import DiagHessian
+from backprism.rules.attention import MultiheadAttentionRule
+from tests.common import assert_first_order
+from tests.reference import diag_ggn, loss_hessian, per_sample_grads
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+FIRST = (BatchGrad, BatchL2Grad, SumGradSquared, Variance)
+
+
+class Switch(nn.Module):
+    """An MLP with an activation module; with ``extra`` set, its forward also takes a path
+    the mode would have recorded: a functional ``tanh`` or a functional use of a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)
+        self.extra: str | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.a(x))
+        if self.extra == "tanh":
+            h = torch.tanh(h)
+        out = self.b(h)
+        if self.extra == "weight":
+            out = out + h @ self.b.weight.T
+        return out
+
+
+def _mode_calls() -> mock._patch:
+    """Patch counting the forward mode's dispatches."""
+    return mock.patch.object(
+        ForwardMode, "__torch_function__", autospec=True, side_effect=ForwardMode.__torch_function__
+    )
+
+
+def _data(n: int = 5) -> tuple[Tensor, Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(n, 3), torch.randn(n, 2)
+
+
+def _learn(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> None:
+    model.zero_grad()
+    lossfunc(model(X), y).backward()
+    model.zero_grad()
+
+
+def test_learned_then_forwards_without_the_mode():
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    with _mode_calls() as calls:
+        _learn(model, lf, X, y)
+        assert calls.call_count > 0  # the first forward is recorded
+        assert MODE_FREE[model][True] is not None
+        calls.reset_mock()
+        lf(model(X), y).backward()
+        assert calls.call_count == 0
+    assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+
+
+def test_results_through_a_forward_without_the_mode():
+    """First-order statistics, the GGN and the Hessian diagonal of a backward through a forward
+    without the mode, against dense references (the activation module's hook records the
+    residual site the mode would have)."""
+    torch.manual_seed(1)
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    _learn(model, lf, X, y)
+    ref = per_sample_grads(model, lf, X, y)
+    loss = lf(model(X), y)  # outside collect: no mode
+    assert MODE_FREE[model][True] is not None
+    with collect(*(e() for e in FIRST), DiagGGNExact(), DiagHessian()):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+    ggn = diag_ggn(model, lf, X, y)
+    h = torch.diagonal(loss_hessian(model, lf, X, y))
+    ours_h = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+    torch.testing.assert_close(ours_h, h)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
+
+
+def test_a_functional_nonlinearity_keeps_the_mode():
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    model.extra = "tanh"
+    X, y = _data()
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is None
+    loss = lf(model(X), y)
+    with collect(DiagHessian()):
+        loss.backward()
+    h = torch.diagonal(loss_hessian(model, lf, X, y))
+    torch.testing.assert_close(torch.cat([p.diag_h.flatten() for p in model.parameters()]), h)
+
+
+def test_a_new_functional_nonlinearity_is_refused_then_recorded():
+    """The learned forward had no functional tanh; a later one has: DiagHessian refuses (the
+    residual site is missing) before writing, and the next forward is recorded and exact."""
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    _learn(model, lf, X, y)
+    model.extra = "tanh"
+    loss = lf(model(X), y)
+    with pytest.raises(NonlinearityError, match=r"'tanh'.*recorded again"), collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    assert MODE_FREE[model][True] is None
+    loss = lf(model(X), y)
+    with collect(DiagHessian()):
+        loss.backward()
+    h = torch.diagonal(loss_hessian(model, lf, X, y))
+    torch.testing.assert_close(torch.cat([p.diag_h.flatten() for p in model.parameters()]), h)
+
+
+def test_a_new_functional_parameter_use_is_refused_then_recorded():
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    _learn(model, lf, X, y)
+    model.extra = "weight"
+    loss = lf(model(X), y)
+    with pytest.raises(RuntimeError, match=r"'b\.weight'.*recorded again"), collect(BatchGrad()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())
+    ref = per_sample_grads(model, lf, X, y)
+    loss = lf(model(X), y)
+    with collect(*(e() for e in FIRST)):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_train_and_eval_are_learned_apart():
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    X, _ = _data()
+    model(X)
+    assert set(MODE_FREE[model]) == {True}
+    model.eval()
+    with _mode_calls() as calls:
+        model(X)
+        assert calls.call_count > 0
+    assert set(MODE_FREE[model]) == {True, False}
+
+
+def test_functional_call_does_not_teach():
+    """A forward through ``torch.func.functional_call`` sees stand-ins for the parameters, so
+    it cannot show that the mode is not needed."""
+    model = extend(Switch())
+    model.extra = "weight"
+    X, _ = _data()
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+    torch.func.functional_call(model, params, (X,))
+    assert model not in MODE_FREE or MODE_FREE[model].get(True, None) is None
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_attention_releases_its_projection_without_the_mode():
+    """Self-attention in a forward without the mode still takes the released path (the mode is
+    entered for its forward alone): no recomputed forward, statistics against ``torch.func``,
+    and the mode is left afterwards."""
+    torch.manual_seed(2)
+    model, lf = extend(Block()), extend(nn.MSELoss())
+    X, y = torch.randn(3, 5, 4), torch.randn(3, 2)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    ref = per_sample_grads(model, lf, X, y)
+    with mock.patch.object(
+        MultiheadAttentionRule, "_compute_forward", side_effect=AssertionError("recomputed")
+    ):
+        loss = lf(model(X), y)
+        assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+        with collect(*(e() for e in FIRST)):
+            loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_that_raises_leaves_no_mode_behind():
+    torch.manual_seed(2)
+    model, lf = extend(Block()), extend(nn.MSELoss())
+    X, y = torch.randn(3, 5, 4), torch.randn(3, 2)
+    _learn(model, lf, X, y)
+    with pytest.raises(AssertionError, match="embedding dimension"):
+        model(torch.randn(3, 5, 3))  # wrong feature size: the attention's forward raises
+    assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+    lf(model(X), y).backward()  # and the next forward is fine
+
+
+def test_layer_norm_is_refused_for_diag_hessian_as_with_the_mode():
+    """A transformer encoder layer needs no mode for first-order statistics; its LayerNorm and
+    attention have no residual decomposition, refused by the graph walk as by the mode."""
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+    model, lf = extend(nn.Sequential(layer, nn.Flatten(), nn.Linear(20, 2))), extend(nn.MSELoss())
+    X, y = torch.randn(3, 5, 4), torch.randn(3, 2)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    loss = lf(model(X), y)
+    match = r"nonlinearly|layer_norm|attention"
+    with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
+        loss.backward()
