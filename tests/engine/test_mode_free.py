@@ -21,7 +21,7 @@ from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSq
 from backprism.extensions.hessian import DiagHessian
 from backprism.rules.attention import MultiheadAttentionRule
 from tests.common import assert_first_order
-from tests.reference import diag_ggn, loss_hessian, per_sample_grads
+from tests.reference import diag_ggn, loss_hessian, per_sample_grads, per_sample_grads_loop
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -225,3 +225,79 @@ def test_layer_norm_is_refused_for_diag_hessian_as_with_the_mode():
     match = r"nonlinearly|layer_norm|attention"
     with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
         loss.backward()
+
+
+class Positions(nn.Module):
+    """Token embeddings plus, with ``broadcast`` set, position embeddings of shape ``[1, T]``
+    broadcast over the samples (the mode expands that call to the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 3), nn.Embedding(4, 3), nn.Linear(3, 2)
+        self.broadcast = False
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.tok(idx)
+        if self.broadcast:
+            h = h + self.pos(torch.arange(idx.shape[1])[None])
+        return self.head(h.mean(1))
+
+
+def test_a_new_broadcast_call_is_refused_then_recorded():
+    torch.manual_seed(4)
+    model, lf = extend(Positions()), extend(nn.MSELoss())
+    X, y = torch.randint(0, 7, (5, 4)), torch.randn(5, 2)
+    _learn(model, lf, X, y)
+    model.broadcast = True
+    loss = lf(model(X), y)
+    match = r"batch sizes 1 and 5.*recorded again"
+    with pytest.raises(RuntimeError, match=match), collect(BatchGrad()):
+        loss.backward()
+    ref = per_sample_grads(model, lf, X, y)
+    loss = lf(model(X), y)
+    with collect(*(e() for e in FIRST)):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_extend_again_forgets_what_was_learned():
+    model = extend(Switch())
+    X, _ = _data()
+    model(X)
+    assert model in MODE_FREE
+    extend(model)
+    assert model not in MODE_FREE
+
+
+class MaybeRecurrent(nn.Module):
+    """A Linear, and with ``rnn`` set a ``batch_first=False`` RNN after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.rnn, self.head = nn.Linear(3, 3), nn.RNN(3, 3), nn.Linear(3, 2)
+        self.use_rnn = False
+
+    def forward(self, x: Tensor) -> Tensor:  # x: [N, T, 3]
+        h = self.lin(x)
+        if self.use_rnn:
+            h = self.rnn(h.transpose(0, 1))[0].transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+def test_a_sequence_first_layer_appearing_later_is_recorded_again():
+    """The mode follows the batch axis of a ``batch_first=False`` RNN's outputs through
+    operations; a forward without it forgets what was learned, and the next forward is
+    recorded: its statistics match ``torch.func``."""
+    torch.manual_seed(5)
+    model, lf = extend(MaybeRecurrent()), extend(nn.MSELoss())
+    X, y = torch.randn(4, 6, 3), torch.randn(4, 2)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    model.use_rnn = True
+    model(X)  # without the mode: forgets
+    assert MODE_FREE[model][True] is None
+    ref = per_sample_grads_loop(model, lf, X, y)
+    loss = lf(model(X), y)
+    with collect(*(e() for e in FIRST)):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)

@@ -305,6 +305,7 @@ class BackwardPass:
             "concatenate the inputs into one forward, or use separate backward passes. (A "
             "module called on a batch of 1 and broadcast over the samples, e.g. position "
             "embeddings of shape [1, T], needs its input expanded to [N, T].)"
+            f"{modeless_note(self.view)}"
         )
 
     def _check_second_order(self, view: GraphView) -> None:

@@ -16,6 +16,7 @@ from backprism.engine.forward import (
 )
 from backprism.engine.residual import ACTIVATION_TYPES, activation_forward_hook
 from backprism.engine.rule import Rule, get_rule
+from backprism.engine.state import MODE_FREE
 
 __all__ = ["extend"]
 
@@ -59,6 +60,7 @@ def extend(module: nn.Module) -> nn.Module:
             handles.append(module.register_forward_hook(loss_forward_hook, with_kwargs=True))
             object.__setattr__(module, _EXTENDED_ATTR, handles)
         return module
+    MODE_FREE.pop(module, None)  # (sub-modules added since: its next forward is recorded)
     if not handles:
         handles.append(module.register_forward_pre_hook(root_pre_hook))
         handles.append(module.register_forward_hook(root_post_hook, always_call=True))

@@ -45,6 +45,7 @@ from backprism.engine.state import (
     Kept,
     LossRecord,
     RootRecord,
+    forget_mode_free,
     sequence_first,
 )
 
@@ -302,6 +303,10 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         for i, o in enumerate(outs):
             setattr(o, AXIS, 0 if isinstance(module, nn.MultiheadAttention) and i else 1)
         FORWARD.layouts = True
+        if FORWARD.free_ops is not None and FORWARD.root_stack:
+            # the mode follows such a batch axis through operations; without it the backward's
+            # layout checks refuse what they cannot tell apart, and later forwards are recorded
+            forget_mode_free(FORWARD.root_stack[0])
         return
     capture(
         module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs),
