@@ -44,12 +44,17 @@ DiagHessian-family extension is not recorded at all (its calls are marked ``unre
 such an extension in a later backward refuses them with a clear error). A forward outside any
 context is recorded, since its backward may ask for DiagHessian: one Python dispatch per
 operation and one small record per smooth nonlinearity (holding ``z``, usually kept alive
-anyway as the output of a captured layer).
+anyway as the output of a captured layer) — unless the model's recorded forward showed that only
+activation modules (whose hooks record their own sites) have nonlinearities, in which case its
+later forwards run without the mode.
 ``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
 
 Only the forward of an extended model is watched: a nonlinearity applied to its output outside
-it (``loss(torch.tanh(model(X)), y)``) is found in the graph by :func:`check_pass` and refused
-with a clear error — put it inside the model.
+it (``loss(torch.tanh(model(X)), y)``), one in a sub-module called on its own, and one in a
+forward that ran without the mode (``engine.functional``: models whose recorded forward showed
+the mode has nothing to do) is found in the graph by :func:`check_pass`, which classifies the
+nodes outside recorded forwards as :func:`record` classifies operations, and refused with a
+clear error — put it inside the model.
 """
 
 from __future__ import annotations
