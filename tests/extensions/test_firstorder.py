@@ -57,6 +57,21 @@ def test_first_order_on_device(name, device):
         torch.testing.assert_close(p.grad_batch, ref[key][sub], **DEVICE_TOL)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("sub", [[2, 0, 2], [1, 2, 0], [0, 0, 1, 2, 2]])
+@pytest.mark.parametrize("name", ["transformer", "gpt"])
+def test_batch_grad_repeated_and_permuted_subsampling(name, sub):
+    """``BatchGrad(subsampling)`` with repeated or permuted indices is ``grad_batch[sub]``, also
+    for a sub-sample of as many rows as the batch (``N = 3``): what the forward kept inside an
+    attention call holds the whole batch and is not reused for the restricted call."""
+    model, lossfunc, X, y, ref_loss = build_on_device(name, torch.device("cpu"))
+    ref = per_sample_grads(model, ref_loss, X, y)
+    extend(model), extend(lossfunc)
+    fresh_backward(model, lossfunc, X, y, BatchGrad(subsampling=sub))
+    for key, p in trainable(model):
+        torch.testing.assert_close(p.grad_batch, ref[key][sub], **DEVICE_TOL, msg=key)
+
+
 def test_subsampling_and_autograd_grad():
     torch.manual_seed(1)
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Sigmoid(), nn.Linear(4, 2))).double()

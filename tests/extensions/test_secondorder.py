@@ -45,6 +45,7 @@ from tests.common import (
     FAMILY_N,
     Head,
     assert_mc_within,
+    backward,
     build_on_device,
     check_mc,
     check_stored,
@@ -250,6 +251,72 @@ def test_mc_sqrt_subsampling_and_seed():
     torch.testing.assert_close(case.gather("sqrt_ggn_mc", 2), V, atol=0, rtol=0)
 
 
+# --------------------------------------------- repeated sub-sampling indices (BackPACK's meaning)
+#: ``index_select`` semantics: a row per occurrence, in the given order
+REPEATED = [2, 0, 2, 1, 2]
+
+
+def _occurrence_sum(G: Tensor, sub: list[int]) -> Tensor:
+    """``Σ_{i} GGN_{sᵢ}`` over the occurrences (a repeated sample counted once per occurrence)."""
+    return torch.stack([G[n, n] for n in sub]).sum(0)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_exact_sqrt_repeated_subsampling(loss):
+    """``SqrtGGNExact(subsampling=𝒮)`` with repeated indices is ``V[:, 𝒮]``: column block ``i``
+    squares to the reference block ``GGN_{sᵢ}`` and ``V_𝒮 V_𝒮ᵀ = Σᵢ GGN_{sᵢ}``."""
+    case = Case(loss, "mean", "resmlp", seed=4)
+    G = case.reference()
+    case.backward(SqrtGGNExact(subsampling=REPEATED))
+    V = case.gather("sqrt_ggn_exact", 2)  # [K, N', P]
+    assert V.shape[1] == len(REPEATED)
+    for i, n in enumerate(REPEATED):
+        torch.testing.assert_close(V[:, i].T @ V[:, i], G[n, n], atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(
+        torch.einsum("knp,knq->pq", V, V), _occurrence_sum(G, REPEATED), atol=1e-9, rtol=1e-9
+    )
+    torch.testing.assert_close(V[:, 0], V[:, 2], atol=0, rtol=0)
+    torch.testing.assert_close(V[:, 0], V[:, 4], atol=0, rtol=0)
+    case.backward(SqrtGGNExact())  # the block of the full factor, nothing rescaled
+    full = case.gather("sqrt_ggn_exact", 2)
+    torch.testing.assert_close(V, full[:, REPEATED], atol=1e-12, rtol=1e-12)
+
+
+def test_exact_sqrt_repeated_subsampling_chunked_and_with_other_extensions():
+    """Repeated indices with column chunks and next to the unsampled GGN extensions."""
+    case = Case("ce_rows", "sum", "chain", seed=6)
+    G = case.reference()
+    model, lossfunc = extend(case.model), extend(case.lossfunc)
+    out = case.post(model(case.X))
+    loss = case.factor * lossfunc(out, case.prep_y(case.y))
+    with collect(SqrtGGNExact(subsampling=REPEATED), DiagGGNExact(), chunk_size=2):
+        loss.backward()
+    V = case.gather("sqrt_ggn_exact", 2)
+    for i, n in enumerate(REPEATED):
+        torch.testing.assert_close(V[:, i].T @ V[:, i], G[n, n], atol=1e-9, rtol=1e-9)
+    diag = case.gather("diag_ggn_exact", 0)
+    torch.testing.assert_close(diag, torch.diagonal(G.sum((0, 1))), atol=1e-9, rtol=1e-9)
+
+
+def test_mc_sqrt_repeated_subsampling():
+    """``SqrtGGNMC(subsampling=𝒮)``: the labels are drawn once per mini-batch sample, so the
+    result is the full factor's ``V[:, 𝒮]`` under the same seed (a repeated index repeats the
+    same draw), and ``V_𝒮 V_𝒮ᵀ`` estimates ``Σᵢ GGN_{sᵢ}`` without bias."""
+    case = Case("ce", "mean", "chain", seed=3)
+    G = case.reference()
+    torch.manual_seed(7)
+    case.backward(SqrtGGNMC(M))
+    full = case.gather("sqrt_ggn_mc", 2)
+    torch.manual_seed(7)
+    case.backward(SqrtGGNMC(M, subsampling=REPEATED))
+    V = case.gather("sqrt_ggn_mc", 2)  # [M, N', P]
+    assert V.shape[:2] == (M, len(REPEATED))
+    torch.testing.assert_close(V, full[:, REPEATED], atol=0, rtol=0)
+    draws = torch.einsum("mip,miq->mpq", V, V) * M  # i.i.d. over m
+    ref = _occurrence_sum(G, REPEATED)
+    assert_mc_within(torch.einsum("mip,miq->pq", V, V), draws, ref)
+
+
 class _MeanVar(nn.Module):
     """Outputs ``[μ, softplus(·)]``: a mean and a positive variance head."""
 
@@ -397,6 +464,27 @@ def test_mc_in_expectation_every_family(kind):
     lossfunc = nn.CrossEntropyLoss()
     G = ggn_blocks(model, lossfunc, X, y)[0]
     check_mc(model, lossfunc, X, y, G)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("kind", list(_mc_models()))
+def test_exact_sqrt_repeated_subsampling_every_family(kind):
+    """Every layer family's rule on the distinct samples, rows repeated: block ``i`` of
+    ``SqrtGGNExact(subsampling=[1, 0, 1, 1])`` squares to ``GGN_{sᵢ}``."""
+    model, X = _mc_models()[kind]()
+    y = labels(FAMILY_N, seed=11)
+    lossfunc = nn.CrossEntropyLoss()
+    G = ggn_blocks(model, lossfunc, X, y)[0]
+    sub = [1, 0, 1, 1]
+    extend(model), extend(lossfunc)
+    backward(model, lossfunc, X, y, SqrtGGNExact(subsampling=sub))
+    V = gather(model, "sqrt_ggn_exact", 2)
+    assert V.shape[1] == len(sub)
+    for i, n in enumerate(sub):
+        torch.testing.assert_close(V[:, i].T @ V[:, i], G[n, n], atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(
+        torch.einsum("knp,knq->pq", V, V), _occurrence_sum(G, sub), atol=1e-9, rtol=1e-9
+    )
 
 
 # -------------------------------------------------------------------------------------- on a device

@@ -16,6 +16,12 @@ All four are also available as ``backprism.compat.vivit.<Name>`` (ViViT's top-le
 ``param.vivit_ggn_exact`` (``vivit_ggn_mc``) of functions of the GGN square root
 ``V`` (``[C, N, *p]``, as ``sqrt_ggn_exact``): ``"gram_mat"()`` → ``Vᵀ V`` ``[C, N, C, N]``,
 ``"V_t_mat_prod"(mat)``: ``[M, *p] → [M, C, N]``, ``"V_mat_prod"(mat)``: ``[M, C, N] → [M, *p]``.
+With ``subsampling`` (repeated indices allowed, as in ViViT) ``N`` becomes ``len(subsampling)``
+and ``V`` the column blocks ``V[:, subsampling]`` of the full factor, so that
+``V Vᵀ = Σᵢ GGN_{subsampling[i]}`` counts a repeated sample once per occurrence (see
+:class:`backprism.extensions.SqrtGGNExact`; MC draws are per mini-batch sample, a repeated index
+repeats the draw). ViViT's computations (``EighComputation``, …) reject repeated indices, as do
+backprism's.
 
 Use with ``backprism.collect`` in place of ``backpack.backpack``::
 

@@ -25,6 +25,7 @@ __all__ = [
     "SecondOrderExtension",
     "SummedOverSamples",
     "check_subsampling",
+    "dedupe_index",
     "subsample_index",
 ]
 
@@ -33,7 +34,9 @@ def check_subsampling(
     subsampling: Sequence[int] | None, unique: bool = True
 ) -> list[int] | None:
     """The validated sample indices; repeated indices only where ``unique`` is off (a row per
-    index, as BackPACK's ``BatchGrad(subsampling=[0, 0])`` gives)."""
+    index, as BackPACK's ``BatchGrad(subsampling=[0, 0])`` and ``SqrtGGNExact`` give).
+    ``unique`` stays on where a repetition has no meaning the predecessors define (ViViT's
+    spectral computations reject it)."""
     if subsampling is None:
         return None
     idx = [int(i) for i in subsampling]
@@ -52,6 +55,26 @@ def subsample_index(idx: list[int] | None, n: int, what: str) -> Tensor | None:
             f"{what}: subsampling index {max(idx)} is out of range for a batch of {n} samples"
         )
     return torch.tensor(idx, dtype=torch.long)
+
+
+def dedupe_index(idx: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Split a sample index with repetitions into its distinct entries and the rows to take.
+
+    For ``idx = (s₁, …, s_{N'})`` returns ``distinct`` (the distinct ``sᵢ`` in order of first
+    occurrence) and ``rows`` with ``distinct[rows[i]] = sᵢ``, so that a per-sample result ``R``
+    computed on ``distinct`` gives ``R.index_select(axis, rows)``, the result on ``idx``
+    (``index_select`` semantics: a repeated index repeats its row). ``rows`` is ``None`` when
+    ``idx`` has no repetition (``distinct`` is then ``idx``).
+    """
+    values = [int(i) for i in idx.tolist()]
+    first = list(dict.fromkeys(values))
+    if len(first) == len(values):
+        return idx, None
+    pos = {i: k for k, i in enumerate(first)}
+    return (
+        torch.tensor(first, dtype=torch.long, device=idx.device),
+        torch.tensor([pos[i] for i in values], dtype=torch.long, device=idx.device),
+    )
 
 
 class PerSampleRows:

@@ -63,7 +63,13 @@ def _axes(call: Call) -> tuple[list[int], list[int]]:
 
 def _subset_call(call: Call, index: Tensor) -> Call:
     """The call restricted to the samples ``index`` (tensors with the batch on their batch
-    axis, see :func:`_axes`)."""
+    axis, see :func:`_axes`; repeated or permuted indices give repeated or permuted samples).
+
+    What the forward kept from inside the call (:attr:`Call.inner`, e.g. the attention output
+    before ``out_proj`` that :class:`~backprism.rules.attention.MultiheadAttentionRule` reuses)
+    holds the whole batch and is dropped: the rule recomputes it from the restricted arguments.
+    (Its layout checks compare shapes only, so a subset of ``N`` rows, such as ``[1, 0]`` or
+    ``[0, 0]``, would otherwise read the unrestricted rows.)"""
     from dataclasses import replace
 
     arg_axes, out_axes = _axes(call)
@@ -82,6 +88,7 @@ def _subset_call(call: Call, index: Tensor) -> Call:
         kwargs={k: take(v, 0) for k, v in call.kwargs.items()},
         batch_size=len(index),
         versions=[],
+        inner=None,
     )
     new.group = getattr(call, "group", None)  # type: ignore[attr-defined]
     new.out_shapes = [

@@ -17,6 +17,18 @@ SqrtGGNExact        ``sqrt_ggn_exact``           ``[K, N, *p]``: ``V``
 SqrtGGNMC           ``sqrt_ggn_mc``              ``[M, N, *p]``: ``V`` with MC columns
 ==================  ===========================  ==================================
 
+Sub-sampling (``SqrtGGNExact``/``SqrtGGNMC``, BackPACK's meaning): with indices
+``𝒮 = (s₁, …, s_{N'})``, repetitions allowed, the result is ``V[:, 𝒮]`` (``[K, N', *p]``), the
+columns of the full mini-batch factor taken by ``index_select`` in the given order, so that a
+repeated index repeats its column block and ``V_𝒮 V_𝒮ᵀ = Σ_{i=1}^{N'} V[:, sᵢ] V[:, sᵢ]ᵀ`` counts
+a sample once per occurrence. Nothing is rescaled. Each distinct sample is computed once and its
+rows copied. MC columns are drawn once per sample of the mini-batch (the engine samples the
+labels at the loss for all ``N`` samples, shared by every extension of the pass): a repeated
+index repeats the *same* draw, and the kept rows equal those of ``SqrtGGNMC()`` without
+sub-sampling under the same seed. ``E[V_𝒮 V_𝒮ᵀ]`` is the same sum as with independent draws (the
+meaning BackPACK's sampler gives duplicates), only the variance of a repeated sample's term
+differs.
+
 Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
 mean loss): the diagonals are ``Σ_r ρ_r · local`` (global, on every rank), the per-sample terms
 this rank's rows ``ρ · local`` and the square roots ``√ρ · local``. MC columns are sampled by
@@ -37,6 +49,7 @@ from backprism.extensions.base import (
     SecondOrderExtension,
     SummedOverSamples,
     check_subsampling,
+    dedupe_index,
     subsample_index,
 )
 from backprism.extensions.firstorder import _subset_call, subset_columns
@@ -113,9 +126,14 @@ class _Sqrt(PerSampleRows):
                 "batch); drop subsampling, or use model.eval() for the backward pass"
             )
         idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
-        if idx is not None:
-            call, g = _subset_call(call, idx), subset_columns(g, idx, call.batch_size, call)
-        return rule.per_sample(call, g)
+        if idx is None:
+            return rule.per_sample(call, g)
+        distinct, rows = dedupe_index(idx)
+        call, g = _subset_call(call, distinct), subset_columns(g, distinct, call.batch_size, call)
+        out = rule.per_sample(call, g)
+        if rows is None:
+            return out
+        return {k: v.index_select(1, rows.to(v.device)) for k, v in out.items()}
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
         idx = subsample_index(self.subsampling, call.batch_size, type(self).__name__)
@@ -155,21 +173,30 @@ class SqrtGGNExact(_Sqrt, _Exact):
     """Symmetric factorization of the GGN, ``sqrt_ggn_exact`` of shape ``[K, N, *param.shape]``.
 
     Args:
-        subsampling: keep only these samples' columns (scaling is unchanged: the result is the
-            corresponding block of the full mini-batch factor).
+        subsampling: keep only these samples' columns, in the given order: the result is
+            ``V[:, subsampling]`` (``[K, len(subsampling), *p]``, scaling unchanged, the
+            corresponding block of the full mini-batch factor); a repeated index repeats its
+            columns (BackPACK's behaviour).
     """
 
     savefield = "sqrt_ggn_exact"
 
     def __init__(self, subsampling: Sequence[int] | None = None) -> None:
-        self.subsampling = check_subsampling(subsampling)
+        self.subsampling = check_subsampling(subsampling, unique=False)
 
 
 class SqrtGGNMC(_Sqrt, _MC):
-    """Monte-Carlo factorization of the GGN, ``sqrt_ggn_mc`` of shape ``[M, N, *param.shape]``."""
+    """Monte-Carlo factorization of the GGN, ``sqrt_ggn_mc`` of shape ``[M, N, *param.shape]``.
+
+    Args:
+        mc_samples: number ``M`` of sampled labels per sample.
+        subsampling: as :class:`SqrtGGNExact`: ``V[:, subsampling]``. The labels are drawn once
+            per sample of the mini-batch, so a repeated index repeats the same draw (BackPACK
+            draws again for each occurrence; both have ``E[V Vᵀ] = Σ_{occurrences} GGNₙ``).
+    """
 
     savefield = "sqrt_ggn_mc"
 
     def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None) -> None:
         super().__init__(mc_samples)
-        self.subsampling = check_subsampling(subsampling)
+        self.subsampling = check_subsampling(subsampling, unique=False)

@@ -461,7 +461,9 @@ class SpectralFactorExtension(SecondOrderExtension):
     spectral computations apply ``N/N'``).
 
     Args:
-        subsampling: indices of the samples whose columns are kept (default: all).
+        subsampling: indices of the samples whose columns are kept (default: all); distinct,
+            as ViViT's computations require (``check_subsampling_unique``; for
+            ``SqrtGGNExact``-style repeated columns see :mod:`backprism.extensions.secondorder`).
         mc_samples: ``0`` for the exact loss-Hessian square root, ``M ≥ 1`` for ``M`` MC columns.
     """
 
