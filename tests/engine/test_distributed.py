@@ -327,7 +327,7 @@ def _check_hook_and_communication(rank: int, sizes: list[int]) -> None:
         assert any(v.shape == r.shape and torch.allclose(v, r) for v in seen.values())
     comm = ctx.communication
     assert comm.bytes["SumGradSquared"] == comm.gradient_bytes == 99 * 8
-    assert comm.collectives == 2  # sizes + one bucket
+    assert comm.collectives == 3  # sizes (at the start), one bucket, the items check
     # Variance: with equal sizes DDP's .grad is the global gradient, nothing more is sent
     _, _, ctx = _ddp("residual", sizes, rank, [Variance()])
     equal = len(set(sizes)) == 1
@@ -439,8 +439,35 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_sum_reduction(rank, [3, 5])
         _check_no_sync(rank, [4, 4])
         _check_refusals(rank, [4, 4])
+        _check_streaming(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _check_streaming(rank: int, world: int) -> None:
+    """On backends that send finished results during the backward (NCCL; forced here on Gloo,
+    with tiny buckets so that several are launched while the backward runs) every result is
+    the one-process value as when everything is sent at the end."""
+    from backprism.engine import distributed as D
+
+    saved = D.STREAM_BACKENDS, D.FIRST_BUCKET_BYTES, D.DistributedPass.start
+
+    def start(self, bp) -> None:
+        saved[2](self, bp)
+        self.bucket_bytes = 256
+
+    D.STREAM_BACKENDS, D.FIRST_BUCKET_BYTES, D.DistributedPass.start = (
+        frozenset({"gloo"}), 64, start
+    )
+    try:
+        for sizes in ([4, 4], [3, 5]):
+            _check_all(rank, world, "residual", sizes, FIRST)
+        _check_all(rank, world, "shared", [3, 5], [FIRST[0]])
+        _, _, ctx = _ddp("residual", [3, 5], rank, [SumGradSquared(), Variance()])
+        comm = ctx.communication
+        assert comm.streamed >= 2 and len(comm.buckets) > comm.streamed
+    finally:
+        D.STREAM_BACKENDS, D.FIRST_BUCKET_BYTES, D.DistributedPass.start = saved
 
 
 def _three_ranks(rank: int, world: int, path: str) -> None:

@@ -547,9 +547,23 @@ class BackwardPass:
                         p_, c_, d_ = self.dense.pop(id(p))
                         self._finalize_dense(p_, c_, d_)
             self.touched[id(module)] = module
+            if self.distributed is not None:  # distributed: send finished results now
+                self._send_finished(params.values())
         self.module_fired[id(module)] += 1
         self.module_call[id(module)] = call
         self._maybe_run_hook(call)
+
+    def _send_finished(self, params: Any) -> None:
+        """Hand the parameters whose results of this pass are final to the distributed
+        reduction, which sends them while the backward goes on."""
+        for p in params:
+            pid = id(p)
+            if (
+                self.fired[pid] >= self.param_count[pid]
+                and pid not in self.partials
+                and pid not in self.dense
+            ):
+                self.distributed.ready(p)  # type: ignore[union-attr]
 
     def _maybe_run_hook(self, call: Call) -> None:
         """Run ``extension_hook`` once the module's last call in this pass is done."""
@@ -580,6 +594,7 @@ class BackwardPass:
         if self.distributed is not None:  # distributed: finished with the global gradient
             for ext, partial, _, _ in items:
                 self.distributed.defer(param, ext, partial, grad.to(param.dtype))
+            self._send_finished([param])
             return
         with _Running(self):
             for ext, partial, _, _ in items:

@@ -41,9 +41,18 @@ that group in every pass, also inside ``no_sync()`` and without DDP; ``process_g
 gives local values.
 
 **Communication.** Per pass: one small all-reduce of the local batch sizes and a fingerprint of
-what each rank computed (ranks that computed different things get a clear error instead of a
-hang), then the parts of all extensions packed into buckets of DDP's bucket size (25 MiB by
-default), one all-reduce each, launched together. Per-sample tensors are rescaled locally and
+what each rank will compute, launched when the pass starts so that it completes during the
+backward (ranks that compute different things get a clear error instead of a hang). The parts
+of all extensions are packed into buckets of DDP's bucket size (25 MiB by default), one
+all-reduce each. In first-order passes on backends whose collectives run beside the computation
+(:data:`STREAM_BACKENDS`: NCCL) a parameter's parts join the buckets as soon as its results are
+final (in the model's parameter order reversed, as the backward reaches them), and a full bucket
+is launched at once, so communication overlaps the rest of the backward, as DDP's own does
+(on Gloo everything is sent at the end: its reductions run on the cores the backward needs);
+whatever is not final by then (second-order results, whole-batch results, partials
+waiting for the global gradient) is packed at the end. A small check that every rank sent the
+same items in the same order goes with the last buckets (a mismatch is refused before any
+result is written). Per-sample tensors are rescaled locally and
 never sent (except ``BatchDotGrad(across_ranks=True)``, which needs the cross-rank products). For
 ``variance`` / ``batch_proj_grad`` the global gradient is read from DDP's ``.grad`` when that is
 exact (equal local sizes, DDP synchronised this pass, no comm hook, ``.grad`` was ``None`` at the
@@ -97,6 +106,14 @@ except ImportError:  # pragma: no cover
 
 #: DDP's default bucket size (``bucket_cap_mb=25``)
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+#: the first bucket's size in a pass that streams, as DDP's (its first bucket is small so that
+#: communication starts early in the backward)
+FIRST_BUCKET_BYTES = 2**20
+#: backends whose collectives run beside the computation (NCCL: on the GPU's own engines), on
+#: which finished results are sent during the backward. Gloo on the CPU computes the
+#: reductions on the cores the backward needs: measured on 2 cores, sending during the
+#: backward made a SumGradSquared step 10-25 % slower than sending at the end
+STREAM_BACKENDS = frozenset({"nccl"})
 #: largest parameter (elements) whose dense curvature block HMP/GGNMP/PCHMP reduce
 MAX_BLOCK_NUMEL = 2**13
 
@@ -281,6 +298,8 @@ class Communication:
         gradient_bytes: DDP's own gradient all-reduce payload for the same models (the
             gradients of their parameters that require grad), ``0`` without DDP.
         buckets: bytes of each bucket all-reduced.
+        streamed: how many of those buckets were launched during the backward (overlapping
+            it; :data:`STREAM_BACKENDS`), the others at its end.
         seconds: wall time of the reduction after the local pass (exchange, buckets,
             results).
         group: the process group the pass reduced over.
@@ -294,6 +313,7 @@ class Communication:
     collectives: int = 0
     gradient_bytes: int = 0
     buckets: list[int] = field(default_factory=list)
+    streamed: int = 0
     seconds: float = 0.0
     group: Any = None
     batch: GlobalBatch | None = None
@@ -346,6 +366,22 @@ class DistributedPass:
         self.bucket_bytes = DEFAULT_BUCKET_BYTES
         self.device = torch.device("cpu")
         self.comm = Communication(group=group)
+        # -- streaming (ready): finished parameters' results are sent during the backward --
+        #: whether this pass streams (first-order extensions only, no whole-batch results)
+        self.streams = (
+            not bp.second
+            and not bp.whole_batch
+            and not bp.create_graph
+            and str(dist.get_backend(group)) in STREAM_BACKENDS
+        )
+        self._order: list[int] = []  # parameter ids in sending order (the model's, reversed)
+        self._pos = 0
+        self._ready: set[int] = set()
+        self._by_param: dict[int, list[tuple[nn.Parameter, Extension]]] = {}
+        self._streamed: set[tuple[int, str]] = set()
+        self._sender: _Sender | None = None
+        self._key: Any = None
+        self._global: tuple[GlobalBatch, bool] | None = None
 
     # -- during the pass -----------------------------------------------------------------------
     def start(self, bp: Any) -> None:
@@ -366,9 +402,90 @@ class DistributedPass:
                 self.bucket_bytes = int(cap)
         if str(dist.get_backend(self.group)) == "nccl" and self.device.type != "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._send_header(bp)
+        order = self._param_order(bp)
+        self._key = _item_key(order, {id(e): i for i, e in enumerate(bp.extensions)})
+        reached = [pid for pid in bp.view.params if pid in order]
+        self._order = sorted(reached, key=lambda pid: order[pid], reverse=True)
+
+    def _send_header(self, bp: Any) -> None:
+        """Launch the pass's header all-reduce (every rank's batch size, a fingerprint of what
+        it will compute, whether DDP's ``.grad`` can serve its pending partials) when the pass
+        starts: it completes while the backward runs, and the reduction at the end waits for
+        it instead of starting with a round trip."""
+        order = self._param_order(bp)
+        keys = sorted(
+            (*order.get(pid, (len(order), 0, "")), tuple(p.shape))
+            for pid, (p, _) in bp.view.params.items()
+        )
+        exts = [f"{type(e).__name__}:{e.savefield}" for e in bp.extensions]
+        text = f"{keys};{exts};{self.reduction};{bool(bp.whole_batch)}"
+        ok = bool(self.ddps) and all(
+            not getattr(d, "_comm_hooks", None)
+            and not getattr(d, "_delay_all_reduce_all_params", False)
+            and not getattr(d, "_use_python_reducer", False)
+            for d in self.ddps
+        )
+        if any(e.needs_param_grad for e in bp.extensions):
+            ok = ok and all(
+                pid in self.grad_none and pid in self.ddp_params for pid in bp.view.params
+            )
+        world, rank = self.world, self.rank
+        header = torch.zeros(3 * world, dtype=torch.int64, device=self.device)
+        header[rank] = self.n_local
+        header[world + rank] = zlib.crc32(text.encode())
+        header[2 * world + rank] = int(ok)
+        self.comm.collectives += 1
+        self.comm.bytes["(sizes)"] = header.numel() * header.element_size()
+        self._header = (header, dist.all_reduce(header, group=self.group, async_op=True))
 
     def stored_result(self, param: nn.Parameter, ext: Extension) -> None:
-        self.stored.setdefault((id(param), ext.savefield), (param, ext))
+        key = (id(param), ext.savefield)
+        if key not in self.stored:
+            self.stored[key] = (param, ext)
+            self._by_param.setdefault(id(param), []).append((param, ext))
+
+    def ready(self, param: nn.Parameter) -> None:
+        """``param``'s results of this pass are final (all its calls fired, nothing pending):
+        send the results of every parameter ready in sending order so far (the model's
+        parameters reversed, as the backward reaches them), packed into buckets launched when
+        full, so that the communication overlaps the rest of the backward. Every rank sends
+        the same parts in the same order (the header's fingerprint; checked again at the end)."""
+        if not self.streams:
+            return
+        self._ready.add(id(param))
+        try:
+            self._send_ready()
+        except BaseException:
+            self._drop_stored()
+            raise
+
+    def _drop_stored(self) -> None:
+        """Remove this pass's local results (a failed reduction leaves none behind)."""
+        for param, ext in self.stored.values():
+            if ext.savefield in param.__dict__:
+                delattr(param, ext.savefield)
+
+    def _send_ready(self) -> None:
+        while self._pos < len(self._order) and self._order[self._pos] in self._ready:
+            pid = self._order[self._pos]
+            entries = self._by_param.get(pid, [])
+            if entries:
+                batch, _ = self._global_batch()
+                items = []
+                for p, e in entries:
+                    it = _Item(self._key(p, e), p, e, getattr(p, e.savefield), False)
+                    it.parts = list(e.distributed_parts(it.value, batch))
+                    if any(isinstance(x, CatPart) and x.rows is None for x in it.parts):
+                        self.streams = False  # lengths to exchange first: sent at the end
+                        return
+                    items.append(it)
+                if self._sender is None:
+                    self._sender = _Sender(self)
+                for it in items:
+                    self._sender.add(it)
+                    self._streamed.add((id(it.param), it.ext.savefield))
+            self._pos += 1
 
     def defer(self, param: nn.Parameter, ext: Extension, partial: Any, grad: Tensor) -> None:
         """A ``needs_param_grad`` partial with this rank's gradient of the pass: finished after
@@ -403,27 +520,34 @@ class DistributedPass:
         try:
             self._reduce(bp)
         except BaseException:
-            for param, ext in self.stored.values():
-                if ext.savefield in param.__dict__:
-                    delattr(param, ext.savefield)
+            self._drop_stored()
             raise
         finally:
             self.comm.seconds = time.perf_counter() - t0
             bp.ctx.communication = self.comm
 
     def _reduce(self, bp: Any) -> None:
-        items = self._items(bp)
-        batch, ddp_grad = self._exchange(items)
+        sender = self._sender or _Sender(self)
+        rest = [
+            it
+            for it in self._items(bp)
+            if it.partial or (id(it.param), it.ext.savefield) not in self._streamed
+        ]
+        batch, ddp_grad = self._exchange(rest)
         # the global gradient of the pass, Σ_r ρ_r ∇L_r, for the pending partials: one part per
         # parameter (on its first pending item) unless DDP's averaged .grad is exact
         grad_part: dict[int, tuple[int, int]] = {}
-        for i, it in enumerate(items):
+        base = len(sender.items)
+        for i, it in enumerate(rest):
             it.parts = list(it.ext.distributed_parts(it.value, batch))
             if it.partial and not ddp_grad and id(it.param) not in grad_part:
-                grad_part[id(it.param)] = (i, len(it.parts))
+                grad_part[id(it.param)] = (base + i, len(it.parts))
                 it.parts.append(SumPart(it.grad * batch.loss_weight))
-        self._exchange_rows(items)
-        reduced = self._all_reduce_parts(items)
+        self._exchange_rows(rest)
+        for it in rest:
+            sender.add(it)
+        reduced = sender.finish()
+        items = sender.items
         _own_storage(items)
         grads: dict[int, Tensor] = {}
         for pid, (i, j) in grad_part.items():
@@ -451,16 +575,7 @@ class DistributedPass:
         return order
 
     def _items(self, bp: Any) -> list[_Item]:
-        order = self._param_order(bp)
-        ext_index = {id(e): i for i, e in enumerate(bp.extensions)}
-        extra: dict[int, tuple] = {}
-
-        def key(p: nn.Parameter, ext: Extension) -> tuple:
-            k = order.get(id(p))
-            if k is None:  # not a parameter of a root model: storing order
-                k = extra.setdefault(id(p), (len(order), len(extra), tuple(p.shape)))
-            return (*k, ext_index.get(id(ext), -1))
-
+        key = self._key
         items = [
             _Item(key(p, e), p, e, getattr(p, e.savefield), False)
             for p, e in self.stored.values()
@@ -471,47 +586,48 @@ class DistributedPass:
         return items
 
     def _exchange(self, items: list[_Item]) -> tuple[GlobalBatch, bool]:
-        """One small all-reduce: every rank's batch size, a fingerprint of what it computed and
-        whether DDP's ``.grad`` is exact for its pending partials."""
-        world, rank = self.world, self.rank
-        text = ";".join(
-            f"{it.key}:{type(it.ext).__name__}:{tuple(it.param.shape)}:{it.partial}" for it in items
-        )
-        crc = zlib.crc32(text.encode())
-        ok = bool(self.ddps) and all(
-            not getattr(d, "_comm_hooks", None)
-            and not getattr(d, "_delay_all_reduce_all_params", False)
-            and not getattr(d, "_use_python_reducer", False)
-            for d in self.ddps
-        )
-        ok = ok and all(
-            id(it.param) in self.grad_none
-            and id(it.param) in self.ddp_params
-            and it.param.grad is not None
-            for it in items
-            if it.partial
-        )
-        header = torch.zeros(3 * world, dtype=torch.int64, device=self.device)
-        header[rank] = self.n_local
-        header[world + rank] = crc
-        header[2 * world + rank] = int(ok)
-        self.comm.collectives += 1
-        self.comm.bytes["(sizes)"] = header.numel() * header.element_size()
-        dist.all_reduce(header, group=self.group)
-        h = header.tolist()
-        sizes, crcs, oks = h[:world], h[world : 2 * world], h[2 * world :]
-        if len(set(crcs)) > 1:
-            raise RuntimeError(
-                "backprism: the ranks of this distributed backward pass computed different "
-                "results (different parameters got results, e.g. data-dependent branches, or "
-                "different extensions were passed to collect), so they cannot be combined. "
-                "Run the same extensions on the same model on every rank, or pass "
-                "process_group=None for this rank's values"
+        """The header launched at the start of the pass (:meth:`_send_header`): the global
+        batch, and whether DDP's ``.grad`` is exact for the pending partials."""
+        batch, ddp_grad = self._global_batch()
+        if ddp_grad and any(it.partial and it.param.grad is None for it in items):
+            raise RuntimeError(  # pragma: no cover - DDP writes .grad of every parameter
+                "backprism: DistributedDataParallel left no .grad on a parameter it reduces; "
+                "cannot finish Variance/BatchProjGrad with the global gradient"
             )
-        batch = GlobalBatch(rank=rank, sizes=tuple(int(s) for s in sizes), reduction=self.reduction)
-        self.comm.batch = batch
-        ddp_grad = all(oks) and len(set(sizes)) == 1
         return batch, ddp_grad
+
+    def _global_batch(self) -> tuple[GlobalBatch, bool]:
+        """Wait for the header (:meth:`_send_header`, once): the global batch, and whether
+        every rank's DDP ``.grad`` is exact for its pending partials."""
+        if self._global is None:
+            world = self.world
+            header, work = self._header
+            work.wait()
+            h = header.tolist()
+            sizes, crcs, oks = h[:world], h[world : 2 * world], h[2 * world :]
+            if len(set(crcs)) > 1:
+                raise RuntimeError(_DIFFERENT)
+            batch = GlobalBatch(
+                rank=self.rank, sizes=tuple(int(s) for s in sizes), reduction=self.reduction
+            )
+            self.comm.batch = batch
+            self._global = (batch, all(oks) and len(set(sizes)) == 1)
+        return self._global
+
+    def _items_check(self, items: list[_Item]) -> tuple[Tensor, Any]:
+        """Launch the check that every rank reduces the same items in the same order: the
+        maximum of ``[c, -c]`` over the ranks for a fingerprint ``c`` of this rank's items
+        (all equal iff ``max c = -max(-c)``); sent together with the buckets."""
+        text = ";".join(
+            f"{it.key}:{type(it.ext).__name__}:{tuple(it.param.shape)}:{it.partial}:"
+            f"{[type(p).__name__ for p in it.parts]}"
+            for it in items
+        )
+        c = zlib.crc32(text.encode())
+        check = torch.tensor([c, -c], dtype=torch.int64, device=self.device)
+        self.comm.collectives += 1
+        self.comm.bytes["(sizes)"] += check.numel() * check.element_size()
+        return check, dist.all_reduce(check, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def _exchange_rows(self, items: list[_Item]) -> None:
         """First-axis lengths of concatenated parts that not every rank knows (one more small
@@ -530,72 +646,121 @@ class DistributedPass:
         for i, p in enumerate(unknown):
             p.rows = tuple(int(r) for r in rows[i * world : (i + 1) * world])
 
-    def _all_reduce_parts(self, items: list[_Item]) -> list[list[Tensor]]:
-        """All-reduce every part, packed by dtype into buckets of ``bucket_bytes``, all launched
-        before the first is waited for; returns the reduced parts per item. A tensor that
-        several sum parts share with the same scale is sent once."""
-        flat: list[tuple[int, int, Tensor, torch.Size]] = []  # (item, part, 1-d tensor, shape)
-        same: dict[tuple, tuple[int, int]] = {}  # source -> (item, part) that carries it
-        alias: list[tuple[int, int, int, int]] = []
-        for i, it in enumerate(items):
-            name = type(it.ext).__name__
-            for j, part in enumerate(it.parts):
-                t = part.tensor.detach()
-                if isinstance(part, SumPart):
-                    key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), part.scale)
-                    if t.numel() and key in same:
-                        alias.append((i, j, *same[key]))
-                        continue
-                    same[key] = (i, j)
-                    if part.scale != 1.0:
-                        t = t * part.scale
-                elif isinstance(part, CatPart):
-                    rows = part.rows
-                    assert rows is not None
-                    full = t.new_zeros((sum(rows), *t.shape[1:]))
-                    start = sum(rows[: self.rank])
-                    full[start : start + rows[self.rank]] = t
-                    t = full
-                shape = t.shape
-                t = t.to(self.device).reshape(-1)
-                nbytes = t.numel() * t.element_size()
-                self.comm.bytes[name] = self.comm.bytes.get(name, 0) + nbytes
-                flat.append((i, j, t, shape))
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for k, (_, _, t, _) in enumerate(flat):
-            by_dtype.setdefault(t.dtype, []).append(k)
-        buckets: list[tuple[Tensor, list[int]]] = []
-        for dtype in sorted(by_dtype, key=str):
-            members: list[int] = []
-            size = 0
-            for k in by_dtype[dtype]:
-                nbytes = flat[k][2].numel() * flat[k][2].element_size()
-                if members and size + nbytes > self.bucket_bytes:
-                    buckets.append((_pack([flat[m][2] for m in members]), members))
-                    members, size = [], 0
-                members.append(k)
-                size += nbytes
+
+def _item_key(order: dict[int, tuple], ext_index: dict[int, int]) -> Any:
+    """The sorting key of an item: the parameter's place in the root models, then the
+    extension's in ``collect``; parameters of no root model in the order first asked for."""
+    extra: dict[int, tuple] = {}
+
+    def key(p: nn.Parameter, ext: Extension) -> tuple:
+        k = order.get(id(p))
+        if k is None:
+            k = extra.setdefault(id(p), (len(order), len(extra), tuple(p.shape)))
+        return (*k, ext_index.get(id(ext), -1))
+
+    return key
+
+
+class _Sender:
+    """Packs the parts of items, in the order they are added, into per-dtype buckets of
+    ``bucket_bytes`` (in a pass that streams the first of :data:`FIRST_BUCKET_BYTES`) and
+    launches each bucket's all-reduce as soon as it is full (so the same
+    buckets in the same order on every rank); :meth:`finish` launches the rest, waits and
+    returns the reduced parts per item. A tensor that several sum parts share with the same
+    scale is sent once."""
+
+    def __init__(self, dp: DistributedPass) -> None:
+        self.dp = dp
+        self.items: list[_Item] = []
+        self.flat: list[tuple[int, int, Tensor, torch.Size]] = []  # (item, part, 1-d, shape)
+        self.same: dict[tuple, tuple[int, int]] = {}  # source -> (item, part) carrying it
+        self.alias: list[tuple[int, int, int, int]] = []
+        self.open: dict[torch.dtype, tuple[list[int], int]] = {}
+        self.launched: list[tuple[Tensor, list[int], Any]] = []
+        self.finishing = False
+
+    def add(self, it: _Item) -> None:
+        dp = self.dp
+        i = len(self.items)
+        self.items.append(it)
+        name = type(it.ext).__name__
+        for j, part in enumerate(it.parts):
+            t = part.tensor.detach()
+            if isinstance(part, SumPart):
+                key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), part.scale)
+                if t.numel() and key in self.same:
+                    self.alias.append((i, j, *self.same[key]))
+                    continue
+                self.same[key] = (i, j)
+                if part.scale != 1.0:
+                    t = t * part.scale
+            elif isinstance(part, CatPart):
+                rows = part.rows
+                assert rows is not None
+                full = t.new_zeros((sum(rows), *t.shape[1:]))
+                start = sum(rows[: dp.rank])
+                full[start : start + rows[dp.rank]] = t
+                t = full
+            shape = t.shape
+            t = t.to(dp.device).reshape(-1)
+            nbytes = t.numel() * t.element_size()
+            dp.comm.bytes[name] = dp.comm.bytes.get(name, 0) + nbytes
+            self.flat.append((i, j, t, shape))
+            members, size = self.open.get(t.dtype, ([], 0))
+            cap = dp.bucket_bytes
+            if dp.streams and not self.launched:
+                cap = min(FIRST_BUCKET_BYTES, cap)
+            if members and size + nbytes > cap:
+                self._launch(members)
+                members, size = [], 0
+            members.append(len(self.flat) - 1)
+            self.open[t.dtype] = (members, size + nbytes)
+
+    def _launch(self, members: list[int]) -> None:
+        dp = self.dp
+        buf = _pack([self.flat[m][2] for m in members])
+        dp.comm.collectives += 1
+        dp.comm.buckets.append(buf.numel() * buf.element_size())
+        work = dist.all_reduce(buf, group=dp.group, async_op=True)
+        self.launched.append((buf, members, work))
+        dp.comm.streamed += int(not self.finishing)
+
+    def finish(self) -> list[list[Tensor]]:
+        dp = self.dp
+        self.finishing = True
+        for dtype in sorted(self.open, key=str):
+            members, _ = self.open[dtype]
             if members:
-                buckets.append((_pack([flat[m][2] for m in members]), members))
-        works = []
-        for buf, _ in buckets:
-            self.comm.collectives += 1
-            self.comm.buckets.append(buf.numel() * buf.element_size())
-            works.append(dist.all_reduce(buf, group=self.group, async_op=True))
-        for w in works:
-            w.wait()
-        out: list[list[Any]] = [[None] * len(it.parts) for it in items]
-        for buf, members in buckets:
+                self._launch(members)
+        self.open.clear()
+        if self.flat:  # (no parts, nothing combined: the header's fingerprint suffices)
+            check, check_work = dp._items_check(self.items)
+            check_work.wait()
+            for _, _, w in self.launched:
+                w.wait()
+            c_max, minus_c_min = check.tolist()
+            if c_max != -minus_c_min:
+                raise RuntimeError(_DIFFERENT)
+        out: list[list[Any]] = [[None] * len(it.parts) for it in self.items]
+        for buf, members, _ in self.launched:
             pos = 0
             for k in members:
-                i, j, t, shape = flat[k]
+                i, j, t, shape = self.flat[k]
                 r = buf[pos : pos + t.numel()].view(shape)
                 pos += t.numel()
-                dev = items[i].param.device
+                dev = self.items[i].param.device
                 out[i][j] = r if r.device == dev else r.to(dev)
-        for i, j, k, m in alias:
+        for i, j, k, m in self.alias:
             out[i][j] = out[k][m]
         return out
+
+
+_DIFFERENT = (
+    "backprism: the ranks of this distributed backward pass computed different results "
+    "(different parameters got results, e.g. data-dependent branches, or different extensions "
+    "were passed to collect), so they cannot be combined. Run the same extensions on the same "
+    "model on every rank, or pass process_group=None for this rank's values"
+)
 
 
 def _own_storage(items: list[_Item]) -> None:
