@@ -208,3 +208,30 @@ def test_differentiable_false_keeps_results_detached_for_any_rule() -> None:
     for k, p in model.named_parameters():
         assert not p.variance.requires_grad
         torch.testing.assert_close(p.variance, gb[k].var(0, unbiased=False))
+
+
+@pytest.mark.parametrize("problem", ["mlp_mse", "sequence", "conv"])
+def test_gradient_of_subsampled_grad_batch(problem: str) -> None:
+    """``BatchGrad(subsampling=...)`` with repeated and permuted indices under
+    ``create_graph=True``: the selected rows, and their gradient, are the reference's."""
+    model, lf, X, y = _problem(problem)
+    index = [2, 0, 2]
+    names = [k for k, _ in model.named_parameters()]
+    torch.manual_seed(2)
+    weights = {k: torch.rand(len(index), *p.shape, dtype=DT) for k, p in model.named_parameters()}
+
+    def objective(gb: dict) -> Tensor:
+        return sum((gb[k][index] * weights[k]).sum() for k in names)
+
+    rows = {k: v.detach() for k, v in _grad_batch_loop(model, lf, X, y).items()}
+    ref = _reference(model, lf, X, y, objective)
+    extend(model)
+    extend(lf)
+    with collect(BatchGrad(subsampling=index)):
+        lf(model(X), y).backward(create_graph=True)
+    total = sum((p.grad_batch * weights[k]).sum() for k, p in model.named_parameters())
+    got = torch.autograd.grad(total, list(model.parameters()))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch.detach(), rows[name][index], rtol=1e-9, atol=1e-12)
+    for k, gk in zip(names, got):
+        torch.testing.assert_close(gk, ref[k], rtol=1e-9, atol=1e-12, msg=k)
