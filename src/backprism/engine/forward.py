@@ -129,8 +129,9 @@ def _new_frame(module: nn.Module) -> list[Any]:
     return [module, set(), _NONE, None, None, None, not module._modules, None]
 
 
-#: ``[factory]`` of the forward mode entered for one module's forward inside a top-level
-#: forward that runs without it (set by ``engine.functional``, which builds on this module)
+#: ``[factory(functions)]`` of the light mode entered for one releasing module's forward inside
+#: a top-level forward without the forward mode (set by ``engine.functional``, which builds on
+#: this module)
 LOCAL_MODE: list[Any] = [None]
 
 
@@ -163,22 +164,20 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
     if FORWARD.suspended or not torch.is_grad_enabled():
         return
     mode_on = bool(FORWARD.modes) and FORWARD.modes[-1] is not None
-    if not mode_on and FORWARD.free_ops is not None and LOCAL_MODE[0] is not None:
-        # a top-level forward without the mode (engine.functional): the mode is entered for
-        # this module's forward alone, so that it can release its parameters all the same
-        mode = LOCAL_MODE[0]()
-        mode.__enter__()
-        FORWARD.modes.append(mode)
-        frame[7] = mode
-        mode_on = True
+    # in a top-level forward without the mode (engine.functional) a light mode is entered for
+    # this module's forward alone, which runs the rule's replacement functions (so the module
+    # releases its parameters all the same) and passes every other operation through
+    local = not mode_on and FORWARD.free_ops is not None and LOCAL_MODE[0] is not None
     # released uses are attributed by the forward mode (none without one: a sub-module called
     # on its own keeps its parameters)
-    if not mode_on:
+    if not mode_on and not local:
         return
     with _NO_TORCH_FUNCTION():
         inside = get_rule(module).inside(module, args, kwargs)
         if not inside.release and not inside.keep:
             return
+        if local and not inside.functions:
+            return  # nothing the light mode can do: the module keeps its parameters
         named = dict(module.named_parameters())
         frame[2] = frozenset(id(named[n]) for n in inside.release if n in named)
         if inside.keep:
@@ -193,6 +192,11 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             # the released parameters' calls inside see the batch on axis 1 of this input;
             # mark it (and move the call that produced it) before they are captured
             _batch_on_axis_one(first)
+    if local:
+        mode = LOCAL_MODE[0](inside.functions)
+        mode.__enter__()
+        FORWARD.modes.append(mode)
+        frame[7] = mode
 
 
 def keep_linear(p: Tensor, x: Any, out: Any) -> None:

@@ -59,7 +59,7 @@ from backprism.engine.state import (
     active,
 )
 
-__all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast"]
+__all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast", "ReleaseMode"]
 
 _VIEW = "_backprism_view"
 _VIEW_OPS = frozenset(
@@ -702,16 +702,29 @@ def _exit(root: nn.Module, output: Any) -> None:
             known[root.training] = residual.node_ops(output) if free else None
 
 
-def _local_mode() -> ForwardMode:
-    """The mode for one module's forward inside a top-level forward without it: attribution
-    only (nonlinearities are found by the backward's graph walk there)."""
-    mode = ForwardMode(False)
-    mode.learn = False  # type: ignore[attr-defined]
-    mode.skipped = False  # type: ignore[attr-defined]
-    return mode
+class ReleaseMode(TorchFunctionMode):
+    """Entered for one releasing module's forward (:attr:`~backprism.engine.state.Inside`)
+    inside a top-level forward without :class:`ForwardMode`: runs the rule's replacement of
+    the functions it names, which attribute the released parameters' uses with a
+    :class:`ForwardMode` of their own, and passes every other operation through at the cost of
+    one name lookup."""
+
+    def __init__(self, functions: dict[str, Callable[..., Any]]) -> None:
+        super().__init__()
+        self.functions = functions
+        self.inner = ForwardMode(False)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        replacement = self.functions.get(getattr(func, "__name__", ""))
+        if replacement is not None and not FORWARD.suspended and torch.is_grad_enabled():
+            out = replacement(self.inner, *args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
 
 
-_forward.LOCAL_MODE[0] = _local_mode
+_forward.LOCAL_MODE[0] = ReleaseMode
 
 if (_enter, _exit) not in FORWARD_LISTENERS:
     FORWARD_LISTENERS.append((_enter, _exit))
