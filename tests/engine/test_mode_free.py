@@ -65,6 +65,16 @@ def _learn(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> None:
     model.zero_grad()
 
 
+def _check_diag_h(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> None:
+    """DiagHessian of a backward through a forward outside collect, against the dense
+    Hessian's diagonal."""
+    loss = lossfunc(model(X), y)
+    with collect(DiagHessian()):
+        loss.backward()
+    h = torch.diagonal(loss_hessian(model, lossfunc, X, y))
+    torch.testing.assert_close(torch.cat([p.diag_h.flatten() for p in model.parameters()]), h)
+
+
 def test_learned_then_forwards_without_the_mode():
     model, lf = extend(Switch()), extend(nn.MSELoss())
     X, y = _data()
@@ -106,11 +116,7 @@ def test_a_functional_nonlinearity_keeps_the_mode():
     X, y = _data()
     _learn(model, lf, X, y)
     assert MODE_FREE[model][True] is None
-    loss = lf(model(X), y)
-    with collect(DiagHessian()):
-        loss.backward()
-    h = torch.diagonal(loss_hessian(model, lf, X, y))
-    torch.testing.assert_close(torch.cat([p.diag_h.flatten() for p in model.parameters()]), h)
+    _check_diag_h(model, lf, X, y)
 
 
 def test_a_new_functional_nonlinearity_is_refused_then_recorded():
@@ -125,11 +131,7 @@ def test_a_new_functional_nonlinearity_is_refused_then_recorded():
         loss.backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
     assert MODE_FREE[model][True] is None
-    loss = lf(model(X), y)
-    with collect(DiagHessian()):
-        loss.backward()
-    h = torch.diagonal(loss_hessian(model, lf, X, y))
-    torch.testing.assert_close(torch.cat([p.diag_h.flatten() for p in model.parameters()]), h)
+    _check_diag_h(model, lf, X, y)
 
 
 def test_a_new_functional_parameter_use_is_refused_then_recorded():
