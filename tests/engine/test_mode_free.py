@@ -303,3 +303,26 @@ def test_a_sequence_first_layer_appearing_later_is_recorded_again():
     with collect(*(e() for e in FIRST)):
         loss.backward()
     assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["attention", "layernorm", "product", "shared", "generic"])
+def test_refusals_hold_without_the_mode(case: str):
+    """Every DiagHessian refusal of a recorded forward (``test_residual``'s cases) holds for a
+    forward without the mode, before anything is written, with a message naming the kind of
+    operation."""
+    from tests.engine.test_residual import CASES
+
+    torch.manual_seed(8)
+    make, shape, _ = CASES[case]
+    X, y = torch.randn(*shape), torch.randint(0, 3, (shape[0],))
+    model, lf = extend(make()), extend(nn.CrossEntropyLoss())
+    _learn(model, lf, X, y)
+    free = MODE_FREE[model][True] is not None
+    loss = lf(model(X), y)
+    expected = r"product|softmax|layer_norm|nonlinearly|several calls|not known"
+    with pytest.raises(NonlinearityError, match=expected), collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    # (a functional tanh, in "shared", and the generic module's own exp are recorded sites:
+    # those models keep the mode)
+    assert free == (case not in ("shared", "generic"))

@@ -416,9 +416,10 @@ def _is_nll_input(bp: Any, node: Any) -> bool:
     return False
 
 
-def _unrecorded_nonlinearity(bp: Any) -> str | None:
-    """A nonlinear operation between the extended losses and the parameters that no forward
-    recording saw (so its Hessian term has no site), if any.
+def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
+    """A nonlinear operation (its name and :func:`classify`'s kind) between the extended losses
+    and the parameters that no forward recording saw (so its Hessian term has no site), if
+    any.
 
     The regions of top-level forwards that ran with the recording mode
     (:class:`~backprism.engine.state.RootRecord` ``recorded``) carry sites for everything the
@@ -473,14 +474,14 @@ def _unrecorded_nonlinearity(bp: Any) -> str | None:
         if kind == _SMOOTH_KIND:
             if any(isinstance(x, ResidualSite) for x in fn.metadata.get(SITES, ())):
                 continue  # an activation module's hook recorded it
-            return op
+            return op, kind
         if kind in (_PRODUCT, _UNKNOWN):
             if id(fn) in inside or (kind == _UNKNOWN and op in known_ops):
                 continue
-            return op
+            return op, kind
         if op == "log_softmax" and _is_nll_input(bp, fn):
             continue
-        return op  # a quotient, or a non-elementwise nonlinearity
+        return op, kind  # a quotient, or a non-elementwise nonlinearity
     return None
 
 
@@ -499,16 +500,30 @@ def check_pass(bp: Any, exts: list) -> None:
                 "Hessian term is not an elementwise residual, so the exact Hessian "
                 f"diagonal/blocks cannot be built from columns. {_WAY_OUT}"
             )
-    op = _unrecorded_nonlinearity(bp)
-    if op is not None:
+    found = _unrecorded_nonlinearity(bp)
+    if found is None:
+        return
+    op, kind = found
+    note = _backward.modeless_note(bp.view)
+    if kind == _SMOOTH_KIND:
         raise NonlinearityError(
             f"backprism {names}: the nonlinear operation '{op}' lies between the parameters "
             "and the loss where no recorded forward saw it (outside the extended model's "
             "forward, e.g. applied to its outputs, or inside a sub-module called on its own), "
             "so its Hessian residual term is not recorded. Apply it inside the forward of the "
-            "extended model and call that model (or make it part of an extended loss). "
-            f"{_WAY_OUT}{_backward.modeless_note(bp.view)}"
+            "extended model and call that model, as an activation module (nn.Tanh, nn.GELU, "
+            f"...) or as part of an extended loss. {_WAY_OUT}{note}"
         )
+    what = {
+        _PRODUCT: f"the product '{op}' of two parameter-dependent tensors",
+        _QUOTIENT: f"the division '{op}' by a parameter-dependent tensor",
+        _NONLIN: f"the non-elementwise nonlinear operation '{op}'",
+    }.get(kind, f"the operation '{op}' (not known to be linear)")
+    raise NonlinearityError(
+        f"backprism {names}: {what} lies between the parameters and the loss; its Hessian "
+        "term is not an elementwise residual, so the exact Hessian diagonal/blocks cannot be "
+        f"built from columns. {_WAY_OUT}{note}"
+    )
 
 
 def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
