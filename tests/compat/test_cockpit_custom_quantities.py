@@ -175,21 +175,39 @@ def test_subclass_overriding_compute_and_extensions():
         np.testing.assert_allclose(dense.get_output()[step], ref, rtol=1e-8, atol=1e-12)
 
 
-def test_extension_hooks_refused_with_a_pointer():
-    """A custom quantity that really needs BackPACK extension hooks gets an error naming
-    backprism's ``transforms``."""
+def test_extension_hooks_run_per_module():
+    """A custom quantity's ``extension_hooks`` (BackPACK-style ``hook(module)``) run once per
+    module during the backward, with the quantity's extensions' results on the parameters:
+    here the per-sample gradient norms, against ``torch.func``."""
+    from backprism.compat.backpack.extensions import BatchGrad
     from backprism.compat.cockpit.quantities.quantity import SingleStepQuantity
 
-    class Hooked(SingleStepQuantity):
+    class Norms(SingleStepQuantity):
+        def extensions(self, global_step):
+            return [BatchGrad()]
+
         def extension_hooks(self, global_step):
-            return [lambda module: None]
+            def hook(module):
+                for name, p in module.named_parameters(recurse=False):
+                    self.seen[(id(module), name)] = p.grad_batch.flatten(1).norm(dim=1)
+
+            return [hook]
 
         def _compute(self, global_step, params, batch_loss):
-            return 0.0
+            return len(self.seen)
 
     model, X, y = _problem()
-    with pytest.raises(NotImplementedError, match="transforms"):
-        _run(model, X, y, [Hooked(track_schedule=linear(1))], steps=1)
+    q = Norms(track_schedule=linear(1))
+    q.seen = {}
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    _run(model, X, y, [q], steps=1)
+    named = {(id(m), n): f"{k}.{n}" if k else n for k, m in model.named_modules()
+             for n, _ in m.named_parameters(recurse=False)}
+    assert set(q.seen) == set(named)
+    for key, norms in q.seen.items():
+        expected = ref[named[key]].flatten(1).norm(dim=1)
+        torch.testing.assert_close(norms, expected, rtol=1e-8, atol=1e-12)
+    assert q.get_output()[0] == len(named)
 
 
 def test_quantity_with_cockpit_track():

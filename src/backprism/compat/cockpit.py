@@ -118,6 +118,15 @@ def _cockpit_signature(cls: type, name: str) -> bool:
     return names[1:] == _COCKPIT_ARGS
 
 
+def _overrides(cls: type) -> set[str]:
+    """Names a user's class (and its non-backprism bases) defines."""
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c is not object and not c.__module__.startswith("backprism."):
+            names.update(vars(c))
+    return names
+
+
 def _save_format(value: Any) -> Any:
     """Cockpit's storage format: tensors become (detached, CPU) numpy arrays, recursively in
     dicts, lists and tuples."""
@@ -135,8 +144,9 @@ def _save_format(value: Any) -> Any:
 def _adapt_cockpit_methods(q: Quantity) -> None:
     """Let ``q`` (a Cockpit-style quantity) run under the monitor: methods written with
     Cockpit's signatures are called with ``(global_step, params, batch_loss)`` where the monitor
-    passes ``(global_step, data)``; ``extension_hooks(step)`` returning ``[]`` switches the
-    quantity's per-sample transforms off (Cockpit's way to request none); a ``Quantity``
+    passes ``(global_step, data)``; a quantity overriding ``extension_hooks(step)`` does its
+    per-sample work there (the monitor runs the hooks per module during the backward, as
+    Cockpit does), so backprism's per-sample transforms are off for it; a ``Quantity``
     subclass that overrides ``track`` and no ``should_compute`` counts as active every step."""
     cls = type(q)
 
@@ -160,20 +170,10 @@ def _adapt_cockpit_methods(q: Quantity) -> None:
             _t(global_step, data.params, loss_of(data))
 
         q.track = adapted_track  # type: ignore[method-assign]
-    hooks = getattr(q, "extension_hooks", None)
-    if callable(hooks):
-
-        def adapted_transforms(global_step: int, data: StepData) -> Any:
-            got = hooks(global_step)
-            if not got:
-                return {}
-            raise NotImplementedError(
-                f"backprism.compat.cockpit: {cls.__name__}.extension_hooks returns BackPACK "
-                "extension hooks, which backprism does not run. Return per-sample gradient "
-                "transforms fn(param, grad_batch) from transforms(global_step, data) instead"
-            )
-
-        q.transforms = adapted_transforms  # type: ignore[method-assign]
+    if "extension_hooks" in _overrides(cls):
+        # Cockpit's quantities do their per-sample work in their extension hooks (which the
+        # monitor runs per module, Quantity.extension_hooks), not in backprism's transforms
+        q.transforms = lambda global_step, data: {}  # type: ignore[method-assign]
 
 
 #: Cockpit's base classes are backprism's (``isinstance`` checks against them hold for every

@@ -464,6 +464,8 @@ class _StepContext:
         self.owned_fields: set[str] = set()
         self.batch_field: str | None = None
         self.transforms: dict[str, dict[str, Any]] = {}
+        #: the quantities' extension hooks of this step (Quantity.extension_hooks)
+        self.hooks: list[Any] = []
         self.done: set[int] = set()
         self.param_ids = {id(p) for p in monitor.params}
         self.needs_mean = False
@@ -487,6 +489,7 @@ class _StepContext:
             fns = q.transforms(step, data)
             if fns:
                 self.transforms[q.key] = fns
+            self.hooks += q.extension_hooks(step)
         per_sample = [q for q in active_q if q.per_sample]
         self.needs_mean = bool(per_sample) or bool(self.transforms)
         if self.needs_mean:
@@ -630,6 +633,8 @@ class _StepContext:
 
     def _hook(self, module: torch.nn.Module) -> None:
         self._check_reduction()
+        for hook in self.hooks:  # before owned per-sample buffers are freed
+            hook(module)
         if self.batch_field is None:
             return
         for p in module.parameters():

@@ -278,6 +278,14 @@ class Quantity:
         """Functions ``fn(param, grad_batch)`` to apply per parameter during the backward."""
         return {}
 
+    def extension_hooks(self, global_step: int) -> list[Callable[[torch.nn.Module], None]]:
+        """Functions ``hook(module)`` run once per module during the backward at
+        ``global_step``, right after the module's extensions (``collect``'s
+        ``extension_hook``), while their results — per-sample gradients included — are on the
+        module's parameters; they run before the monitor frees per-sample buffers it owns. In a
+        distributed step they run at the end of the pass, on the global batch's results."""
+        return []
+
     def info_keys(self, global_step: int) -> set[str]:
         """Names of ``info`` entries needed at ``global_step``."""
         return set()
