@@ -328,3 +328,53 @@ def test_plot_written_log_next_to_a_savedir_of_the_same_name(tmp_path):
     assert (tmp_path / "cockpit_output.json").is_file()
     CockpitPlotter().plot(str(logpath), savedir=str(logpath), show_plot=False, save_plot=True)
     assert (logpath / "cockpit.png").is_file()
+
+
+def test_batch_grad_transforms_hooks_merge_and_run():
+    """Cockpit's ``BatchGradTransformsHook``: two quantities' hooks are merged (one
+    ``grad_batch_transforms`` dict per parameter inside the context, holding both), their
+    values are the transforms of the per-sample gradients (against ``torch.func``), the dict
+    is gone after the context, and merging one name with two functions is refused."""
+    from backprism.compat.backpack.extensions import BatchGrad
+    from backprism.compat.cockpit.quantities.quantity import SingleStepQuantity
+    from backprism.compat.cockpit.quantities.utils_transforms import (
+        BatchGradTransformsHook,
+        BatchGradTransformsHook_BatchL2Grad,
+        BatchGradTransformsHook_SumGradSquared,
+    )
+
+    seen: dict = {}
+
+    class WithHook(SingleStepQuantity):
+        def __init__(self, make, track_schedule):
+            super().__init__(track_schedule)
+            self.make = make
+
+        def extensions(self, global_step):
+            return [BatchGrad()]
+
+        def extension_hooks(self, global_step):
+            return [self.make()]
+
+        def _compute(self, global_step, params, batch_loss):
+            for i, p in enumerate(params):
+                seen[i] = dict(p.grad_batch_transforms)
+            return 0.0
+
+    model, X, y = _problem()
+    qs = [
+        WithHook(BatchGradTransformsHook_BatchL2Grad, linear(1)),
+        WithHook(BatchGradTransformsHook_SumGradSquared, linear(1)),
+    ]
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    _run(model, X, y, qs, steps=1)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        gb = ref[name]
+        assert set(seen[i]) == {"batch_l2", "sum_grad_squared"}
+        torch.testing.assert_close(seen[i]["batch_l2"], gb.flatten(1).square().sum(1))
+        torch.testing.assert_close(seen[i]["sum_grad_squared"], gb.square().sum(0))
+        assert not hasattr(p, "grad_batch_transforms")
+    with pytest.raises(ValueError):
+        BatchGradTransformsHook.merge(
+            [BatchGradTransformsHook({"x": abs}), BatchGradTransformsHook({"x": len})]
+        )

@@ -134,3 +134,121 @@ def _get_alpha(mu: Any, t: float) -> float | None:
     """Cockpit's local step size α from the fit ``mu`` and step length ``t`` (see
     :func:`backprism.monitor.quantities.alpha.get_alpha`)."""
     return get_alpha(mu, t)
+
+
+# -- Cockpit's extension hooks (cockpit.quantities.hooks.base, .utils_transforms) -------------
+class ModuleExtensionHook:
+    """Cockpit's hook acting on a module right after the extensions ran on it (the monitor runs
+    a quantity's ``extension_hooks`` per module): ``module_hook(param, module)`` runs once per
+    trainable parameter of a leaf module, and a non-``None`` result is stored under
+    ``savefield`` on the parameter. One instance serves one backward pass."""
+
+    def __init__(self, savefield: str | None = None) -> None:
+        self.savefield = savefield
+        self.processed: set[int] = set()
+
+    def module_hook(self, param: Tensor, module: torch.nn.Module) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, module: torch.nn.Module) -> None:
+        for param in module.parameters():
+            if self.should_run_hook(param, module):
+                self.run_hook(param, module)
+
+    def should_run_hook(self, param: Tensor, module: torch.nn.Module) -> bool:
+        """Once per trainable parameter, on leaf modules only."""
+        has_children = next(iter(module.children()), None) is not None
+        return not has_children and id(param) not in self.processed and param.requires_grad
+
+    def run_hook(self, param: Tensor, module: torch.nn.Module) -> None:
+        self._save(self.module_hook(param, module), param)
+        self.processed.add(id(param))
+
+    def _save(self, value: Any, param: Tensor) -> None:
+        if self.savefield is None:
+            if value is not None:
+                raise ValueError(f"Hook has no savefield but wants to save {value}")
+        else:
+            setattr(param, self.savefield, value)
+
+
+class ParameterExtensionHook(ModuleExtensionHook):
+    """:class:`ModuleExtensionHook` whose action needs the parameter only:
+    ``param_hook(param)``."""
+
+    def module_hook(self, param: Tensor, module: torch.nn.Module) -> Any:
+        return self.param_hook(param)
+
+    def param_hook(self, param: Tensor) -> Any:
+        raise NotImplementedError
+
+
+#: the attribute under which :class:`BatchGradTransformsHook` stores its results
+GRAD_BATCH_TRANSFORMS = "grad_batch_transforms"
+
+
+class BatchGradTransformsHook(ParameterExtensionHook):
+    """Applies ``transforms`` (``{name: fn(grad_batch)}``) to each parameter's per-sample
+    gradients and stores ``{name: result}`` as ``param.grad_batch_transforms`` (needs
+    ``BatchGrad`` among the step's extensions). Cockpit merges the hooks of all quantities of a
+    step into one (:meth:`merge`), as does ``backprism.compat.cockpit.Cockpit``."""
+
+    def __init__(self, transforms: dict[str, Any], savefield: str | None = None) -> None:
+        super().__init__(savefield=savefield)
+        self._transforms = dict(transforms)
+
+    def param_hook(self, param: Tensor) -> None:
+        grad_batch = param.grad_batch  # type: ignore[attr-defined]
+        setattr(
+            param,
+            GRAD_BATCH_TRANSFORMS,
+            {key: fn(grad_batch) for key, fn in self._transforms.items()},
+        )
+
+    @staticmethod
+    def merge(hooks: Sequence[BatchGradTransformsHook]) -> BatchGradTransformsHook:
+        """One hook with the transforms of all ``hooks``; ``ValueError`` for one name given
+        different functions."""
+        merged: dict[str, Any] = {}
+        for hook in hooks:
+            for key, fn in hook._transforms.items():
+                if key in merged and merged[key] is not fn:
+                    raise ValueError(
+                        f"BatchGradTransformsHook: the transform {key!r} is given twice with "
+                        "different functions"
+                    )
+                merged[key] = fn
+        return BatchGradTransformsHook(merged)
+
+
+def batch_l2_transform(batch_grad: Tensor) -> Tensor:
+    """``‖gₙ‖²`` per sample from the per-sample gradients ``[N, ...]``."""
+    return batch_grad.flatten(1).square().sum(1)
+
+
+def batch_dot_transform(batch_grad: Tensor) -> Tensor:
+    """``gₙᵀgₘ`` for all pairs ``[N, N]``."""
+    flat = batch_grad.flatten(1)
+    return flat @ flat.t()
+
+
+def sum_grad_squared_transform(batch_grad: Tensor) -> Tensor:
+    """``Σₙ gₙ²`` elementwise."""
+    return batch_grad.square().sum(0)
+
+
+def get_first_n_alphabet(n: int) -> str:
+    """The first ``n`` lowercase letters."""
+    return "abcdefghijklmnopqrstuvwxyz"[:n]
+
+
+def BatchGradTransformsHook_BatchL2Grad() -> BatchGradTransformsHook:
+    return BatchGradTransformsHook({"batch_l2": batch_l2_transform})
+
+
+def BatchGradTransformsHook_BatchDotGrad() -> BatchGradTransformsHook:
+    return BatchGradTransformsHook({"batch_dot": batch_dot_transform})
+
+
+def BatchGradTransformsHook_SumGradSquared() -> BatchGradTransformsHook:
+    return BatchGradTransformsHook({"sum_grad_squared": sum_grad_squared_transform})

@@ -298,16 +298,27 @@ class _CockpitStep:
     def __enter__(self) -> Any:
         CockpitCTX.set(self._info, self._step)
         try:
-            return self._inner.__enter__()
+            out = self._inner.__enter__()
         except BaseException:
             CockpitCTX.erase()
             raise
+        # as Cockpit: the quantities' BatchGradTransformsHooks run as one, filling one
+        # grad_batch_transforms dict per parameter
+        hooks = self._inner.hooks
+        merging = [h for h in hooks if isinstance(h, _cq.BatchGradTransformsHook)]
+        if len(merging) > 1:
+            rest = [h for h in hooks if not isinstance(h, _cq.BatchGradTransformsHook)]
+            self._inner.hooks = [_cq.BatchGradTransformsHook.merge(merging), *rest]
+        return out
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
             return bool(self._inner.__exit__(exc_type, exc, tb))
         finally:
             CockpitCTX.erase()
+            for p in self._inner.monitor.params:  # as Cockpit, after the step
+                if hasattr(p, _cq.GRAD_BATCH_TRANSFORMS):
+                    delattr(p, _cq.GRAD_BATCH_TRANSFORMS)
 
 
 class ComputeStep:
@@ -354,6 +365,13 @@ class Cockpit(Monitor):
     def __init__(self, params: Iterable[Tensor], quantities: Iterable[Quantity] | None = None):
         super().__init__(params, quantities)
         self.output: dict[int, dict[str, Any]] = defaultdict(dict)
+
+    @staticmethod
+    def _merge_batch_grad_transform_hooks(
+        hooks: list[_cq.BatchGradTransformsHook],
+    ) -> _cq.BatchGradTransformsHook:
+        """Cockpit's merge of several quantities' ``BatchGradTransformsHook``s into one."""
+        return _cq.BatchGradTransformsHook.merge(hooks)
 
     def add(self, quantity: Quantity) -> None:
         """Track one more quantity; Cockpit-style methods (``_compute(global_step, params,
@@ -640,6 +658,28 @@ alias_module(
     get_batch_size=get_batch_size,
     get_optimizer=get_optimizer,
     get_loss=get_loss,
+)
+alias_module(
+    f"{_Q}.hooks",
+    "Cockpit's extension hooks (run per module by the monitor, Quantity.extension_hooks).",
+)
+alias_module(
+    f"{_Q}.hooks.base",
+    "Cockpit's base classes of extension hooks.",
+    ModuleExtensionHook=_cq.ModuleExtensionHook,
+    ParameterExtensionHook=_cq.ParameterExtensionHook,
+)
+alias_module(
+    f"{_Q}.utils_transforms",
+    "Cockpit's per-sample gradient transforms as an extension hook.",
+    BatchGradTransformsHook=_cq.BatchGradTransformsHook,
+    BatchGradTransformsHook_BatchL2Grad=_cq.BatchGradTransformsHook_BatchL2Grad,
+    BatchGradTransformsHook_BatchDotGrad=_cq.BatchGradTransformsHook_BatchDotGrad,
+    BatchGradTransformsHook_SumGradSquared=_cq.BatchGradTransformsHook_SumGradSquared,
+    batch_l2_transform=_cq.batch_l2_transform,
+    batch_dot_transform=_cq.batch_dot_transform,
+    sum_grad_squared_transform=_cq.sum_grad_squared_transform,
+    get_first_n_alphabet=_cq.get_first_n_alphabet,
 )
 alias_module(f"{__name__}.cockpit", "Cockpit's ``cockpit.cockpit``.", Cockpit=Cockpit)
 alias_module(f"{__name__}.plotter", "Cockpit's ``cockpit.plotter``.", CockpitPlotter=CockpitPlotter)
