@@ -453,7 +453,12 @@ def _print_markdown(rows: list[dict], settings: str, memory: bool) -> None:
             cells.append(mib_cell(r["mib"]))
         table.append([*cells, r["error"] or ""])
     notes = ["ratio: median step time over the plain step's median in the same rounds; target: "
-             "the issue's goal for backprism (CPU, N = 128, transformer and resnet18)"]
+             "the issue's goal for backprism (CPU, N = 128, transformer and resnet18)",
+             "what a row's time contains: backprism and Opacus rows are a training step (the "
+             "gradient and the quantity from one backward pass); `torch.func` vmap gives the "
+             "per-sample gradients only (`.grad` is their sum); curvlinops KFAC computes the "
+             "factors only, with its own forward and backward of sampled gradients, so a "
+             "training step with them costs 1 + its ratio; curvlinops GGN-vp is one product"]
     if memory:
         notes.append("+MiB: the step's peak memory above its starting point minus the plain "
                      "step's (`measure.peak_memory`); the plain row gives its own peak in MiB")
