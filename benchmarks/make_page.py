@@ -107,7 +107,7 @@ SECTIONS = [
         "What an extended model costs when no `collect` context is active: a plain training "
         "step and a `no_grad` evaluation step on a model never extended against the same steps "
         "on an extended deep copy (target ≤ 1.05x for the training step).",
-        quick=["--repeats", "20", "--warmup", "2"],
+        quick=["--repeats", "60", "--warmup", "3"],
         full=[],
         device=True,
     ),
