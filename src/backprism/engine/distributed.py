@@ -402,18 +402,17 @@ class DistributedPass:
                 self.bucket_bytes = int(cap)
         if str(dist.get_backend(self.group)) == "nccl" and self.device.type != "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._send_header(bp)
         order = self._param_order(bp)
+        self._send_header(bp, order)
         self._key = _item_key(order, {id(e): i for i, e in enumerate(bp.extensions)})
         reached = [pid for pid in bp.view.params if pid in order]
         self._order = sorted(reached, key=lambda pid: order[pid], reverse=True)
 
-    def _send_header(self, bp: Any) -> None:
+    def _send_header(self, bp: Any, order: dict[int, tuple]) -> None:
         """Launch the pass's header all-reduce (every rank's batch size, a fingerprint of what
         it will compute, whether DDP's ``.grad`` can serve its pending partials) when the pass
         starts: it completes while the backward runs, and the reduction at the end waits for
-        it instead of starting with a round trip."""
-        order = self._param_order(bp)
+        it instead of starting with a round trip (``order``: :meth:`_param_order`)."""
         keys = sorted(
             (*order.get(pid, (len(order), 0, "")), tuple(p.shape))
             for pid, (p, _) in bp.view.params.items()

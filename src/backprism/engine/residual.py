@@ -296,15 +296,20 @@ def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: 
     FORWARD.acted += 1
 
 
+def _nll_inputs(bp: Any) -> list[Tensor]:
+    """The inputs of the pass's ``NLLLoss`` modules (a ``log_softmax`` producing one is part of
+    the loss)."""
+    return [
+        rec.inputs[0]
+        for rec in bp.loss_records
+        if isinstance(rec.module, nn.NLLLoss) and rec.inputs and isinstance(rec.inputs[0], Tensor)
+    ]
+
+
 def _feeds_nll(bp: Any, output: weakref.ref) -> bool:
     """Whether the ``log_softmax`` output (weakly referenced) is the input of an ``NLLLoss`` of
-    this backward pass (then it is part of the loss). Compared by tensor identity."""
-    for rec in bp.loss_records:
-        if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
-            x = rec.inputs[0]
-            if isinstance(x, Tensor) and x is output():
-                return True
-    return False
+    this backward pass. Compared by tensor identity."""
+    return any(x is output() for x in _nll_inputs(bp))
 
 
 def _node_op(node: Any) -> str:
@@ -318,15 +323,15 @@ def _node_op(node: Any) -> str:
     return re.sub(r"(?<=\d)_", "", snake)
 
 
-#: node-only spellings of operations that are linear in their tensor operands
+#: node-only spellings of operations that are linear in their tensor operands (those
+#: :func:`classify` does not know by these names)
 _NODE_LINEAR = frozenset(
     _words(
-        """to_copy unsafe_view reshape_alias alias slice select index copy_slices
-    constant_pad_nd reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d
-    split_with_sizes unsafe_split squeeze unsqueeze expand unfold_backward accumulate_grad
-    sum mean native_dropout mul div im2col col2im upsample_nearest1d upsample_nearest2d
-    upsample_nearest3d upsample_linear1d upsample_bilinear2d upsample_bicubic2d
-    upsample_trilinear3d _ddp_sink"""
+        """to_copy unsafe_view reshape_alias alias slice index copy_slices constant_pad_nd
+    reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d split_with_sizes
+    unsafe_split unfold_backward accumulate_grad im2col col2im upsample_nearest1d
+    upsample_nearest2d upsample_nearest3d upsample_linear1d upsample_bilinear2d
+    upsample_bicubic2d upsample_trilinear3d _ddp_sink"""
     )
 )
 
@@ -368,8 +373,8 @@ def _node_kind(node: Any, op: str) -> int:
             kind = _NONLIN
         elif op.startswith(_NODE_NONLINEAR) or "attention" in op:
             kind = _NONLIN
-    if op in ("mul", "div") or kind in (_PRODUCT, _QUOTIENT):
-        if op == "div" or kind == _QUOTIENT:
+    if kind in (_PRODUCT, _QUOTIENT):
+        if kind == _QUOTIENT:
             fns = node.next_functions
             return _QUOTIENT if len(fns) > 1 and fns[1][0] is not None else _LINEAR
         return _PRODUCT if len(nexts) > 1 else _LINEAR
@@ -403,17 +408,6 @@ def _param_dependent(view: Any) -> set[int]:
                 found.add(id(c))
                 stack.append(c)
     return found
-
-
-def _is_nll_input(bp: Any, node: Any) -> bool:
-    """Whether ``node`` produced the input of an ``NLLLoss`` of the pass (``log_softmax``
-    before it is part of the loss)."""
-    for rec in bp.loss_records:
-        if isinstance(rec.module, nn.NLLLoss) and rec.inputs:
-            x = rec.inputs[0]
-            if isinstance(x, Tensor) and x.grad_fn is node:
-                return True
-    return False
 
 
 def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
@@ -479,7 +473,7 @@ def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
             if id(fn) in inside or (kind == _UNKNOWN and op in known_ops):
                 continue
             return op, kind
-        if op == "log_softmax" and _is_nll_input(bp, fn):
+        if op == "log_softmax" and any(x.grad_fn is fn for x in _nll_inputs(bp)):
             continue
         return op, kind  # a quotient, or a non-elementwise nonlinearity
     return None
