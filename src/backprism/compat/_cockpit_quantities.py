@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from backprism.compat._vivit_extras import ParameterHook
 from backprism.monitor.quantities import bin_adaptation as _bins
 from backprism.monitor.quantities.alpha import fit_quadratic, get_alpha
 
@@ -137,15 +138,12 @@ def _get_alpha(mu: Any, t: float) -> float | None:
 
 
 # -- Cockpit's extension hooks (cockpit.quantities.hooks.base, .utils_transforms) -------------
-class ModuleExtensionHook:
+class ModuleExtensionHook(ParameterHook):
     """Cockpit's hook acting on a module right after the extensions ran on it (the monitor runs
     a quantity's ``extension_hooks`` per module): ``module_hook(param, module)`` runs once per
     trainable parameter of a leaf module, and a non-``None`` result is stored under
-    ``savefield`` on the parameter. One instance serves one backward pass."""
-
-    def __init__(self, savefield: str | None = None) -> None:
-        self.savefield = savefield
-        self.processed: set[int] = set()
+    ``savefield`` on the parameter (``savefield`` and storing as ViViT's hook, whose base this
+    shares). One instance serves one backward pass."""
 
     def module_hook(self, param: Tensor, module: torch.nn.Module) -> Any:
         raise NotImplementedError
@@ -158,29 +156,19 @@ class ModuleExtensionHook:
     def should_run_hook(self, param: Tensor, module: torch.nn.Module) -> bool:
         """Once per trainable parameter, on leaf modules only."""
         has_children = next(iter(module.children()), None) is not None
-        return not has_children and id(param) not in self.processed and param.requires_grad
+        return not has_children and super().should_run_hook(param, module)
 
     def run_hook(self, param: Tensor, module: torch.nn.Module) -> None:
         self._save(self.module_hook(param, module), param)
         self.processed.add(id(param))
 
-    def _save(self, value: Any, param: Tensor) -> None:
-        if self.savefield is None:
-            if value is not None:
-                raise ValueError(f"Hook has no savefield but wants to save {value}")
-        else:
-            setattr(param, self.savefield, value)
-
 
 class ParameterExtensionHook(ModuleExtensionHook):
     """:class:`ModuleExtensionHook` whose action needs the parameter only:
-    ``param_hook(param)``."""
+    ``param_hook(param)`` (declared by the shared base)."""
 
     def module_hook(self, param: Tensor, module: torch.nn.Module) -> Any:
         return self.param_hook(param)
-
-    def param_hook(self, param: Tensor) -> Any:
-        raise NotImplementedError
 
 
 #: the attribute under which :class:`BatchGradTransformsHook` stores its results
