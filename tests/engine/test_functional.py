@@ -272,3 +272,32 @@ def test_param_outside_module_diag_ggn(name: str) -> None:
     with collect(DiagGGNExact()):
         lf(model(X), y).backward()
     check_diag_attr(model, "diag_ggn_exact", ref)
+
+
+def test_functional_linear_across_steps_and_replaced_parameters() -> None:
+    """The stand-in of a functional ``F.linear`` is reused from forward to forward: results
+    stay right over several steps, after the parameter is replaced, and for two forwards in
+    one backward."""
+    model, X, y = _problem("linear")
+    lf = nn.CrossEntropyLoss()
+    extend(model), extend(lf)
+    for step in range(3):
+        if step == 1:  # a new parameter object under the same name
+            with torch.no_grad():
+                model.params.w = nn.Parameter(model.params.w.detach() * 0.5)
+            extend(model)
+        ref = per_sample_grads(model, lf, X, y)
+        model.zero_grad()
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+            lf(model(X), y).backward()
+        assert_first_order(model, ref, **TOL)
+    # two forwards of the same model, one backward: per-sample gradients of the sum
+    X2 = X.flip(0)
+    model.zero_grad()
+    ref1 = per_sample_grads(model, lf, X, y)
+    ref2 = per_sample_grads(model, lf, X2, y)
+    with collect(BatchGrad()):
+        (lf(model(X), y) + lf(model(X2), y)).backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad_batch, ref1[name] + ref2[name], **TOL)

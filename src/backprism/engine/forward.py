@@ -178,10 +178,11 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             return
         if local and not inside.functions:
             return  # nothing the light mode can do: the module keeps its parameters
-        named = dict(module.named_parameters())
-        frame[2] = frozenset(id(named[n]) for n in inside.release if n in named)
+        release = [(n, _parameter(module, n)) for n in inside.release]
+        frame[2] = frozenset(id(p) for _, p in release if p is not None)
         if inside.keep:
-            frame[3] = {id(named[n]): n for n in inside.keep if n in named}
+            keep = [(n, _parameter(module, n)) for n in inside.keep]
+            frame[3] = {id(p): n for n, p in keep if p is not None}
             frame[4] = Kept()
         frame[5] = inside.functions
         first = next((a for a in args if isinstance(a, Tensor)), None)
@@ -197,6 +198,17 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
         mode.__enter__()
         FORWARD.modes.append(mode)
         frame[7] = mode
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
+    """``module``'s parameter by dotted ``name`` (``"out_proj.weight"``), or ``None``: a few
+    dictionary lookups instead of walking ``named_parameters()``."""
+    *path, leaf = name.split(".")
+    for step in path:
+        module = module._modules.get(step)  # type: ignore[assignment]
+        if module is None:
+            return None
+    return module._parameters.get(leaf)
 
 
 def keep_linear(p: Tensor, x: Any, out: Any) -> None:
@@ -231,13 +243,31 @@ def call_params(
             params[n] = p
     if not module._modules:  # a leaf (Linear, Conv, ...): nothing else to look at
         return params
-    for name, sub in module.named_modules():
-        if sub is module or id(sub) in ran:
-            continue
-        for n, p in sub.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in released:
-                params[f"{name}.{n}"] = p
+    _descendant_params(module, "", ran, released, params, {id(module)})
     return params
+
+
+def _descendant_params(
+    module: nn.Module, prefix: str, ran: set[int], released: frozenset[int],
+    params: dict[str, nn.Parameter], seen: set[int],
+) -> None:
+    """``named_modules()`` order (each module once) over ``module``'s descendants: the
+    parameters of those not in ``ran``, less ``released`` — dictionary walks, without the
+    generators of ``named_modules``/``named_parameters``."""
+    for name, sub in module._modules.items():
+        if sub is None or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        path = prefix + name
+        if id(sub) not in ran:
+            own: set[int] = set()  # a parameter under two names of one module: the first
+            for n, p in sub._parameters.items():
+                if p is not None and id(p) not in own:
+                    own.add(id(p))
+                    if p.requires_grad and id(p) not in released:
+                        params[f"{path}.{n}"] = p
+        if sub._modules:
+            _descendant_params(sub, path + ".", ran, released, params, seen)
 
 
 def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -270,7 +300,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
             return
         outs = [output]
     else:
-        outs = [o for o in tree_flatten(output)[0] if isinstance(o, Tensor)]
+        flat = isinstance(output, tuple) and all(_flat(o) for o in output)  # (out, weights)
+        outs = [o for o in (output if flat else tree_flatten(output)[0]) if isinstance(o, Tensor)]
         if not any(o.requires_grad for o in outs):
             return
     if not kwargs and len(args) == 1 and isinstance(args[0], Tensor):  # Linear, Conv, norms

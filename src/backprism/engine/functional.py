@@ -162,7 +162,33 @@ class OpModule(nn.Module):
         return self._func(*args, **self._kwargs)
 
 
+#: root model → ``{(id(weight), id(bias)): stand-in}``: a functional ``F.linear`` of the same
+#: parameters (a tied head, a released attention projection) reuses its stand-in in every
+#: forward instead of building a module each time (the parameters are checked by identity;
+#: entries go with the model; at most :data:`_STAND_INS_PER_ROOT` per model)
+_STAND_INS_PER_ROOT = 64
+_LINEAR_STAND_INS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], nn.Linear]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def _linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
+    root = FORWARD.root_stack[0] if FORWARD.root_stack else None
+    if root is None:
+        return _new_linear_stand_in(weight, bias)
+    cache = _LINEAR_STAND_INS.get(root)
+    if cache is None:
+        cache = _LINEAR_STAND_INS[root] = {}
+    key = (id(weight), id(bias))
+    m = cache.get(key)
+    if m is None or m._parameters["weight"] is not weight or m._parameters["bias"] is not bias:
+        if len(cache) >= _STAND_INS_PER_ROOT:  # parameters replaced again and again
+            cache.clear()
+        m = cache[key] = _new_linear_stand_in(weight, bias)
+    return m
+
+
+def _new_linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
     m = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(m)
     m.in_features, m.out_features = weight.shape[1], weight.shape[0]
@@ -633,6 +659,29 @@ class ForwardMode(TorchFunctionMode):
         attribute(func, args, kwargs, out, name)
         return out
 
+    def call(self, func: Callable[..., Any], *args: Any) -> Any:
+        """``func(*args)`` run through the mode (used by rules' replacement functions, which
+        run with the mode switched off)."""
+        with self:
+            return func(*args)
+
+
+class DirectAttribution:
+    """What :meth:`ForwardMode.call` does, without entering a mode: for the replacement
+    functions of a releasing module run by :class:`ReleaseMode` in a forward without the mode,
+    where nothing is recorded, no batch axis is followed and attention keeps its kernel — only
+    the parameter uses are attributed. Saves a mode's entry, exit and dispatch per call."""
+
+    @staticmethod
+    def call(func: Callable[..., Any], *args: Any) -> Any:
+        out = func(*args)
+        if isinstance(out, Tensor) and out.requires_grad:
+            attribute(func, args, {}, out, _info(func)[0])
+        return out
+
+
+_DIRECT = DirectAttribution()
+
 
 #: a model not seen yet for a ``training`` flag (:data:`~backprism.engine.state.MODE_FREE`)
 _UNSEEN = object()
@@ -712,13 +761,16 @@ class ReleaseMode(TorchFunctionMode):
     def __init__(self, functions: dict[str, Callable[..., Any]]) -> None:
         super().__init__()
         self.functions = functions
+        #: with a batch axis off axis 0 in the forward the mode follows it through the
+        #: replacement's operations
         self.inner = ForwardMode(False)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         replacement = self.functions.get(getattr(func, "__name__", ""))
         if replacement is not None and not FORWARD.suspended and torch.is_grad_enabled():
-            out = replacement(self.inner, *args, **kwargs)
+            inner = self.inner if FORWARD.layouts else _DIRECT
+            out = replacement(inner, *args, **kwargs)
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)

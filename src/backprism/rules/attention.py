@@ -124,11 +124,12 @@ def _self_attention_forward(
     """``F.multi_head_attention_forward`` for batched self-attention with the packed input
     projection (``query is key is value``, ``[L, N, E]``; no ``bias_k``/``bias_v``,
     ``add_zero_attn``, static keys/values) — PyTorch's own sequence of operations, written
-    out. ``mode`` (the forward mode, a context manager) sees the input projection
-    ``F.linear(query, W, b)`` — a Linear call of its own —, ``out_proj``'s ``F.linear`` (whose
-    input is kept) and the attention kernel (which it may route to the math kernel); the rest
-    runs without its per-operation cost. ``NotImplemented`` for every other configuration
-    (the function then runs as one operation)."""
+    out. ``mode.call`` (the forward mode's, or a direct attribution outside the mode) runs
+    the input projection ``F.linear(query, W, b)`` — a Linear call of its own —,
+    ``out_proj``'s ``F.linear`` (whose input is kept) and the attention kernel (which the mode
+    may route to the math kernel); the rest runs without its per-operation cost.
+    ``NotImplemented`` for every other configuration (the function then runs as one
+    operation)."""
     if (
         query is not key
         or key is not value
@@ -174,8 +175,7 @@ def _self_attention_forward(
     # the packed projection: one F.linear (a Linear call of its own, the batch on axis 1 of
     # its input), split as PyTorch splits it
     setattr(query, AXIS, 1)
-    with mode:
-        proj = F.linear(query, in_proj_weight, in_proj_bias)
+    proj = mode.call(F.linear, query, in_proj_weight, in_proj_bias)
     proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
     proj = proj.contiguous()
     q, k, v = proj[0], proj[1], proj[2]
@@ -224,8 +224,7 @@ def _self_attention_forward(
             weights = F.dropout(weights, p=dropout_p)
         out = torch.bmm(weights, v)
         out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-        with mode:
-            out = F.linear(out, out_proj_weight, out_proj_bias)
+        out = mode.call(F.linear, out, out_proj_weight, out_proj_bias)
         out = out.view(tgt_len, bsz, out.size(1))
         weights = weights.view(bsz, num_heads, tgt_len, src_len)
         if average_attn_weights:
@@ -239,12 +238,10 @@ def _self_attention_forward(
     q = q.view(bsz, num_heads, tgt_len, head_dim)
     k = k.view(bsz, num_heads, src_len, head_dim)
     v = v.view(bsz, num_heads, src_len, head_dim)
-    with mode:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+    out = mode.call(F.scaled_dot_product_attention, q, k, v, attn_mask, dropout_p, is_causal)
     del q, k, v
     out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-    with mode:
-        out = F.linear(out, out_proj_weight, out_proj_bias)
+    out = mode.call(F.linear, out, out_proj_weight, out_proj_bias)
     return _batch_axes(out.view(tgt_len, bsz, out.size(1)), 1), None
 
 
