@@ -66,6 +66,31 @@ per ``(C, positions)`` and process) points to the Monte-Carlo extensions (``Diag
 
 MC columns use torch's global RNG: one draw seeds a generator per column, so the numbers do not
 depend on how the engine chunks the columns, and ``torch.manual_seed`` makes them reproducible.
+
+BackPACK's draw (the column key ``("mc", M, BACKPACK_DRAW, owner)``, see :func:`backpack_mc_key`;
+the BackPACK shim's MC extensions ask for it). BackPACK 1.7 samples targets from the likelihood
+whose negative log is the loss, all ``M`` samples at once with one call on torch's global RNG per
+extension, and takes the gradients at the sampled targets; the shim reproduces those calls (same
+distribution, same shapes, same order), so a script seeded with ``torch.manual_seed`` gets
+BackPACK's numbers. With ``x`` the loss input, ``M`` samples and ``Z`` the reduction's
+denominator:
+
+* ``CrossEntropyLoss``: ``ŷ = Categorical(p).sample((M,))`` with ``p = softmax(x, 1)`` moved to
+  the last axis (``torch.multinomial(p, M, replacement=True)ᵀ`` on the ``[rows·D, C]``
+  probabilities), column ``m`` = ``√(a/Z)(p − e_ŷₘ)/√M`` (``a = 1`` without weights or label
+  smoothing, as BackPACK supports).
+* ``MSELoss``: ``y = Normal(x, σ).sample((M,))`` with ``σ = torch.tensor(√½)`` of torch's default
+  dtype (float32 unless changed: BackPACK's columns carry its rounding, ``2σ ≈ √2(1 − 1.7e-8)``),
+  column ``m`` = ``2(yₘ − x)/√(M Z)``.
+* ``BCEWithLogitsLoss`` without ``pos_weight``: ``ŷ = Binomial(1, σ(x)).sample((M,))`` (one
+  ``torch.binomial`` call), column ``m`` = ``√(w/Z)(σ(x) − ŷₘ)/√M``.
+
+The columns are drawn when :func:`loss_hessian_sqrt` is called (all ``M`` at once, so chunking
+only slices them). Losses BackPACK does not sample (``NLLLoss``, ``GaussianNLLLoss``,
+``BCEWithLogitsLoss`` with ``pos_weight``) keep the per-column generators. Each distinct key
+is one draw: the engine builds columns once per distinct key in a backward pass, so the
+``owner`` (the extension) makes every MC extension draw on its own, in the order the extensions
+were given, as BackPACK does.
 """
 
 from __future__ import annotations
@@ -81,11 +106,17 @@ from torch import Tensor, nn
 from backprism.engine.columns import Columns
 
 __all__ = [
+    "BACKPACK_DRAW",
     "EXACT_COLUMNS_WARNING",
     "SUPPORTED_LOSSES",
     "CurvatureCostWarning",
+    "backpack_mc_key",
     "loss_hessian_sqrt",
 ]
+
+#: third element of a Monte-Carlo column key ``("mc", M, BACKPACK_DRAW, owner)``: draw the
+#: columns with BackPACK 1.7's calls on torch's global RNG (see the module docstring)
+BACKPACK_DRAW = "backpack"
 
 #: loss modules :func:`loss_hessian_sqrt` knows
 SUPPORTED_LOSSES: tuple[type[nn.Module], ...] = (
@@ -106,7 +137,9 @@ def loss_hessian_sqrt(
         module: the loss module (see :data:`SUPPORTED_LOSSES`).
         inputs: its positional (then keyword) arguments as passed to the forward call;
             tensors that require grad are the differentiable loss inputs.
-        key: ``("exact",)`` or ``("mc", M)`` with ``M`` the number of Monte-Carlo samples.
+        key: ``("exact",)`` or ``("mc", M)`` with ``M`` the number of Monte-Carlo samples;
+            ``("mc", M, BACKPACK_DRAW, owner)`` (:func:`backpack_mc_key`) draws them as
+            BackPACK does (``owner`` only tells keys apart).
         n_samples: the model's batch size ``N``; the loss input's rows are grouped sample-major
             into ``N`` samples of ``rows / N`` rows each.
 
@@ -131,38 +164,57 @@ def loss_hessian_sqrt(
             f"backprism: {name}(reduction={reduction!r}) gives no per-sample scaling; use "
             "reduction='mean' or 'sum'"
         )
-    mc = _parse_key(key)
+    mc, backpack = _parse_key(key)
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
     inputs = list(inputs)
     if isinstance(module, nn.CrossEntropyLoss):
-        return _cross_entropy(module, inputs, mc, n_samples)
+        return _cross_entropy(module, inputs, mc, n_samples, backpack)
     if isinstance(module, nn.NLLLoss):
         return _nll(module, inputs, mc, n_samples)
     if isinstance(module, nn.MSELoss):
-        return _mse(module, inputs, mc, n_samples)
+        return _mse(module, inputs, mc, n_samples, backpack)
     if isinstance(module, nn.BCEWithLogitsLoss):
-        return _bce_with_logits(module, inputs, mc, n_samples)
+        return _bce_with_logits(module, inputs, mc, n_samples, backpack)
     return _gaussian_nll(module, inputs, mc, n_samples)
+
+
+def backpack_mc_key(mc_samples: int, owner: Hashable = None) -> tuple:
+    """The column key of ``mc_samples`` Monte-Carlo columns drawn as BackPACK 1.7 draws them.
+
+    Args:
+        mc_samples: the number ``M`` of sampled targets.
+        owner: tells apart the keys of extensions that must draw separately (the engine builds
+            columns once per distinct key in a backward pass); e.g. ``id(extension)``.
+
+    Returns:
+        ``("mc", mc_samples, BACKPACK_DRAW, owner)``.
+    """
+    return ("mc", mc_samples, BACKPACK_DRAW, owner)
 
 
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _parse_key(key: Hashable) -> int | None:
-    """``None`` for exact columns, ``M`` for Monte-Carlo."""
+def _parse_key(key: Hashable) -> tuple[int | None, bool]:
+    """``(None, False)`` for exact columns, ``(M, backpack)`` for Monte-Carlo (``backpack``:
+    BackPACK's draw, key ``("mc", M, BACKPACK_DRAW, owner)``)."""
     if isinstance(key, tuple) and key == ("exact",):
-        return None
+        return None, False
     if (
         isinstance(key, tuple)
-        and len(key) == 2
+        and len(key) in (2, 4)
         and key[0] == "mc"
         and isinstance(key[1], int)
         and not isinstance(key[1], bool)
         and key[1] >= 1
+        and (len(key) == 2 or key[2] == BACKPACK_DRAW)
     ):
-        return key[1]
-    raise ValueError(f"column key must be ('exact',) or ('mc', M) with M >= 1, got {key!r}")
+        return key[1], len(key) == 4
+    raise ValueError(
+        "column key must be ('exact',), ('mc', M) or ('mc', M, 'backpack', owner) with M >= 1, "
+        f"got {key!r}"
+    )
 
 
 def _arg(inputs: list[Any], i: int, what: str, name: str) -> Any:
@@ -270,7 +322,11 @@ def _class_index_factor(
 
 
 def _cross_entropy(
-    module: nn.CrossEntropyLoss, inputs: list[Any], mc: int | None, n_samples: int
+    module: nn.CrossEntropyLoss,
+    inputs: list[Any],
+    mc: int | None,
+    n_samples: int,
+    backpack: bool = False,
 ) -> Columns:
     name = type(module).__name__
     x = _model_input(inputs, name)
@@ -316,10 +372,13 @@ def _cross_entropy(
         a = _class_index_factor(
             target, weight, module.ignore_index, eps, c, module.reduction, xd
         )
-    probs = _to_positions(torch.softmax(xd, dim=1), n, q, c)  # [N, Q, C]
+    soft = torch.softmax(xd, dim=1)  # [N·P, C, *spatial]
+    probs = _to_positions(soft, n, q, c)  # [N, Q, C]
     f = a.reshape(n, q).sqrt()  # [N, Q]
     if mc is None:
         return _exact_class_columns(probs, f, x.shape, p_rows, d, c, centered=True)
+    if backpack:
+        return _backpack_class_columns(soft, f, mc)
     return _mc_class_columns(probs, f, x.shape, p_rows, d, c, mc, centered=True)
 
 
@@ -426,6 +485,25 @@ def _mc_class_columns(
     return _mc_columns(m, probs.device, draw, [0])
 
 
+def _backpack_class_columns(soft: Tensor, f: Tensor, m: int) -> Columns:
+    r"""BackPACK's MC cross-entropy columns: ``f·(p − e_ŷₘ)/√M``, ``ŷ ~ Categorical(p)``.
+
+    ``soft`` is ``p = softmax(x, 1)`` in the input's layout ``[R, C, *spatial]``, ``f`` the
+    factor ``√(a/Z)`` per position (``[N, Q]``, positions in the order ``(row, spatial)``). The
+    ``M`` labels of every position come from one call on torch's global RNG,
+    ``Categorical(p moved to the last axis).sample((M,))`` (``[M, R, *spatial]``), the call
+    BackPACK 1.7 makes; the columns are built at once (chunks slice them)."""
+    rows = soft.shape[0]
+    spatial = soft.shape[2:]
+    dist = torch.distributions.Categorical(probs=soft.movedim(1, -1), validate_args=False)
+    y = dist.sample(torch.Size([m]))  # [M, R, *spatial]
+    fx = f.reshape(rows, 1, *spatial)  # [R, 1, *spatial]
+    cols = (soft * fx).unsqueeze(0).expand(m, *soft.shape).contiguous()
+    cols.scatter_add_(2, y.unsqueeze(2), -fx.unsqueeze(0).expand(m, *fx.shape))
+    cols.mul_(1.0 / math.sqrt(m))
+    return Columns.from_tensors([cols], [0])
+
+
 #: exact loss-Hessian square roots with more columns per sample than this get a warning
 EXACT_COLUMNS_WARNING = 4096
 _WARNED_COST: set[tuple[int, int]] = set()
@@ -517,7 +595,9 @@ def _elementwise(
     return Columns(e, make, inputs)
 
 
-def _mse(module: nn.MSELoss, inputs: list[Any], mc: int | None, n_samples: int) -> Columns:
+def _mse(
+    module: nn.MSELoss, inputs: list[Any], mc: int | None, n_samples: int, backpack: bool = False
+) -> Columns:
     name = type(module).__name__
     x = _arg(inputs, 0, "input", name)
     y = _arg(inputs, 1, "target", name)
@@ -531,6 +611,8 @@ def _mse(module: nn.MSELoss, inputs: list[Any], mc: int | None, n_samples: int) 
     z = math.prod(shape) if module.reduction == "mean" else 1
     coef = math.sqrt(2.0 / z)
     sqrt_h = torch.full(shape, coef, dtype=ref.dtype, device=ref.device)
+    if mc is not None and backpack:
+        return _backpack_mse_columns(x.detach().to(ref.dtype), shape, z, mc, targets)
 
     def draw(g: torch.Generator) -> list[Tensor]:
         noise = torch.randn(shape, generator=g, dtype=ref.dtype, device=ref.device) * coef
@@ -539,8 +621,38 @@ def _mse(module: nn.MSELoss, inputs: list[Any], mc: int | None, n_samples: int) 
     return _elementwise(shape, n_samples, sqrt_h, targets, mc, draw)
 
 
+def _backpack_mse_columns(
+    x: Tensor,
+    shape: torch.Size,
+    z: int,
+    m: int,
+    targets: list[tuple[int, Sequence[int], float]],
+) -> Columns:
+    r"""BackPACK's MC ``MSELoss`` columns: ``2(yₘ − x)/√(M Z)`` with ``y ~ Normal(x, σ)``.
+
+    ``MSELoss`` is ``Σ (x − y)²`` (over ``Z``), the negative log-likelihood of ``N(x, ½ I)`` up
+    to constants; its gradient at a sampled target is ``2(x − y)`` (the sign does not matter).
+    One call on torch's global RNG draws all ``M`` targets, ``Normal(x, σ).sample((M,))`` with
+    ``σ = torch.tensor(√½)`` (torch's default dtype, as BackPACK 1.7 builds it). ``x`` is
+    broadcast to the loss shape; each differentiable input gets the columns summed to its
+    shape, times its sign."""
+    loc = x if tuple(x.shape) == tuple(shape) else x.expand(shape)
+    sd = torch.tensor(math.sqrt(0.5), device=x.device)
+    y = torch.distributions.Normal(loc, sd, validate_args=False).sample(torch.Size([m]))
+    cols = 2 * (y - loc) / math.sqrt(m)  # [M, *shape]
+    if z != 1:
+        cols = cols / math.sqrt(z)
+    return Columns.from_tensors(
+        [_sum_to(cols, s) * sign for _, s, sign in targets], [i for i, _, _ in targets]
+    )
+
+
 def _bce_with_logits(
-    module: nn.BCEWithLogitsLoss, inputs: list[Any], mc: int | None, n_samples: int
+    module: nn.BCEWithLogitsLoss,
+    inputs: list[Any],
+    mc: int | None,
+    n_samples: int,
+    backpack: bool = False,
 ) -> Columns:
     name = type(module).__name__
     x = _model_input(inputs, name)
@@ -575,6 +687,8 @@ def _bce_with_logits(
     targets = [(0, x.shape, 1.0)]
     if pos is None:
         sw = (w / z).sqrt()
+        if mc is not None and backpack:
+            return _backpack_bce_columns(sig, sw, mc)
 
         def draw(g: torch.Generator) -> list[Tensor]:
             u = torch.rand(shape, generator=g, dtype=xd.dtype, device=xd.device)
@@ -586,6 +700,18 @@ def _bce_with_logits(
             return [torch.where(u < 0.5, -sqrt_h, sqrt_h)]
 
     return _elementwise(shape, n_samples, sqrt_h, targets, mc, draw)
+
+
+def _backpack_bce_columns(sig: Tensor, sw: Tensor, m: int) -> Columns:
+    r"""BackPACK's MC ``BCEWithLogitsLoss`` columns: ``√(w/Z)(σ − ŷₘ)/√M``,
+    ``ŷ ~ Binomial(1, σ)``.
+
+    The loss is the negative log-likelihood of Bernoulli(σ(x)) labels, with gradient
+    ``σ − y``. One call on torch's global RNG draws all ``M`` labels,
+    ``Binomial(probs=σ).sample((M,))`` (``torch.binomial``), as BackPACK 1.7 does."""
+    y = torch.distributions.Binomial(probs=sig, validate_args=False).sample(torch.Size([m]))
+    cols = (sig - y) / math.sqrt(m) * sw  # [M, *shape]
+    return Columns.from_tensors([cols], [0])
 
 
 def _gaussian_nll(

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.func import jvp, vmap
 
 from backprism.compat._modules import alias_module
-from backprism.engine.loss_hessian import loss_hessian_sqrt
+from backprism.engine.loss_hessian import backpack_mc_key, loss_hessian_sqrt
 from backprism.engine.rule import Call, get_rule
 from backprism.engine.state import suspended
 
@@ -291,7 +291,11 @@ class BaseLossDerivatives(BaseDerivatives):
         mc_samples: int = 1,
         subsampling: Sequence[int] | None = None,
     ) -> Tensor:
-        return _subsample(self._columns(module, ("mc", mc_samples)), subsampling, dim=1)
+        """``[M, N, *out]``: ``M`` sampled gradients ``/√M`` drawn as BackPACK 1.7 draws them
+        (one call on torch's global RNG for the whole mini-batch, see
+        :mod:`backprism.engine.loss_hessian`); ``subsampling`` keeps those samples' rows."""
+        cols = self._columns(module, backpack_mc_key(mc_samples))
+        return _subsample(cols, subsampling, dim=1)
 
     def sum_hessian(self, module: nn.Module, g_inp: Any, g_out: Any) -> Tensor:
         s = self._columns(module, ("exact",))

@@ -24,6 +24,10 @@ BackPACK                          here
                                   ``E[Jᵀ H J]`` expectation); other combinations raise
 ``DiagGGN(strategy, savefield)``  ``DiagGGNExact``/``DiagGGNMC`` (likewise ``BatchDiagGGN``,
                                   ``SqrtGGN``)
+``DiagGGNMC``, ``KFAC``,          sample targets with BackPACK's calls on torch's global RNG,
+``BatchDiagGGNMC``,               one draw per extension in the order given to ``backpack(...)``:
+``SqrtGGNMC``                     same numbers as BackPACK after ``torch.manual_seed`` (see
+                                  :mod:`backprism.engine.loss_hessian`)
 ================================  ===============================================================
 
 **Custom modules.** backprism needs no module extension for layers it does not know: a generic
@@ -56,6 +60,7 @@ from torch import Tensor, nn
 
 from backprism.compat._modules import alias_module
 from backprism.engine.extension import Extension, SecondOrderExtension
+from backprism.engine.loss_hessian import backpack_mc_key
 from backprism.engine.rule import Call, Rule, has_rule
 from backprism.engine.state import suspended
 from backprism.extensions import firstorder as _fo
@@ -481,6 +486,26 @@ class SecondOrderBackpropExtension(BackpropExtension):
         return mc
 
 
+class _BackpackDraw:
+    """Monte-Carlo extensions of the shim draw their targets as BackPACK 1.7 does.
+
+    BackPACK samples ``M`` targets from the loss's likelihood with one call on torch's global
+    RNG per extension, when the backward pass reaches the loss, in the order the extensions were
+    given to ``backpack(...)``. The column key :func:`~backprism.engine.loss_hessian.
+    backpack_mc_key` asks the engine for that draw, and ``id(self)`` as its owner keeps the
+    draws of two MC extensions apart (the engine builds columns once per distinct key), so a
+    script seeded with ``torch.manual_seed`` gets BackPACK's numbers. With ``subsampling``
+    (``SqrtGGNMC``) the targets are drawn for the whole mini-batch and the requested samples
+    kept; BackPACK draws for the requested samples only, so those numbers differ (the
+    distribution is the same)."""
+
+    mc_samples: int
+
+    def column_key(self) -> tuple:
+        """``("mc", M, "backpack", id(self))``: BackPACK's draw, one per extension."""
+        return backpack_mc_key(self.mc_samples, id(self))
+
+
 class DiagGGNExact(SecondOrderBackpropExtension, _so.DiagGGNExact):
     """Diagonal of the GGN, ``diag_ggn_exact`` ``[*p]``."""
 
@@ -488,7 +513,7 @@ class DiagGGNExact(SecondOrderBackpropExtension, _so.DiagGGNExact):
         self._bp_setup()
 
 
-class DiagGGNMC(SecondOrderBackpropExtension, _so.DiagGGNMC):
+class DiagGGNMC(_BackpackDraw, SecondOrderBackpropExtension, _so.DiagGGNMC):
     """Monte-Carlo GGN diagonal, ``diag_ggn_mc`` ``[*p]``."""
 
     def __init__(self, mc_samples: int = 1) -> None:
@@ -503,7 +528,7 @@ class BatchDiagGGNExact(SecondOrderBackpropExtension, _so.BatchDiagGGNExact):
         self._bp_setup()
 
 
-class BatchDiagGGNMC(SecondOrderBackpropExtension, _so.BatchDiagGGNMC):
+class BatchDiagGGNMC(_BackpackDraw, SecondOrderBackpropExtension, _so.BatchDiagGGNMC):
     """Per-sample MC GGN diagonals, ``diag_ggn_mc_batch`` ``[N, *p]``."""
 
     def __init__(self, mc_samples: int = 1) -> None:
@@ -524,7 +549,7 @@ class SqrtGGNExact(SecondOrderBackpropExtension, _so.SqrtGGNExact):
         _so.SqrtGGNExact.__init__(self, subsampling=self._bp_setup(subsampling=subsampling))
 
 
-class SqrtGGNMC(SecondOrderBackpropExtension, _so.SqrtGGNMC):
+class SqrtGGNMC(_BackpackDraw, SecondOrderBackpropExtension, _so.SqrtGGNMC):
     """MC GGN square root, ``sqrt_ggn_mc`` ``[M, N, *p]``.
 
     Args:
@@ -575,7 +600,7 @@ class _KroneckerCustom:
         return _k.KroneckerFactors(factors, {id(call)}, side)
 
 
-class KFAC(_KroneckerCustom, SecondOrderBackpropExtension, _k.KFAC):
+class KFAC(_BackpackDraw, _KroneckerCustom, SecondOrderBackpropExtension, _k.KFAC):
     """KFAC factors (MC ``B``), ``kfac``: ``[B, A]`` per weight, ``[B]`` per bias."""
 
     def __init__(self, mc_samples: int = 1) -> None:
