@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -209,6 +209,44 @@ class BatchGradTransformsHook(ParameterExtensionHook):
         return BatchGradTransformsHook(merged)
 
 
+class EngineTransformsHook(BatchGradTransformsHook):
+    """A merged :class:`BatchGradTransformsHook` that also fills ``grad_batch_transforms`` with
+    entries the engine computed in the same backward pass (``readers``: ``{name: fn(param)}``,
+    returning the value — the engine's own tensor, no copy — or ``None`` where the parameter has
+    none), for the parameters whose ids are in ``params``; built by ``Cockpit`` for the built-in
+    quantities, which Cockpit 1.0 feeds through this dictionary. A transform given for a name
+    that also has a reader is applied only if it is not the standard one of that name (then the
+    engine's value stands in for it without building ``grad_batch``)."""
+
+    def __init__(
+        self,
+        transforms: dict[str, Any],
+        readers: dict[str, Callable[[Tensor], Any]],
+        params: Iterable[int],
+    ) -> None:
+        super().__init__(transforms)
+        self._readers = dict(readers)
+        self._params = set(params)
+
+    def param_hook(self, param: Tensor) -> None:
+        out: dict[str, Any] = {}
+        if id(param) in self._params:
+            for key, read in self._readers.items():
+                value = read(param)
+                if value is not None:
+                    out[key] = value
+        todo = {
+            key: fn
+            for key, fn in self._transforms.items()
+            if not (key in out and STANDARD_TRANSFORMS.get(key) is fn)
+        }
+        if todo:
+            grad_batch = param.grad_batch  # type: ignore[attr-defined]
+            out.update({key: fn(grad_batch) for key, fn in todo.items()})
+        if out or self._transforms:
+            setattr(param, GRAD_BATCH_TRANSFORMS, out)
+
+
 def batch_l2_transform(batch_grad: Tensor) -> Tensor:
     """``‖gₙ‖²`` per sample from the per-sample gradients ``[N, ...]``."""
     return batch_grad.flatten(1).square().sum(1)
@@ -240,3 +278,11 @@ def BatchGradTransformsHook_BatchDotGrad() -> BatchGradTransformsHook:
 
 def BatchGradTransformsHook_SumGradSquared() -> BatchGradTransformsHook:
     return BatchGradTransformsHook({"sum_grad_squared": sum_grad_squared_transform})
+
+
+#: the transforms of Cockpit's named hooks, whose values the engine also computes
+STANDARD_TRANSFORMS: dict[str, Callable[[Tensor], Tensor]] = {
+    "batch_l2": batch_l2_transform,
+    "batch_dot": batch_dot_transform,
+    "sum_grad_squared": sum_grad_squared_transform,
+}

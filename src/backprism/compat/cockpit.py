@@ -23,7 +23,11 @@ What differs from :class:`~backprism.monitor.Monitor` to keep Cockpit's behaviou
   ``".json"`` to the path;
 * ``quantities.HessMaxEV`` takes Cockpit's ``use_power`` (both choices compute the largest
   Hessian eigenvalue; backprism uses Lanczos iterations to a relative accuracy of 1e-3);
-* custom quantities may implement Cockpit's ``_compute(global_step, params, batch_loss)``.
+* custom quantities may implement Cockpit's ``_compute(global_step, params, batch_loss)``;
+* as in Cockpit, during a step's backward pass every parameter gets the dict
+  ``param.grad_batch_transforms`` with the statistics of the per-sample gradients
+  ``grad_batch[n] = ∇ℓₙ/N`` that Cockpit's built-in quantities keep there, deleted after the
+  step (:class:`_CockpitPass`).
 
 ``cockpit.instruments.*_gauge`` raise an error pointing to :class:`CockpitPlotter` /
 :class:`backprism.plot.Dashboard`, which draw all instruments at once.
@@ -36,7 +40,7 @@ import inspect
 import math
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,14 +49,17 @@ from torch import Tensor
 
 from backprism.compat import _cockpit_quantities as _cq
 from backprism.compat._modules import alias_module
+from backprism.extensions import BatchDotGrad, BatchL2Grad, SumGradSquared
+from backprism.extensions.base import Extension
 from backprism.monitor import quantities as _q
 from backprism.monitor import schedules
 from backprism.monitor.configuration import (
     quantities_cls_for_configuration as _monitor_classes,
 )
-from backprism.monitor.monitor import Monitor
+from backprism.monitor.histograms import device_edges
+from backprism.monitor.monitor import Monitor, _StepContext
 from backprism.monitor.quantities import base as _base
-from backprism.monitor.quantities.base import Quantity, Schedule, StepData
+from backprism.monitor.quantities.base import Quantity, Schedule, StepData, extension_key
 from backprism.monitor.quantities.optim import is_sgd_default_kwargs as _is_sgd_default
 from backprism.monitor.quantities.optim import single_lr as _single_lr
 
@@ -216,6 +223,8 @@ _quantities_attrs.update(
 quantities = alias_module(
     f"{__name__}.quantities", "Cockpit's ``cockpit.quantities``.", **_quantities_attrs
 )
+#: the quantity classes as shipped (their instances never read ``grad_batch_transforms``)
+_BUILT_IN = frozenset(v for v in _quantities_attrs.values() if isinstance(v, type))
 
 
 # -- the Cockpit ----------------------------------------------------------------------------------
@@ -289,8 +298,185 @@ def get_loss(global_step: int) -> Any:
     return loss
 
 
+#: reads one ``grad_batch_transforms`` entry from a parameter (``None``: it has none)
+_Reader = Callable[[Tensor], Any]
+#: makes a :data:`_Reader` once the step's extensions are placed (``None``: no entry this step)
+_Resolver = Callable[[StepData], "_Reader | None"]
+
+
+def _field_reader(ext: Extension) -> _Resolver:
+    """The engine's result of ``ext`` on the parameter (its own tensor, not a copy)."""
+
+    def resolve(data: StepData) -> _Reader | None:
+        field = data.fields.get(extension_key(ext))
+        if field is None:
+            return None
+        return lambda p: getattr(p, field, None)
+
+    return resolve
+
+
+def _hist_reader(ext: Extension, entry: str | None, edges: Callable[[], Any]) -> _Resolver:
+    """A parameter's entry of the monitor's gradient histogram ``ext``: ``(counts, edges)``
+    (``entry`` ``"hist"``/``"hist2d"``) or, for ``entry=None``, ``maxₙᵢ |∇ℓₙ|`` (0-dim)."""
+
+    def resolve(data: StepData) -> _Reader | None:
+        field = data.fields.get(extension_key(ext))
+        if field is None:
+            return None
+        shared = edges() if entry is not None else None  # once per step, for all parameters
+
+        def read(p: Tensor) -> Any:
+            result = getattr(p, field, None)
+            if not isinstance(result, dict):
+                return None
+            if entry is None:
+                return result.get("abs_max")
+            return None if entry not in result else (result[entry], shared)
+
+        return read
+
+    return resolve
+
+
+def _linspace(static: tuple[float, float], dynamic: Any, bins: int, device: Any) -> Tensor:
+    """Bin edges of a histogram range: static floats, or 0-dim device tensors moved by a bin
+    adaptation (then computed on the device, not read on the host)."""
+    if dynamic is not None:
+        return device_edges(dynamic[0], dynamic[1], bins)
+    return torch.linspace(static[0], static[1], bins + 1, device=device)
+
+
+def _edges(axes: list[tuple[Any, Any, int]], device: Any) -> Callable[[], Any]:
+    """The edges of a histogram with ``axes`` ``[(static range, device range, bins)]``, taken
+    now (before the step's adaptation): one tensor for one axis, else a tuple."""
+    axes = list(axes)
+
+    def make() -> Any:
+        edges = tuple(_linspace(r0, rt, b, device) for r0, rt, b in axes)
+        return edges[0] if len(edges) == 1 else edges
+
+    return make
+
+
+def _constant(value: Callable[[], Any]) -> _Resolver:
+    return lambda data: lambda p: value()
+
+
+def _transforms_plan(
+    quantities: list[Quantity],
+    step: int,
+    info: dict[str, Any],
+    device: Any,
+    on_top: bool | None = None,
+) -> tuple[dict[str, _Resolver], list[Extension]]:
+    """Cockpit 1.0's ``grad_batch_transforms`` entries of the built-in quantities active at
+    ``step`` (``{name: resolver}``), and the extensions to request on top for those the
+    quantities' own requests do not give: for every such quantity (``on_top=True``), none
+    (``False``), or (``None``) for subclasses only — a built-in quantity never reads the dict,
+    a user's subclass may. Without them such an entry is there only where the pass computes it
+    anyway (e.g. for an extension passed by the user). Cockpit
+    computes them from ``grad_batch``; here they are the engine's results of the same pass:
+
+    * ``"sum_grad_squared"`` (``Σₙ grad_batch[n]²``; TICDiag, TICTrace, CABS, EarlyStopping,
+      MeanGSNR): ``SumGradSquared`` (on top for TICTrace, which uses ``batch_l2``);
+    * ``"batch_l2"`` (``‖grad_batch[n]‖²``, ``[N]``; NormTest): ``BatchL2Grad``;
+    * ``"batch_dot"`` (``⟨grad_batch[n], grad_batch[m]⟩``, ``[N, N]``; InnerTest, OrthoTest):
+      ``BatchDotGrad``, on top (the tests use its row sums, ``BatchProjGrad``);
+    * ``"hist_1d"``/``"hist_2d"`` (GradHist1d/2d): the parameter's counts (int64) and the edges
+      ``(edges)``/``(xedges, yedges)`` of its gradient histogram;
+    * ``"grad_batch_abs_max"`` (a ``GradAbsMax`` adaptation): ``maxₙᵢ |∇ℓₙ|`` of the parameter,
+      a 0-dim tensor (Cockpit: a float, read on the host);
+    * ``"_first_order_projections_start"``/``"_end"`` (Alpha with zero-momentum SGD): ``{}``,
+      as in Cockpit, whose hook works by side effect.
+    """
+    plan: dict[str, _Resolver] = {}
+    extra: list[Extension] = []
+    sgs = (_q.TICDiag, _q.TICTrace, _q.CABS, _q.EarlyStopping, _q.MeanGSNR)
+    for q in quantities:
+        top = on_top if on_top is not None else type(q) not in _BUILT_IN
+        if isinstance(q, sgs) and q.should_compute(step):
+            plan.setdefault("sum_grad_squared", _field_reader(SumGradSquared()))
+            if top and isinstance(q, _q.TICTrace):
+                extra.append(SumGradSquared())
+        elif isinstance(q, _q.NormTest) and q.should_compute(step):
+            plan.setdefault("batch_l2", _field_reader(BatchL2Grad()))
+        elif isinstance(q, (_q.InnerTest, _q.OrthoTest)) and q.should_compute(step):
+            plan.setdefault("batch_dot", _field_reader(BatchDotGrad()))
+            if top:
+                extra.append(BatchDotGrad())
+        elif isinstance(q, _q.GradHist1d):
+            ext = q._ext(step)
+            if ext is None:
+                continue
+            if q.should_compute(step):
+                edges = _edges([(q._range0, q._range_t, q._bins)], device)
+                plan.setdefault("hist_1d", _hist_reader(ext, "hist", edges))
+            if ext.abs_max:
+                plan.setdefault("grad_batch_abs_max", _hist_reader(ext, None, lambda: None))
+        elif isinstance(q, _q.GradHist2d):
+            ext = q._ext(step)
+            if ext is None:
+                continue
+            if q.should_compute(step):
+                edges = _edges(list(zip(q._range0, q._range_t, q._bins)), device)
+                plan.setdefault("hist_2d", _hist_reader(ext, "hist2d", edges))
+            if ext.abs_max:
+                plan.setdefault("grad_batch_abs_max", _hist_reader(ext, None, lambda: None))
+        elif isinstance(q, _q.Alpha) and _is_sgd_default(info.get("optimizer")):
+            if q.is_start(step):
+                plan.setdefault("_first_order_projections_start", _constant(dict))
+            if q.is_end(step):
+                plan.setdefault("_first_order_projections_end", _constant(dict))
+    return plan, extra
+
+
+class _CockpitPass(_StepContext):
+    """The monitor's step with Cockpit's ``param.grad_batch_transforms``: the quantities'
+    ``BatchGradTransformsHook``s run as one (as in Cockpit), which also puts the built-in
+    quantities' entries into the dict (:func:`_transforms_plan`) right after each module's
+    extensions ran; the dict is deleted with the step's own buffers, before the quantities that
+    run after the clean-up (HessMaxEV), as Cockpit does."""
+
+    def __init__(
+        self, monitor: Monitor, step: int, exts: list[Extension], info: dict[str, Any]
+    ) -> None:
+        super().__init__(monitor, step, exts, info)
+        self._plan: dict[str, _Resolver] = {}
+
+    def _merge(self, requests: list[Extension]) -> list[Extension]:
+        on_top = getattr(self.monitor, "TRANSFORMS_ON_TOP", None)
+        plan, extra = _transforms_plan(
+            self.monitor.quantities, self.step, self.info, self.data.device, on_top
+        )
+        self._plan = plan
+        return super()._merge([*requests, *extra])
+
+    def __enter__(self) -> _CockpitPass:
+        super().__enter__()
+        readers: dict[str, _Reader] = {}
+        for key, resolve in self._plan.items():
+            reader = resolve(self.data)
+            if reader is not None:
+                readers[key] = reader
+        merging = [h for h in self.hooks if isinstance(h, _cq.BatchGradTransformsHook)]
+        if readers or len(merging) > 1:
+            rest = [h for h in self.hooks if not isinstance(h, _cq.BatchGradTransformsHook)]
+            merged = _cq.BatchGradTransformsHook.merge(merging)
+            hook = _cq.EngineTransformsHook(merged._transforms, readers, self.param_ids)
+            self.hooks = [hook, *rest]
+        return self
+
+    def _free(self) -> None:
+        super()._free()
+        for p in self.monitor.params:  # as Cockpit, also where a quantity's hook filled it
+            if hasattr(p, _cq.GRAD_BATCH_TRANSFORMS):
+                delattr(p, _cq.GRAD_BATCH_TRANSFORMS)
+
+
 class _CockpitStep:
-    """The monitor's step context with the step's ``info`` in :class:`CockpitCTX`."""
+    """The monitor's step context (a :class:`_CockpitPass`) with the step's ``info`` in
+    :class:`CockpitCTX`."""
 
     def __init__(self, inner: Any, global_step: int, info: dict[str, Any] | None) -> None:
         self._inner, self._step, self._info = inner, global_step, dict(info or {})
@@ -298,27 +484,16 @@ class _CockpitStep:
     def __enter__(self) -> Any:
         CockpitCTX.set(self._info, self._step)
         try:
-            out = self._inner.__enter__()
+            return self._inner.__enter__()
         except BaseException:
             CockpitCTX.erase()
             raise
-        # as Cockpit: the quantities' BatchGradTransformsHooks run as one, filling one
-        # grad_batch_transforms dict per parameter
-        hooks = self._inner.hooks
-        merging = [h for h in hooks if isinstance(h, _cq.BatchGradTransformsHook)]
-        if len(merging) > 1:
-            rest = [h for h in hooks if not isinstance(h, _cq.BatchGradTransformsHook)]
-            self._inner.hooks = [_cq.BatchGradTransformsHook.merge(merging), *rest]
-        return out
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         try:
             return bool(self._inner.__exit__(exc_type, exc, tb))
         finally:
             CockpitCTX.erase()
-            for p in self._inner.monitor.params:  # as Cockpit, after the step
-                if hasattr(p, _cq.GRAD_BATCH_TRANSFORMS):
-                    delattr(p, _cq.GRAD_BATCH_TRANSFORMS)
 
 
 class ComputeStep:
@@ -362,6 +537,14 @@ class Cockpit(Monitor):
     #: (backprism bounds memory with ``collect(memory_budget=...)``)
     BACKPACK_CONV_SAVE_MEMORY = True
 
+    #: compute the ``param.grad_batch_transforms`` entries of Cockpit's quantities that their
+    #: own computation does not give (``"batch_dot"`` of InnerTest/OrthoTest: an extra
+    #: ``BatchDotGrad``, +30–60 % on those quantities' steps; ``"sum_grad_squared"`` of
+    #: TICTrace: an extra ``SumGradSquared``): ``None`` (default) for subclasses of them only
+    #: (backprism's built-in quantities never read the dict; a Cockpit-style subclass may),
+    #: ``True`` for every one (e.g. to read them in the training loop), ``False`` for none
+    TRANSFORMS_ON_TOP: bool | None = None
+
     def __init__(self, params: Iterable[Tensor], quantities: Iterable[Quantity] | None = None):
         super().__init__(params, quantities)
         self.output: dict[int, dict[str, Any]] = defaultdict(dict)
@@ -389,7 +572,9 @@ class Cockpit(Monitor):
         return the entries of ``info``."""
         if debug:
             print(f"[DEBUG, step {global_step}] quantities: {self.quantities}")
-        return _CockpitStep(super().__call__(global_step, *exts, info=info), global_step, info)
+        base = super().__call__(global_step, *exts, info=info)  # the monitor's checks
+        inner = _CockpitPass(self, base.step, base.user_exts, base.info)
+        return _CockpitStep(inner, global_step, info)
 
     def log(  # type: ignore[override]
         self,
