@@ -216,3 +216,37 @@ def test_weight_jac_t_save_memory_is_a_switch():
     with weight_jac_t_save_memory(save_memory=True):
         assert weight_jac_t_save_memory._SAVE_MEMORY
     assert not weight_jac_t_save_memory._SAVE_MEMORY
+
+
+def test_extend_stores_io_as_backpack():
+    """``extend`` stores every sub-module's inputs and output in a forward pass with gradients
+    (not under ``disable()`` or ``no_grad``), the derivatives read them, and a backward pass
+    inside ``backpack(...)`` deletes them (BackPACK's clean-up)."""
+    from backprism.compat.backpack import backpack, disable
+    from backprism.compat.backpack.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    lossfunc = extend(nn.MSELoss())
+    x = torch.randn(N, 3, dtype=torch.double)
+    y = torch.randn(N, 2, dtype=torch.double)
+    with torch.no_grad():
+        model(x)
+    assert "input0" not in model[0].__dict__
+    with disable():
+        model(x)
+    assert "input0" not in model[0].__dict__
+    out = model(x)
+    loss = lossfunc(out, y)
+    assert model[0].input0 is x and model[2].output is out
+    assert lossfunc.input0 is out and lossfunc.input1 is y
+    h = torch.tanh(model[0](x)).detach()
+    mat = torch.randn(5, N, 2, dtype=torch.double)
+    d = LinearDerivatives()
+    torch.testing.assert_close(
+        d.weight_jac_t_mat_prod(model[2], None, None, mat), torch.einsum("vno,ni->voi", mat, h)
+    )
+    with backpack(BatchGrad()):
+        loss.backward()
+    for m in [*model, lossfunc]:
+        assert "output" not in m.__dict__ and "input0" not in m.__dict__

@@ -23,11 +23,13 @@ Differences that need no change in a script:
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch import nn
 
 from backprism.compat.backpack import extensions
@@ -48,13 +50,51 @@ class InvalidExtensionError(ValueError, TypeError):
 def extend(module: nn.Module, debug: bool = False, use_converter: bool = False) -> nn.Module:
     """BackPACK's ``extend``: make ``module`` (a model or a loss) ready for ``backpack(...)``.
 
+    As BackPACK's, every forward pass with gradients enabled (outside :class:`disable`) then
+    stores each sub-module's positional inputs and output as ``module.input0``, ``input1``, …
+    and ``module.output`` (what ``backpack.core.derivatives`` and hand-written extensions read);
+    a backward pass inside ``backpack(...)`` deletes them again (BackPACK's memory clean-up).
     ``use_converter=True`` returns the module unchanged (no conversion is needed, see the
     module docstring); ``debug`` prints what is extended."""
     if use_converter:
         module = convert_module_to_backpack(module, debug)
     if debug:
         print(f"[DEBUG] Extending {type(module).__name__}")
-    return _extend(module)
+    module = _extend(module)
+    for sub in module.modules():
+        if _STORE_IO not in sub.__dict__:
+            object.__setattr__(sub, _STORE_IO, sub.register_forward_hook(_store_io))
+    return module
+
+
+#: attribute of a module extended through this shim: the handle of its input/output hook
+_STORE_IO = "_backprism_store_io"
+#: modules holding stored inputs/outputs (deleted by a backward pass inside ``backpack``)
+_STORED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _store_io(module: nn.Module, args: tuple, output: Any) -> None:
+    """BackPACK's forward hook: ``module.input{i}`` (the positional inputs) and
+    ``module.output``, when gradients are on and storing is not disabled."""
+    if not disable.should_store_io() or not torch.is_grad_enabled():
+        return
+    for i, a in enumerate(args):
+        object.__setattr__(module, f"input{i}", a)
+    object.__setattr__(module, "output", output)
+    _STORED.add(module)
+
+
+def _clean_up_io() -> None:
+    """Delete the stored inputs and outputs (BackPACK's ``memory_cleanup`` after a backward
+    pass with extensions)."""
+    for module in list(_STORED):
+        for key in [k for k in module.__dict__ if k == "output" or _is_input_key(k)]:
+            del module.__dict__[key]
+    _STORED.clear()
+
+
+def _is_input_key(key: str) -> bool:
+    return key.startswith("input") and key[5:].isdigit()
 
 
 class backpack(collect):
@@ -114,7 +154,12 @@ class backpack(collect):
     def _run_backward(self, roots: list, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.debug and self._running is None:
             print(f"[DEBUG] backpack: backward pass with {[type(e).__name__ for e in self.exts]}")
-        return super()._run_backward(roots, func, args, kwargs)
+        outermost = self._running is None
+        try:
+            return super()._run_backward(roots, func, args, kwargs)
+        finally:
+            if outermost:  # BackPACK's clean-up after the pass
+                _clean_up_io()
 
 
 class disable:

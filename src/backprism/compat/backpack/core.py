@@ -8,9 +8,10 @@ module paths of BackPACK exist (``backpack.core.derivatives.linear.LinearDerivat
 ``crossentropyloss.CrossEntropyLossDerivatives``, ``mseloss.MSELossDerivatives``).
 
 As in BackPACK the methods read the layer's stored input and output, ``module.input0``
-(``input1`` for a loss's target) and ``module.output``. backprism does not store them on
-modules; they are set while a module extension runs (see
-:mod:`backprism.compat.backpack.extensions`), or set them yourself before calling.
+(``input1`` for a loss's target) and ``module.output``: the shim's ``extend`` stores them in
+every forward pass with gradients, as BackPACK's does (backprism's own ``extend`` does not), a
+module extension sees those of its call (see :mod:`backprism.compat.backpack.extensions`), or
+set them yourself before calling.
 
 Shapes (``V`` stacked vectors; with ``subsampling`` the batch axis has
 ``len(subsampling)`` entries):
@@ -85,9 +86,10 @@ def _stored(module: nn.Module, name: str) -> Any:
     value = module.__dict__.get(name)
     if value is None:
         raise AttributeError(
-            f"backprism.compat derivatives: {type(module).__name__}.{name} is not set. backprism "
-            "does not store layer inputs/outputs on modules; they are set while a module "
-            "extension runs, or set module.input0 (input1 for a loss target) yourself"
+            f"backprism.compat derivatives: {type(module).__name__}.{name} is not set: run a "
+            "forward pass with gradients through a module extended with "
+            "backprism.compat.backpack.extend (outside disable()), or set module.input0 "
+            "(input1 for a loss target) and module.output yourself"
         )
     return value
 
