@@ -47,6 +47,7 @@ from torch import Tensor
 from backprism.compat import _vivit_extras as _vx
 from backprism.compat import _vivit_hessianfree as _vhf
 from backprism.compat._modules import alias_module
+from backprism.compat.backpack.extensions import _BackpackDraw
 from backprism.engine.rule import Call, Rule
 from backprism.extensions import secondorder as _so
 from backprism.spectral import (
@@ -177,8 +178,11 @@ class ViViTGGNExact(_ViViTGGN, _so.SqrtGGNExact):
         return self.subsampling
 
 
-class ViViTGGNMC(_ViViTGGN, _so.SqrtGGNMC):
-    """Functional access to the MC GGN square root: ``param.vivit_ggn_mc`` (ViViT)."""
+class ViViTGGNMC(_BackpackDraw, _ViViTGGN, _so.SqrtGGNMC):
+    """Functional access to the MC GGN square root: ``param.vivit_ggn_mc`` (ViViT). The
+    targets are drawn as ViViT draws them, through BackPACK's ``SqrtGGNMC`` (one call on
+    torch's global RNG per extension and pass; see :class:`~backprism.compat.backpack.
+    extensions._BackpackDraw`)."""
 
     savefield = "vivit_ggn_mc"
 
