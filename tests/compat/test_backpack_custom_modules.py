@@ -262,3 +262,53 @@ def test_residual_network_with_parallel_and_tracer():
     idx = torch.linspace(0, diag.numel() - 1, 10).long().tolist()
     ref = torch.stack([c[d] for c, d in zip(ggn_columns(model, lossfunc, X, y, idx), idx)])
     torch.testing.assert_close(diag[idx], ref)
+
+
+class NoisyScale(nn.Module):
+    """``dropout(input) * weight`` and a running mean of the input (a buffer): a module whose
+    forward is random in train mode and updates state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([2.0], dtype=torch.double))
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("running", torch.zeros(4, dtype=torch.double))
+
+    def forward(self, input):
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * input.mean(0))
+        return self.drop(input) * self.weight
+
+
+class NoisyScaleBatchGrad(FirstOrderModuleExtension):
+    """``∂ℓₙ/∂w = ⟨g_outₙ, output_n / w⟩``: reads the stored output, so it needs the mask of
+    the forward."""
+
+    def __init__(self):
+        super().__init__(params=["weight"])
+
+    def weight(self, ext, module, g_inp, g_out, bpQuantities):
+        return torch.einsum("nd,nd->n", g_out[0], module.output / module.weight).unsqueeze(-1)
+
+
+def test_module_extension_sees_the_forward_output_and_leaves_state_alone():
+    """The module extension reads the output the forward computed (Dropout's mask), and the
+    module's buffers are updated once, by the forward (not again by the extension)."""
+    inputs, targets, lossfunc = data()
+    module = NoisyScale().train()
+    extension = BatchGrad()
+    extension.set_module_extension(NoisyScale, NoisyScaleBatchGrad())
+    module, lossfunc = extend(module), extend(lossfunc)
+    torch.manual_seed(1)
+    out = module(inputs)
+    running = module.running.clone()
+    masked = out.detach() / module.weight.detach()  # dropout(input) of this forward
+    with backpack(extension):
+        lossfunc(out, targets).backward()
+    torch.testing.assert_close(module.running, running)
+    ref = torch.stack([
+        torch.autograd.grad(lossfunc(m * module.weight, t), [module.weight])[0]
+        for m, t in zip(masked.split(1), targets.split(1))
+    ])
+    torch.testing.assert_close(module.weight.grad_batch, ref)
+    torch.testing.assert_close(module.weight.grad_batch.sum(0), module.weight.grad)

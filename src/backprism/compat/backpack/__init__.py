@@ -80,7 +80,8 @@ def _store_io(module: nn.Module, args: tuple, output: Any) -> None:
         return
     for i, a in enumerate(args):
         object.__setattr__(module, f"input{i}", a)
-    object.__setattr__(module, "output", output)
+    # RNN, LSTM, GRU return (output, state): BackPACK keeps the output
+    object.__setattr__(module, "output", output[0] if isinstance(output, tuple) else output)
     _STORED.add(module)
 
 

@@ -191,8 +191,9 @@ class _ModuleIO:
 
     def __enter__(self) -> _ModuleIO:
         tensors = [a for a in self.call.args if isinstance(a, Tensor)]
-        with suspended(), torch.no_grad():
-            output = self.module(*self.call.args, **self.call.kwargs)
+        output = self._stored_output()
+        if output is None:
+            output = self._rerun()
         values = {f"input{i}": t for i, t in enumerate(tensors)}
         values["output"] = output
         for k, v in values.items():
@@ -202,6 +203,41 @@ class _ModuleIO:
         self.keys = list(values)
         self.output = output
         return self
+
+    def _stored_output(self) -> Any:
+        """The output the forward stored (the shim's ``extend``), if it is this call's: the
+        stored ``input0`` is the call's own first input (so Dropout's mask and train-mode
+        BatchNorm's batch statistics are those of the call)."""
+        stored = self.module.__dict__.get("input0")
+        live = self.call.live[0] if self.call.live is not None else ()
+        first = next((a for a in live if isinstance(a, Tensor)), None)
+        output = self.module.__dict__.get("output")
+        if stored is None or output is None or stored is not first:
+            return None
+        return output.detach() if isinstance(output, Tensor) else output
+
+    def _rerun(self) -> Any:
+        """The call's output recomputed from its inputs; buffers (BatchNorm's running
+        statistics) are restored afterwards. A stochastic layer in train mode cannot be re-run
+        with the same randomness: refused."""
+        module = self.module
+        random = (nn.modules.dropout._DropoutNd, nn.RReLU)
+        if any(m.training and isinstance(m, random) for m in module.modules()):
+            raise NotImplementedError(
+                f"backprism.compat: {type(module).__name__} in train mode draws new randomness "
+                "in every forward, and this call's output is not stored (extend the model with "
+                "backprism.compat.backpack.extend and run the forward outside disable()), so "
+                "the module extension cannot see the mask the forward used"
+            )
+        saved = {k: b.clone() for k, b in module.named_buffers() if b is not None}
+        try:
+            with suspended(), torch.no_grad():
+                return module(*self.call.args, **self.call.kwargs)
+        finally:
+            with torch.no_grad():
+                for k, b in module.named_buffers():
+                    if k in saved:
+                        b.copy_(saved[k])
 
     def __exit__(self, *exc: Any) -> None:
         for k in self.keys:
