@@ -650,3 +650,44 @@ def test_decoder_diag_ggn_mc_runs_at_large_vocabulary():
             lossfunc(model(x), y).backward()
     for p in model.parameters():
         assert p.diag_ggn_mc.shape == p.shape and bool((p.diag_ggn_mc >= 0).all())
+
+
+class _TemperatureCE(nn.CrossEntropyLoss):
+    """A cross-entropy subclass that computes another function (``CE(x / 2, y)``)."""
+
+    def forward(self, input, target):
+        return super().forward(input / 2.0, target)
+
+
+class _PlainSubclassCE(nn.CrossEntropyLoss):
+    """A subclass that keeps ``CrossEntropyLoss.forward``: the same loss."""
+
+
+def test_loss_subclass_overriding_forward_is_refused_for_curvature() -> None:
+    """Curvature of a loss subclass with its own ``forward`` is refused before anything is
+    written; first-order results are right; a subclass without its own ``forward`` is the
+    base loss (its GGN diagonal equals the dense one)."""
+    from backprism import collect, extend
+    from backprism.extensions import BatchGrad, DiagGGNExact
+    from tests.reference import diag_ggn, per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    extend(model)
+    lf = extend(_TemperatureCE())
+    with pytest.raises(NotImplementedError, match="overrides forward"), collect(DiagGGNExact()):
+        lf(model(X), y).backward()
+    assert all(not hasattr(p, "diag_ggn_exact") for p in model.parameters())
+    ref = per_sample_grads(model, _TemperatureCE(), X, y)
+    model.zero_grad()
+    with collect(BatchGrad()):
+        lf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[name])
+    plain = extend(_PlainSubclassCE())
+    expected = diag_ggn(model, nn.CrossEntropyLoss(), X, y)
+    with collect(DiagGGNExact()):
+        plain(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, expected[name])

@@ -46,7 +46,7 @@ from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
-from backprism.engine.loss_hessian import loss_hessian_sqrt
+from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import Call, LossRecord, forget_mode_free, sequence_first
 
@@ -200,6 +200,16 @@ class BackwardPass:
 
     def _check(self) -> None:
         view, exts = self.view, self.extensions
+        if view.reentrant and exts:
+            raise RuntimeError(
+                "backprism: this backward pass runs through torch.utils.checkpoint with "
+                "use_reentrant=True (the default of checkpoint() and checkpoint_sequential() "
+                "in this PyTorch when use_reentrant is not passed): the checkpointed forward is "
+                "recomputed inside the backward, hidden from the graph, so its parameters would "
+                "get .grad but no per-sample results or curvature. Pass use_reentrant=False "
+                "(Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})), which backprism supports"
+            )
         if not self.calls:
             if view.losses:
                 raise RuntimeError(
@@ -313,6 +323,7 @@ class BackwardPass:
         for rec, _ in view.losses:
             if rec.layout_error is not None:
                 raise RuntimeError(rec.layout_error)
+            check_supported(rec.module)
         if view.outside_losses:
             raise RuntimeError(
                 f"backprism {names}: the objective of this backward pass has terms that no "

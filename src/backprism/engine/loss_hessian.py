@@ -111,6 +111,7 @@ __all__ = [
     "SUPPORTED_LOSSES",
     "CurvatureCostWarning",
     "backpack_mc_key",
+    "check_supported",
     "loss_hessian_sqrt",
 ]
 
@@ -149,15 +150,7 @@ def loss_hessian_sqrt(
         ``.inputs`` (indices into ``inputs``). See the module docstring for every loss's formulas.
     """
     name = type(module).__name__
-    if not isinstance(module, SUPPORTED_LOSSES):
-        supported = ", ".join(t.__name__ for t in SUPPORTED_LOSSES)
-        hint = ""
-        if isinstance(module, nn.BCELoss):
-            hint = " (use BCEWithLogitsLoss on logits instead)"
-        raise NotImplementedError(
-            f"backprism: no loss-Hessian square root for {name}{hint}; second-order extensions "
-            f"support {supported}"
-        )
+    check_supported(module)
     reduction = getattr(module, "reduction", "mean")
     if reduction not in ("mean", "sum"):
         raise ValueError(
@@ -177,6 +170,32 @@ def loss_hessian_sqrt(
     if isinstance(module, nn.BCEWithLogitsLoss):
         return _bce_with_logits(module, inputs, mc, n_samples, backpack)
     return _gaussian_nll(module, inputs, mc, n_samples)
+
+
+def check_supported(module: nn.Module) -> None:
+    """Raise ``NotImplementedError`` unless :func:`loss_hessian_sqrt` knows ``module``'s loss:
+    an instance of a :data:`SUPPORTED_LOSSES` type whose ``forward`` is that type's own (a
+    subclass that overrides ``forward`` — a focal loss, a temperature — computes another
+    function, whose Hessian the base class's formulas would silently misstate)."""
+    name = type(module).__name__
+    base = next((t for t in type(module).__mro__ if t in SUPPORTED_LOSSES), None)
+    if base is None:
+        supported = ", ".join(t.__name__ for t in SUPPORTED_LOSSES)
+        hint = ""
+        if isinstance(module, nn.BCELoss):
+            hint = " (use BCEWithLogitsLoss on logits instead)"
+        raise NotImplementedError(
+            f"backprism: no loss-Hessian square root for {name}{hint}; second-order extensions "
+            f"support {supported}"
+        )
+    if type(module).forward is not base.forward:
+        raise NotImplementedError(
+            f"backprism: {name} derives from {base.__name__} but overrides forward(), so its "
+            f"Hessian is not {base.__name__}'s and second-order extensions cannot use "
+            f"{base.__name__}'s formulas for it. Compute the loss as an extended "
+            f"{base.__name__} applied to the model's outputs (e.g. fold a temperature into the "
+            "model), or use first-order extensions, which do not depend on the loss's Hessian"
+        )
 
 
 def backpack_mc_key(mc_samples: int, owner: Hashable = None) -> tuple:
