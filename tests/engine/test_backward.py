@@ -246,3 +246,48 @@ def test_memory_budget_counts_per_sample_gradients(monkeypatch):
     assert chunks and max(chunks) * n * vocab * d * 8 <= budget  # the tied matrix's share
     assert max(chunks) < vocab * t  # K = C·T columns per sample: several chunks
     torch.testing.assert_close(gather(model, "diag_ggn_exact", 0), full, atol=1e-13, rtol=1e-10)
+
+
+class _Checkpointed(nn.Module):
+    """A block run through ``torch.utils.checkpoint`` (reentrant or not), then a head."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 5), nn.Tanh())
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_reentrant_refused_non_reentrant_right(reentrant: bool) -> None:
+    """Reentrant checkpointing hides the block's parameters from the graph (they would get
+    ``.grad`` and nothing else): refused before anything is written. The non-reentrant
+    variant gives the per-sample gradients of the definition."""
+    from backprism.extensions import BatchGrad
+    from tests.reference import per_sample_grads
+
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).double()
+    lf = nn.CrossEntropyLoss()
+    X = torch.randn(6, 4, dtype=torch.float64, requires_grad=reentrant)
+    y = torch.randint(0, 3, (6,))
+    plain = nn.Sequential(model.block, model.head)  # the same function, not checkpointed
+    ref = {
+        ("block." if k.startswith("0.") else "head.") + k[2:]: v
+        for k, v in per_sample_grads(plain, lf, X.detach(), y).items()
+    }
+    extend(model), extend(lf)
+    if reentrant:
+        with pytest.raises(RuntimeError, match="use_reentrant=True"), collect(BatchGrad()):
+            lf(model(X), y).backward()
+        assert all(not hasattr(p, "grad_batch") for p in model.parameters())
+        return
+    with collect(BatchGrad()):
+        lf(model(X), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[name])

@@ -55,6 +55,9 @@ class GraphView:
     unattributed: list[tuple[nn.Parameter, Any]] = field(default_factory=list)
     #: calls or parameters reached from the start without passing an extended loss
     outside_losses: list[str] = field(default_factory=list)
+    #: reached nodes of ``torch.utils.checkpoint(..., use_reentrant=True)``: their region's
+    #: parameters are not in this graph (the forward is recomputed inside their backward)
+    reentrant: list[Any] = field(default_factory=list)
     #: every node reached (held, so ids stay unique while the view lives)
     nodes: dict[int, Any] = field(default_factory=dict)
 
@@ -89,6 +92,10 @@ def _upstream(starts: list[Any], stop: set[int]) -> dict[int, Any]:
             if f is not None and id(f) not in seen and id(f) not in stop:
                 stack.append(f)
     return seen
+
+
+#: the backward node of ``torch.utils.checkpoint``'s reentrant variant (an autograd.Function)
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 def analyse(roots: list[Tensor]) -> GraphView:
@@ -148,6 +155,8 @@ def analyse(roots: list[Tensor]) -> GraphView:
             if sites:
                 view.sites.extend(sites)
                 view.site_nodes.extend((s, fn) for s in sites if hasattr(s, "node_hook"))
+        if type(fn).__name__ == _REENTRANT_CHECKPOINT:
+            view.reentrant.append(fn)
         for f, _ in fn.next_functions:
             if f is None:
                 continue
