@@ -311,3 +311,33 @@ def test_inplace_after_captured_output(name: str, ext_name: str) -> None:
             assert_close_labelled(b.kflr[0], B, f"{layer}.bias B")
             assert_close_labelled(w.kflr[0], B, f"{layer}.weight B")
             assert_close_labelled(w.kflr[1], h.t() @ h / n, f"{layer}.weight A")
+
+
+def test_torch_func_through_an_extended_attention_model() -> None:
+    """``jacrev`` of ``functional_call`` on an extended model with ``nn.MultiheadAttention``
+    (tensors without storage inside the transform) equals that of an unextended copy."""
+    import copy
+
+    from torch.func import functional_call, jacrev
+
+    from backprism import extend
+
+    torch.manual_seed(0)
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    plain = Attn().double()
+    model = extend(copy.deepcopy(plain))
+    X = torch.randn(3, 5, 4, dtype=torch.float64)
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    jac = jacrev(lambda p: functional_call(model, p, (X,)))(params)
+    ref = jacrev(lambda p: functional_call(plain, p, (X,)))(params)
+    for k in ref:
+        torch.testing.assert_close(jac[k], ref[k])

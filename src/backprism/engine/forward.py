@@ -211,6 +211,15 @@ def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
     return module._parameters.get(leaf)
 
 
+def _data_ptr(t: Tensor) -> int | None:
+    """``t.data_ptr()``, or ``None`` for a tensor without storage (inside a ``torch.func``
+    transform, e.g. ``jacrev`` over ``functional_call``)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
 def keep_linear(p: Tensor, x: Any, out: Any) -> None:
     """Called by the forward mode for ``F.linear(x, p, ...)`` with ``p`` claimed by a module in
     its forward: kept if the innermost frame asked for it (:attr:`Inside.keep`)."""
@@ -224,7 +233,9 @@ def keep_linear(p: Tensor, x: Any, out: Any) -> None:
     with _NO_TORCH_FUNCTION():
         # a second use of the parameter makes the record ambiguous: the rule recomputes
         kept.linear[name] = (
-            None if name in kept.linear else (x.detach(), out.data_ptr(), out.shape)
+            None
+            if name in kept.linear or (ptr := _data_ptr(out)) is None
+            else (x.detach(), ptr, out.shape)
         )
 
 
@@ -323,7 +334,9 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
     params = call_params(module, ran, frame[2])
     kept: Kept | None = frame[4]
     if kept is not None:
-        kept.outs = [(o.data_ptr(), o.stride()) for o in outs]
+        ptrs = [_data_ptr(o) for o in outs]
+        # (no storage: a torch.func transform's tensors; the rule then recomputes)
+        kept.outs = [] if None in ptrs else [(p, o.stride()) for p, o in zip(ptrs, outs)]
     first = arg_tensors[0]
     if sequence_first(module) and first.dim() == 3:
         # [T, N, features]: the batch on axis 1, in the outputs too (RNN: output, h_n, c_n;
