@@ -253,3 +253,32 @@ def test_nonlinearity_between_two_extended_models_refused():
             return self.m2(2.0 * self.m1(x)[:, [1, 0, 2, 3]])
 
     torch.testing.assert_close(ours, _dense_diag_h(Glued(), lf, X, y))
+
+
+def test_nested_uses_refused_before_anything_is_written() -> None:
+    """A Linear applied twice in a chain under DiagHessian (with other extensions in the same
+    pass): refused in the pass's check, so no extension's field appears and ``.grad`` keeps
+    what it held."""
+    from backprism.extensions import BatchGrad, DiagGGNExact, DiagHessian
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.l1(torch.tanh(self.l1(x)))))
+
+    torch.manual_seed(0)
+    model = extend(Twice().double())
+    lf = extend(nn.CrossEntropyLoss())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    X, y = torch.randn(4, 5, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(NonlinearityError, match="feeds another"), collect(
+        DiagGGNExact(), BatchGrad(), DiagHessian()
+    ):
+        lf(model(X), y).backward()
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.ones_like(p))
+        assert not any(hasattr(p, f) for f in ("diag_ggn_exact", "grad_batch", "diag_h"))

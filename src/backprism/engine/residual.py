@@ -479,12 +479,59 @@ def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
     return None
 
 
+def nested_uses(call: Any, bp: Any) -> bool:
+    """Whether a parameter of ``call`` is used by several calls of backward pass ``bp`` of which
+    one feeds another (RNN unrolling, ``lin(lin(x))``, tied input/output embeddings). Parallel
+    uses (siamese branches) are not nested. Decided by walking the autograd graph upstream from
+    each user's outputs to the outputs of the other users."""
+    pids = {id(p) for p in call.params.values()}
+    users = [
+        edges
+        for c, edges in bp.loss_calls()
+        if any(id(p) in pids for p in c.params.values())
+    ]
+    # node wrappers are held while their ids are compared (torch may free and re-create them)
+    nodes = [(e[0], i) for i, edges in enumerate(users) for e in edges if e is not None]
+    owner = {id(fn): i for fn, i in nodes}
+    for i, edges in enumerate(users):
+        stack = [e[0] for e in edges if e is not None]
+        seen: dict[int, Any] = {}
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen[id(fn)] = fn
+            if owner.get(id(fn), i) != i:
+                return True
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
+
+
+def shared_message(names: str, call: Any) -> str:
+    """The refusal of a parameter used by nested calls (:func:`nested_uses`)."""
+    return (
+        f"backprism {names}: a parameter of {type(call.module).__name__} is used by several "
+        "calls of which one feeds another (unrolled recurrence, tied weights); the Hessian "
+        "term from the product of its uses is not built from columns. Use DiagGGNExact() for "
+        "the GGN diagonal or HutchinsonDiagHessian() for an unbiased estimate of the exact "
+        "Hessian diagonal."
+    )
+
+
 def check_pass(bp: Any, exts: list) -> None:
     """The DiagHessian-family checks of a backward pass, before anything is written."""
     check_recording(exts)
     names = _names(exts)
-    for call, _ in bp.loss_calls():
+    calls = bp.loss_calls()
+    for call, _ in calls:
         check_linear_in_params(call, exts)
+    uses: dict[int, int] = {}
+    for call, _ in calls:
+        for p in call.params.values():
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    for call, _ in calls:
+        if any(uses[id(p)] > 1 for p in call.params.values()) and nested_uses(call, bp):
+            raise NonlinearityError(shared_message(names, call))
     for site in bp.view.sites:
         if isinstance(site, ErrorSite):
             if site.nll_output is not None and _feeds_nll(bp, site.nll_output):

@@ -43,7 +43,12 @@ from torch import Tensor, nn
 
 from backprism.engine.backward import current_pass
 from backprism.engine.double_backward import explain_double_backward
-from backprism.engine.residual import NonlinearityError, check_linear_in_params
+from backprism.engine.residual import (
+    NonlinearityError,
+    check_linear_in_params,
+    nested_uses,
+    shared_message,
+)
 from backprism.engine.rule import Call, Rule
 from backprism.engine.state import suspended
 from backprism.extensions.base import PerSampleRows, SecondOrderExtension, SummedOverSamples
@@ -51,48 +56,14 @@ from backprism.extensions.base import PerSampleRows, SecondOrderExtension, Summe
 __all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
 
 
-def _nested_uses(call: Call) -> bool:
-    """Whether a parameter of ``call`` is used by several calls of which one feeds another
-    (RNN unrolling, ``lin(lin(x))``, tied input/output embeddings). Parallel uses (siamese
-    branches) are not nested. Decided by walking the autograd graph upstream from each user's
-    outputs to the outputs of the other users."""
-    bp = current_pass()
-    if bp is None:
-        return True
-    pids = {id(p) for p in call.params.values()}
-    users = [
-        edges
-        for c, edges in bp.loss_calls()
-        if any(id(p) in pids for p in c.params.values())
-    ]
-    # node wrappers are held while their ids are compared (torch may free and re-create them)
-    nodes = [(e[0], i) for i, edges in enumerate(users) for e in edges if e is not None]
-    owner = {id(fn): i for fn, i in nodes}
-    for i, edges in enumerate(users):
-        stack = [e[0] for e in edges if e is not None]
-        seen: dict[int, Any] = {}
-        while stack:
-            fn = stack.pop()
-            if id(fn) in seen:
-                continue
-            seen[id(fn)] = fn
-            if owner.get(id(fn), i) != i:
-                return True
-            stack.extend(f for f, _ in fn.next_functions if f is not None)
-    return False
-
-
 def check_shared(ext: SecondOrderExtension, call: Call) -> None:
     """Refuse parameters used by nested calls: their Hessian has a term from the product of the
-    uses, which the column construction does not contain."""
-    if _nested_uses(call):
-        raise NonlinearityError(
-            f"backprism {type(ext).__name__}: a parameter of {type(call.module).__name__} is used "
-            "by several calls of which one feeds another (unrolled recurrence, tied weights); "
-            "the Hessian term from the product of its uses is not built from columns. Use "
-            "DiagGGNExact() for the GGN diagonal or HutchinsonDiagHessian() for an unbiased "
-            "estimate of the exact Hessian diagonal."
-        )
+    uses, which the column construction does not contain. (The pass's check refuses them
+    before anything is written, :func:`backprism.engine.residual.check_pass`; this guards the
+    extensions' dense path itself.)"""
+    bp = current_pass()
+    if bp is None or nested_uses(call, bp):
+        raise NonlinearityError(shared_message(type(ext).__name__, call))
 
 
 def _weighted_squares(dense: Tensor, weights: Tensor | None) -> Tensor:
