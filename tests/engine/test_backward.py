@@ -291,3 +291,30 @@ def test_checkpoint_reentrant_refused_non_reentrant_right(reentrant: bool) -> No
         lf(model(X), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, ref[name])
+
+
+def test_parameter_gradient_hook_warns_once() -> None:
+    """A user's ``register_hook`` on a parameter changes ``.grad`` but not the per-sample
+    results: a warning says so (once per parameter); our own hooks (Variance needs ``.grad``)
+    never trigger it."""
+    import warnings
+
+    from backprism.engine.backward import ParameterHookWarning
+    from backprism.extensions import BatchGrad, Variance
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double())
+    lf = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParameterHookWarning)
+        for _ in range(2):
+            with collect(Variance(), BatchGrad()):
+                lf(model(X), y).backward()
+    model[2].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    with pytest.warns(ParameterHookWarning, match="gradient hook"), collect(BatchGrad()):
+        lf(model(X), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ParameterHookWarning)
+        with collect(BatchGrad()):
+            lf(model(X), y).backward()

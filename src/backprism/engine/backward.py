@@ -34,6 +34,7 @@ extensions.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -59,6 +60,14 @@ class _Current(threading.local):
 
 
 _CURRENT = _Current()
+
+
+class ParameterHookWarning(UserWarning):
+    """A parameter carries a gradient hook of the user's, which its results do not include."""
+
+
+#: parameter attribute: warned about (:class:`ParameterHookWarning`, once per parameter)
+_WARNED_HOOK = "_backprism_hook_warned"
 
 
 def current_pass() -> BackwardPass | None:
@@ -367,6 +376,17 @@ class BackwardPass:
             for f in fields:
                 if f in p.__dict__:
                     delattr(p, f)
+            if p._backward_hooks and not p.__dict__.get(_WARNED_HOOK):  # the user's (ours: below)
+                p.__dict__[_WARNED_HOOK] = True
+                warnings.warn(
+                    f"backprism: a parameter of shape {tuple(p.shape)} has a gradient hook "
+                    "(Tensor.register_hook): its .grad includes what the hook does, per-sample "
+                    "results and curvature do not (they are computed from the model's "
+                    "gradients before that hook). Hooks on activations and modules are "
+                    "included.",
+                    ParameterHookWarning,
+                    stacklevel=2,
+                )
         if self.whole_batch:
             for call in self.calls:
                 call.whole_batch = True
