@@ -163,7 +163,7 @@ _PRODUCTS = frozenset(
     """mul multiply __mul__ __rmul__ __imul__ matmul __matmul__ __rmatmul__ mm bmm mv dot vdot
     inner outer ger einsum tensordot kron addmm addmv addbmm baddbmm addcmul bilinear linear
     conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution
-    _convolution lerp"""
+    _convolution lerp prelu"""
     )
 )
 _QUOTIENTS = frozenset(
@@ -179,8 +179,7 @@ _NONLINEAR = frozenset(
     multi_head_attention_forward norm vector_norm matrix_norm logsumexp logcumsumexp var std
     var_mean std_mean prod cumprod cdist pdist cosine_similarity pairwise_distance gumbel_softmax
     glu lp_pool1d lp_pool2d lp_pool3d dist renorm det slogdet logdet inverse solve cholesky
-    svd eigh lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
-    prelu"""
+    svd eigh lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"""
     )
 )
 

@@ -100,13 +100,15 @@ class Rule:
 
     def batch_l2(self, call: Call, g: Any) -> dict[str, Tensor]:
         r"""``Σₘ ‖Vₘₙ‖²``: ``[N]`` (BatchL2Grad)."""
-        return {k: v.flatten(2).square().sum((0, 2)) for k, v in self.per_sample(call, g).items()}
+        return {
+            k: _flat_columns(v).square().sum((0, 2)) for k, v in self.per_sample(call, g).items()
+        }
 
     def batch_dot(self, call: Call, g: Any) -> dict[str, Tensor]:
         r"""``Σₘ ⟨Vₘₙ, Vₘₙ'⟩``: ``[N, N]`` (BatchDotGrad)."""
         out = {}
         for k, v in self.per_sample(call, g).items():
-            f = v.flatten(2)
+            f = _flat_columns(v)
             out[k] = torch.einsum("mni,mki->nk", f, f)
         return out
 
@@ -115,7 +117,7 @@ class Rule:
         name in ``vectors`` (BatchDotWith, projections onto a direction)."""
         ps = self.per_sample(call, g)
         return {
-            k: ps[k].flatten(2).sum(0) @ v.reshape(-1).to(ps[k].dtype)
+            k: _flat_columns(ps[k]).sum(0) @ v.reshape(-1).to(ps[k].dtype)
             for k, v in vectors.items()
             if k in ps
         }
@@ -197,6 +199,12 @@ class Rule:
 #: largest single diagonal Kronecker factor ``[P, P]`` (bytes) that :meth:`Rule.kronecker_diagonal`
 #: builds (a norm weight of 16384 entries in float64 takes 2 GiB)
 KRONECKER_DIAGONAL_MAX_BYTES = 2**31
+
+
+def _flat_columns(v: Tensor) -> Tensor:
+    """``[M, N, *p.shape]`` as ``[M, N, P]`` with ``P = p.numel()`` (``P = 1`` for a 0-d
+    parameter, whose per-sample tensor ``[M, N]`` has no axis for ``flatten(2)``)."""
+    return v.reshape(*v.shape[:2], -1)
 
 
 def _weighted_square_sum(v: Tensor, weights: Tensor | None, dims: tuple[int, ...]) -> Tensor:

@@ -148,7 +148,7 @@ class BatchL2Grad(PerSampleRows, FirstOrderExtension):
         return rule.batch_l2(call, g)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Tensor:
-        return dense[0].flatten(1).square().sum(1)
+        return dense[0].reshape(dense.shape[1], -1).square().sum(1)
 
 
 class SumGradSquared(SummedOverSamples, FirstOrderExtension):
@@ -256,11 +256,12 @@ class BatchDotGrad(FirstOrderExtension):
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         if self.across_ranks and _distributed():
-            return {k: _Rows(v[0].flatten(1)) for k, v in rule.per_sample(call, g).items()}
+            per_sample = rule.per_sample(call, g).items()
+            return {k: _Rows(v[0].reshape(v.shape[1], -1)) for k, v in per_sample}
         return rule.batch_dot(call, g)
 
     def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> Any:
-        f = dense[0].flatten(1)
+        f = dense[0].reshape(dense.shape[1], -1)
         if self.across_ranks and _distributed():
             return _Rows(f)
         return f @ f.t()

@@ -422,7 +422,7 @@ class GradHist(FirstOrderExtension):
                 v0 = v[0].detach()
                 self._reduce(accs[name], v0, scale, y_idx.get(name), skip.get(name, frozenset()))
                 if norms is not None:
-                    norms[name].append(v0.flatten(1).square().sum(1))
+                    norms[name].append(v0.reshape(v0.shape[0], -1).square().sum(1))
             del ps
         if norms is not None and all(norms.values()):
             memo.provide("batch_l2", call, g, value={k: torch.cat(v) for k, v in norms.items()})

@@ -5,8 +5,8 @@ import importlib
 from backprism.engine.rule import Call, Rule, get_rule, register_rule
 
 for _name in (
-    "linear", "conv", "convtranspose", "embedding", "norm", "broadcast", "generic", "attention",
-    "transformers",
+    "linear", "conv", "convtranspose", "embedding", "norm", "prelu", "broadcast", "generic",
+    "attention", "transformers",
 ):
     try:
         importlib.import_module(f"backprism.rules.{_name}")

@@ -20,6 +20,23 @@ operator of the module has no batching rule (or uses data-dependent control flow
 with a one-time warning, to plain autograd in a loop over samples — same numbers, slower. RNNs
 (whose fused kernels have no batching rule) take the loop directly.
 
+A batching rule may also be *wrong* without raising (``prelu``'s backward under the nested
+``vmap`` in torch 2.13 returns ``[N, N, *θ]`` with the right values on the diagonal only), so
+every ``vmap`` result is checked before it is used: each parameter's result must have the shape
+``[M, N, *θ.shape]``, and the entries ``(m, n) = (0, N−1)`` and ``(M−1, 0)`` (off the diagonal)
+must equal plain autograd on that sample within ``10·√eps`` of the largest per-entry norm (two
+single-sample forwards and backwards). A failed check raises :class:`BrokenBatchingError`
+internally: the call is recomputed by the loop (one warning per module type), and later calls
+of the type go to the loop directly.
+
+Parameters are passed to ``functional_call`` with ``tie_weights=False``, every name explicitly:
+the names in ``call.params`` of one tensor share one primal (its gradient collects all their
+uses, reported under the first name, zeros under the others), and every other name is a
+constant — also one tied to a primal, since the call of the sub-module owning that name
+accounts for its uses (Hugging Face's ``BertLMPredictionHead.bias`` is ``decoder.bias``; the
+``decoder`` Linear's call takes the gradient through it), so that the sum over calls and names
+is the gradient once.
+
 All statistics (``summed``, ``sum_squared``, ``batch_l2``, ``batch_dot``, …) are the
 :class:`~backprism.engine.rule.Rule` defaults built from the materialised ``V``; the result of one
 ``(call, g)`` is cached while ``g`` is alive, so several extensions share one recomputation.
@@ -64,7 +81,14 @@ from backprism.engine.backward import current_pass
 from backprism.engine.rule import Call, Rule, get_rule, set_generic_rule
 from backprism.engine.state import suspended
 
-__all__ = ["GenericRule", "GenericRuleWarning"]
+__all__ = ["BrokenBatchingError", "GenericRule", "GenericRuleWarning"]
+
+
+class BrokenBatchingError(RuntimeError):
+    """The ``vmap`` of a module's forward and vector-Jacobian product returned per-sample
+    gradients of the wrong shape, or values that differ from plain autograd on one sample (a
+    broken batching rule of one of its operators). The generic rule catches it and falls back
+    to the loop over samples."""
 
 
 class GenericRuleWarning(UserWarning):
@@ -76,6 +100,12 @@ class GenericRuleWarning(UserWarning):
 _ANNOUNCED: set[str] = set()
 #: module types for which the vmap path failed once (the loop fallback warned already)
 _WARNED: set[type] = set()
+#: module types whose vmap gave wrong results once (:class:`BrokenBatchingError`): later calls
+#: go straight to the loop over samples
+_VMAP_BROKEN: set[type] = set()
+#: ``(module type, M, N, input shapes and dtypes)`` whose vmap passed the spot check
+#: (:meth:`GenericRule._check_vmapped`); bounded by the kinds of calls a program makes
+_VMAP_VERIFIED: set[tuple] = set()
 #: module types whose kernels have no batching rule: straight to the loop over samples
 _LOOP_TYPES: tuple[type, ...] = (nn.RNNBase,)
 
@@ -84,6 +114,11 @@ _LOOP_TYPES: tuple[type, ...] = (nn.RNNBase,)
 #   ("heads", h): axis 0 holds ``N * h`` rows, ``h`` consecutive rows per sample (MHA masks);
 #   None: shared by all samples.
 _Spec = tuple[str, int] | None
+
+
+def _leaves(batched: Any) -> list[Tensor]:
+    """The tensors among the per-sample inputs handed to ``vmap``."""
+    return [t for t in tree_flatten(batched)[0] if isinstance(t, Tensor)]
 
 
 def _name(module: nn.Module) -> str:
@@ -325,8 +360,10 @@ class GenericRule(Rule):
             )
         m = gs[0].shape[0]
 
-        # trainable parameters this call owns (deduplicated: a tensor shared under two names
-        # gets its gradient under the first name and zeros under the others)
+        # trainable parameters this call owns, one primal per tensor: a tensor shared under
+        # several names of call.params is one primal under its first name, fed to every name
+        # (its gradient collects all these uses; the other names get zeros, so the sum over
+        # names is the gradient once)
         names, seen = [], {}
         for name, p in call.params.items():
             if id(p) in seen:
@@ -334,12 +371,24 @@ class GenericRule(Rule):
             seen[id(p)] = name
             names.append(name)
         primals = {k: call.params[k].detach() for k in names}
-        fixed: dict[str, Tensor] = {
-            k: v.detach()
-            for k, v in module.named_parameters(remove_duplicate=False)
-            if k not in call.params
-        }
-        fixed.update({k: v.detach().clone() for k, v in module.named_buffers()})
+        aliases = {name: seen[id(p)] for name, p in call.params.items()}
+        # every other name of the module's tensors is a constant, one detached tensor per
+        # tensor. A name not in call.params may be tied to a primal (BertLMPredictionHead's
+        # ``bias`` is ``decoder.bias``): the call of the sub-module that ran (``decoder``)
+        # accounts for the uses under that name, so here it stays a constant — untied, passed
+        # explicitly with tie_weights=False, so that Σ over calls is the gradient once.
+        memo: dict[int, Tensor] = {}
+        fixed: dict[str, Tensor] = {}
+        for k, v in module.named_parameters(remove_duplicate=False):
+            if k in call.params:
+                continue
+            if id(v) not in memo:
+                memo[id(v)] = v.detach()
+            fixed[k] = memo[id(v)]
+        for k, v in module.named_buffers(remove_duplicate=False):
+            if id(v) not in memo:
+                memo[id(v)] = v.detach().clone()
+            fixed[k] = memo[id(v)]
 
         inputs = _Inputs(call)
         if not inputs.batched:
@@ -349,8 +398,11 @@ class GenericRule(Rule):
             )
 
         def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
+            values = dict(fixed)
+            for name, first in aliases.items():
+                values[name] = params[first]
             with suspended():
-                out = functional_call(module, {**fixed, **params}, args, kwargs)
+                out = functional_call(module, values, args, kwargs, tie_weights=False)
             return _tensor_outputs(out)
 
         # output layout from a one-sample forward
@@ -385,7 +437,7 @@ class GenericRule(Rule):
             _, pullback = vjp(f, primals)
             return vmap(lambda c: pullback(c)[0], chunk_size=min(chunk, m))(cot)
 
-        if isinstance(module, _LOOP_TYPES):
+        if isinstance(module, _LOOP_TYPES) or type(module) in _VMAP_BROKEN:
             out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
         else:
             try:
@@ -396,8 +448,19 @@ class GenericRule(Rule):
                     out = vmap(one_sample, in_dims=(0, 1), out_dims=1, randomness="error")(
                         inputs.batched, cols
                     )
+                verified = (
+                    type(module), m, n,
+                    tuple((tuple(t.shape), t.dtype) for t in _leaves(inputs.batched)),
+                )
+                self._check_vmapped(
+                    out, inputs, primals, run, cols, axes, diff, n, m,
+                    spot=verified not in _VMAP_VERIFIED,
+                )
+                _VMAP_VERIFIED.add(verified)
             except (RuntimeError, NotImplementedError) as err:
-                if "random" in str(err).lower():
+                if isinstance(err, BrokenBatchingError):
+                    _VMAP_BROKEN.add(type(module))
+                elif "random" in str(err).lower():
                     raise RuntimeError(
                         f"backprism: {_name(module)} draws random numbers in its forward; the "
                         "generic rule recomputes the forward per sample and cannot reproduce "
@@ -427,6 +490,99 @@ class GenericRule(Rule):
         return result
 
     @staticmethod
+    def _check_vmapped(
+        out: Any,
+        inputs: _Inputs,
+        primals: dict[str, Tensor],
+        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
+        cols: list[Tensor],
+        axes: list[int],
+        diff: list[int],
+        n: int,
+        m: int,
+        spot: bool = True,
+    ) -> None:
+        r"""Raise :class:`BrokenBatchingError` if the vmapped ``Vₘₙ`` cannot be right.
+
+        A broken batching rule of an operator (``prelu``'s backward in torch 2.13 under nested
+        ``vmap``) returns a result with the sample axis of the outer ``vmap`` leaked into the
+        inner one: shape ``[N, N, *θ]`` for ``[M, N, *θ]`` with the right values on the
+        diagonal only. Two checks, both cheap next to the ``vmap`` itself:
+
+        * every parameter's result has the shape ``[M, N, *θ.shape]``;
+        * spot check: the entries ``(m, n) = (0, N−1)`` and ``(M−1, 0)`` — off the diagonal
+          ``m = n`` wherever ``N > 1`` — equal the vector-Jacobian product of plain autograd
+          on that one sample (one forward and one backward each), up to
+          ``10·√eps`` of the largest per-entry norm; once per module type, sizes and
+          input shapes (``spot``: a batching rule is the same in every call of that kind).
+        """
+        for key, p in primals.items():
+            v = out.get(key) if isinstance(out, dict) else None
+            want = (m, n, *p.shape)
+            if not isinstance(v, Tensor) or tuple(v.shape) != want:
+                got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+                raise BrokenBatchingError(
+                    f"its vmap gave per-sample gradients of shape {got} for {key!r} instead "
+                    f"of {want}: an operator's batching rule is broken"
+                )
+        if not spot:
+            return
+        keys = list(primals)
+        for i, k in sorted({(n - 1, 0), (0, m - 1)}):
+            ref = GenericRule._sample_grads(inputs, primals, run, cols, axes, diff, i, [k])[0]
+            for key, r in zip(keys, ref):
+                v = out[key]
+                got = v[k, i]
+                scale = torch.linalg.vector_norm(v.reshape(m * n, -1), dim=1).amax()
+                tol = 10 * torch.finfo(v.dtype).eps ** 0.5
+                err = torch.linalg.vector_norm((got - r).reshape(-1))
+                if bool(err > tol * scale):
+                    raise BrokenBatchingError(
+                        f"its vmap gave per-sample gradients for {key!r} that differ from "
+                        f"plain autograd on sample {i}, column {k} (error {float(err):.3g}, "
+                        f"scale {float(scale):.3g}): an operator's batching rule is broken"
+                    )
+
+    @staticmethod
+    def _sample_grads(
+        inputs: _Inputs,
+        primals: dict[str, Tensor],
+        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
+        cols: list[Tensor],
+        axes: list[int],
+        diff: list[int],
+        i: int,
+        columns: list[int],
+    ) -> list[list[Tensor]]:
+        """``Vₖᵢ`` by plain autograd for sample ``i`` and each column ``k`` in ``columns``:
+        ``[len(columns)][len(primals)]`` tensors of the parameters' shapes."""
+        keys = list(primals)
+        args, kwargs = inputs.sample(inputs.index(i))
+        with torch.enable_grad():
+            params = {k: v.clone().requires_grad_(True) for k, v in primals.items()}
+            outs = run(params, args, kwargs)
+            outs = [outs[j] for j in diff]
+        per_k = []
+        for k in columns:
+            cot = [c[k, i].unsqueeze(axes[j]) for c, j in zip(cols, diff)]
+            used = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
+            if used:
+                grads = torch.autograd.grad(
+                    [o for o, _ in used],
+                    list(params.values()),
+                    [c for _, c in used],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            else:
+                grads = (None,) * len(keys)
+            per_k.append(
+                [torch.zeros_like(params[key]) if gr is None else gr
+                 for key, gr in zip(keys, grads)]
+            )
+        return per_k
+
+    @staticmethod
     def _loop(
         inputs: _Inputs,
         primals: dict[str, Tensor],
@@ -441,29 +597,9 @@ class GenericRule(Rule):
         keys = list(primals)
         per_n: list[list[Tensor]] = []
         for i in range(n):
-            args, kwargs = inputs.sample(inputs.index(i))
-            with torch.enable_grad():
-                params = {k: v.clone().requires_grad_(True) for k, v in primals.items()}
-                outs = run(params, args, kwargs)
-                outs = [outs[j] for j in diff]
-            per_m = []
-            for k in range(m):
-                cot = [c[k, i].unsqueeze(axes[j]) for c, j in zip(cols, diff)]
-                used = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
-                if used:
-                    grads = torch.autograd.grad(
-                        [o for o, _ in used],
-                        list(params.values()),
-                        [c for _, c in used],
-                        retain_graph=True,
-                        allow_unused=True,
-                    )
-                else:
-                    grads = (None,) * len(keys)
-                per_m.append(
-                    [torch.zeros_like(params[key]) if gr is None else gr
-                     for key, gr in zip(keys, grads)]
-                )
+            per_m = GenericRule._sample_grads(
+                inputs, primals, run, cols, axes, diff, i, list(range(m))
+            )
             per_n.append([torch.stack([pm[j] for pm in per_m]) for j in range(len(keys))])
         return {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
 
