@@ -318,3 +318,31 @@ def test_parameter_gradient_hook_warns_once() -> None:
         warnings.simplefilter("error", ParameterHookWarning)
         with collect(BatchGrad()):
             lf(model(X), y).backward()
+
+
+def test_parametrized_layer_is_refused_with_what_to_do() -> None:
+    """``weight_norm`` (torch.nn.utils.parametrize) computes the layer's weight from its
+    originals outside every rule: refused, naming the parametrization and the way out; with
+    the originals frozen the rest of the model is analysed."""
+    from torch.nn.utils import parametrizations
+
+    from backprism.extensions import BatchGrad
+    from tests.reference import per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        parametrizations.weight_norm(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 3)
+    ).double()
+    lf = nn.CrossEntropyLoss()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    extend(model), extend(lf)
+    with pytest.raises(RuntimeError, match="parametrization"), collect(BatchGrad()):
+        lf(model(X), y).backward()
+    for p in model[0].parametrizations.parameters():
+        p.requires_grad_(False)
+    model.zero_grad()
+    with collect(BatchGrad()):
+        lf(model(X), y).backward()
+    head = nn.Sequential(nn.Identity(), nn.Identity(), model[2])
+    ref = per_sample_grads(head, lf, torch.tanh(model[0](X)).detach(), y)
+    torch.testing.assert_close(model[2].weight.grad_batch, ref["2.weight"])

@@ -274,6 +274,17 @@ class BackwardPass:
             self.whole_batch = True
         if view.unattributed:
             p, node = view.unattributed[0]
+            name = self._param_name(p)
+            if ".parametrizations." in name or "'parametrizations." in name:
+                raise RuntimeError(
+                    f"backprism: the parameter {name} is the original of a parametrization "
+                    "(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...). "
+                    "The layer uses the parametrized weight, which is computed from it outside "
+                    f"every rule's closed form, so {_names(exts)} cannot be computed for it. "
+                    "Remove the parametrization for the analysis "
+                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), "
+                    "or freeze its originals (requires_grad_(False)) to analyse the rest"
+                )
             raise RuntimeError(
                 f"backprism: the parameter {self._param_name(p)} is used by "
                 f"{_node_name(node)} outside the forward of every extended module that owns it "
