@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.engine.residual import NonlinearityError
+from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from tests.common import LayerNormBetween, SoftmaxAttention
@@ -91,6 +92,31 @@ class Product(nn.Module):
         return self.c(self.a(x) * self.b(x))
 
 
+class Towers(nn.Module):
+    """Two towers on two inputs, multiplied: ``d(tanh(a(x₁)) * tanh(b(x₂)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.d = (nn.Linear(3, 3) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.d(torch.tanh(self.a(x)) * torch.tanh(self.b(x.flip(1))))
+
+
+class SharedProduct(nn.Module):
+    """A product whose operands both depend on ``a``'s parameters: its Hessian diagonal has a
+    term from the product (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(3, 3) for _ in range(4))
+        self.act = nn.Tanh()  # a module: later forwards may run without the mode
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.a(x))
+        return self.d(self.b(h) * self.c(h))
+
+
 class Shared(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -123,7 +149,7 @@ class FunctionalParam(nn.Module):
 CASES = {
     "attention": (SoftmaxAttention, (4, 2, 3), "matmul|softmax"),
     "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
-    "product": (Product, (4, 3), "product of two parameter-dependent"),
+    "product": (SharedProduct, (4, 3), "product of two parameter-dependent"),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),
 }
@@ -282,3 +308,48 @@ def test_nested_uses_refused_before_anything_is_written() -> None:
     for p in model.parameters():
         assert torch.equal(p.grad, torch.ones_like(p))
         assert not any(hasattr(p, f) for f in ("diag_ggn_exact", "grad_batch", "diag_h"))
+
+
+@pytest.mark.parametrize("model_cls", [Product, Towers])
+@pytest.mark.parametrize("modeless", [False, True])
+def test_products_of_disjoint_parameters(model_cls: type, modeless: bool) -> None:
+    """Products whose operands depend on different parameters (``a(x) * b(x)``, two towers)
+    add no term to any parameter's Hessian block: the
+    DiagHessian equals the dense Hessian's diagonal, whether the forward ran with the
+    recording mode or without it (``modeless``: the model's later forwards outside collect)."""
+    torch.manual_seed(3)
+    model = model_cls()
+    lf = nn.CrossEntropyLoss()
+    X, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
+    H = _dense_diag_h(model, lf, X, y)
+    extend(model), extend(lf)
+    if modeless:
+        for _ in range(2):
+            model.zero_grad()
+            lf(model(X), y).backward()  # outside collect: the second forward runs without it
+        loss = lf(model(X), y)
+        with collect(DiagHessian()):
+            loss.backward()
+    else:
+        with collect(DiagHessian()):
+            lf(model(X), y).backward()
+    got = torch.cat([p.diag_h.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(got, H)
+
+
+@pytest.mark.parametrize("modeless", [False, True])
+def test_product_with_a_shared_parameter_refused(modeless: bool) -> None:
+    """``b(h) * c(h)`` with ``h = tanh(a(x))``: ``a``'s parameters lie upstream of both
+    operands, so their Hessian diagonal has a product term: refused, also without the mode."""
+    torch.manual_seed(3)
+    model, lf = extend(SharedProduct()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
+    if modeless:
+        for _ in range(2):
+            lf(model(X), y).backward()
+    loss = lf(model(X), y)
+    if modeless:  # the forward above ran without the mode
+        assert MODE_FREE[model][True] is not None
+    with pytest.raises(NonlinearityError, match="product"), collect(DiagHessian()):
+        loss.backward()
+    assert all(not hasattr(p, "diag_h") for p in model.parameters())

@@ -250,6 +250,43 @@ class ErrorSite:
         self.pass_: Any = None
 
 
+class ProductSite(ErrorSite):
+    """A product of two (or more) differentiable operands outside module calls. Its Hessian
+    term couples the operands: within one parameter's block (the diagonal, the per-parameter
+    blocks) it appears only if a parameter lies upstream of two operands (``x * tanh(x)``,
+    ``h = W₁x; (W₂h) * (W₃h)``). With disjoint parameters (a learnable gate ``out * α``, LoRA's
+    ``x Aᵀ Bᵀ``) the term is off the blocks, and the columns pushed through the product (each
+    operand's partial, the other held fixed) are the whole story. Decided per pass from the
+    product's node (:func:`shares_parameters`)."""
+
+    __slots__ = ()
+
+    def node_hook(self, bp: Any, node: Any) -> None:
+        """No hook: the site is only looked at in the pass's check (with its node)."""
+        return None
+
+
+def shares_parameters(node: Any, view: Any) -> bool:
+    """Whether an extended parameter of ``view`` lies upstream of two of ``node``'s inputs."""
+    owner: dict[int, int] = {}
+    for i, (start, _) in enumerate(node.next_functions):
+        if start is None:
+            continue
+        stack, seen = [start], {id(start)}
+        while stack:
+            fn = stack.pop()
+            var = getattr(fn, "variable", None)
+            if var is not None and id(var) in view.params:
+                if owner.setdefault(id(var), i) != i:
+                    return True
+                continue
+            for f, _ in fn.next_functions:
+                if f is not None and id(f) not in seen:
+                    seen.add(id(f))
+                    stack.append(f)
+    return False
+
+
 class ResidualSite:
     """``a = fn(z)`` for a smooth elementwise ``fn``; holds ``z`` (upstream of ``a``), never
     ``a``. A DiagHessian-family pass that reaches the site registers a pre-hook on ``a``'s node
@@ -471,6 +508,8 @@ def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
         if kind in (_PRODUCT, _UNKNOWN):
             if id(fn) in inside or (kind == _UNKNOWN and op in known_ops):
                 continue
+            if kind == _PRODUCT and not shares_parameters(fn, view):
+                continue  # the operands depend on different parameters (ProductSite)
             return op, kind
         if op == "log_softmax" and any(x.grad_fn is fn for x in _nll_inputs(bp)):
             continue
@@ -531,9 +570,18 @@ def check_pass(bp: Any, exts: list) -> None:
     for call, _ in calls:
         if any(uses[id(p)] > 1 for p in call.params.values()) and nested_uses(call, bp):
             raise NonlinearityError(shared_message(names, call))
+    products = {
+        id(site): node for site, node in bp.view.site_nodes if isinstance(site, ProductSite)
+    }
     for site in bp.view.sites:
         if isinstance(site, ErrorSite):
             if site.nll_output is not None and _feeds_nll(bp, site.nll_output):
+                continue
+            if (
+                isinstance(site, ProductSite)
+                and id(site) in products
+                and not shares_parameters(products[id(site)], bp.view)
+            ):
                 continue
             raise NonlinearityError(
                 f"backprism {names}: {site.what} lies between the parameters and the loss; its "
@@ -710,7 +758,7 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
     if kind == _PRODUCT:
         if inside_module or len(grads) < 2:
             return  # a module with a rule is linear in input and parameters (checked later)
-        _add_error(out, f"{name} (a product of two parameter-dependent tensors)")
+        _add_site(out, ProductSite(f"{name} (a product of two parameter-dependent tensors)"))
         return
     if kind == _QUOTIENT:
         denom = args[1] if len(args) > 1 else kwargs.get("other")
