@@ -691,3 +691,16 @@ def test_loss_subclass_overriding_forward_is_refused_for_curvature() -> None:
         plain(model(X), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, expected[name])
+
+
+def test_unsupported_loss_named_before_reduction_advice() -> None:
+    """Curvature through a loss without a Hessian form (``KLDivLoss(reduction="batchmean")``)
+    names the loss, not the reduction (whose advice would lead to the next refusal)."""
+    from backprism import collect, extend
+    from backprism.extensions import DiagGGNExact
+
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.LogSoftmax(-1)))
+    lf = extend(nn.KLDivLoss(reduction="batchmean"))
+    target = torch.softmax(torch.randn(2, 4), -1)
+    with pytest.raises(NotImplementedError, match="KLDivLoss"), collect(DiagGGNExact()):
+        lf(model(torch.randn(2, 3)), target).backward()

@@ -228,6 +228,8 @@ class BackwardPass:
                 )
             return
         for rec, _ in view.losses:
+            if self.second:  # which losses have a Hessian first (before advice on reduction)
+                check_supported(rec.module)
             reduction = getattr(rec.module, "reduction", "mean")
             if reduction not in ("mean", "sum"):
                 raise ValueError(
