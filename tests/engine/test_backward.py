@@ -346,3 +346,29 @@ def test_parametrized_layer_is_refused_with_what_to_do() -> None:
     head = nn.Sequential(nn.Identity(), nn.Identity(), model[2])
     ref = per_sample_grads(head, lf, torch.tanh(model[0](X)).detach(), y)
     torch.testing.assert_close(model[2].weight.grad_batch, ref["2.weight"])
+
+
+def test_parameter_frozen_between_forward_and_backward() -> None:
+    """``requires_grad_(False)`` after the forward: autograd gives the parameter no ``.grad``,
+    and backprism no results; the other parameters' results are those of the definition."""
+    from backprism.extensions import BatchGrad, DiagGGNExact
+    from tests.reference import diag_ggn, per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    lf = nn.CrossEntropyLoss()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    ref, ggn_ref = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
+    extend(model), extend(lf)
+    loss = lf(model(X), y)
+    model[0].weight.requires_grad_(False)
+    with collect(BatchGrad(), DiagGGNExact()):
+        loss.backward()
+    assert model[0].weight.grad is None
+    assert not hasattr(model[0].weight, "grad_batch")
+    assert not hasattr(model[0].weight, "diag_ggn_exact")
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad_batch, ref[name])
+            torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+            torch.testing.assert_close(p.diag_ggn_exact, ggn_ref[name])

@@ -517,7 +517,10 @@ class BackwardPass:
     # -- storing -----------------------------------------------------------------------------
     def store(self, param: nn.Parameter, ext: Extension, value: Any) -> None:
         """Set ``param.<ext.savefield>``; a second contribution within this pass is combined
-        with ``ext.accumulate``."""
+        with ``ext.accumulate``. A parameter frozen since the forward
+        (``requires_grad_(False)``) gets no ``.grad`` from autograd, and no results either."""
+        if not param.requires_grad:
+            return
         key = (id(param), ext.savefield)
         if key in self.stored:
             setattr(param, ext.savefield, ext.accumulate(getattr(param, ext.savefield), value))
