@@ -70,6 +70,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ _WARNED: set[type] = set()
 #: go straight to the loop over samples
 _VMAP_BROKEN: set[type] = set()
 #: ``(module type, M, N, input shapes and dtypes)`` whose vmap passed the spot check
-#: (:meth:`GenericRule._check_vmapped`); bounded by the kinds of calls a program makes
+#: (:meth:`_Samples.check`); bounded by the kinds of calls a program makes
 _VMAP_VERIFIED: set[tuple] = set()
 #: module types whose kernels have no batching rule: straight to the loop over samples
 _LOOP_TYPES: tuple[type, ...] = (nn.RNNBase,)
@@ -437,8 +438,9 @@ class GenericRule(Rule):
             _, pullback = vjp(f, primals)
             return vmap(lambda c: pullback(c)[0], chunk_size=min(chunk, m))(cot)
 
+        samples = _Samples(inputs, primals, run, cols, axes, diff, n, m)
         if isinstance(module, _LOOP_TYPES) or type(module) in _VMAP_BROKEN:
-            out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
+            out = samples.loop()
         else:
             try:
                 with warnings.catch_warnings():
@@ -452,10 +454,7 @@ class GenericRule(Rule):
                     type(module), m, n,
                     tuple((tuple(t.shape), t.dtype) for t in _leaves(inputs.batched)),
                 )
-                self._check_vmapped(
-                    out, inputs, primals, run, cols, axes, diff, n, m,
-                    spot=verified not in _VMAP_VERIFIED,
-                )
+                samples.check(out, spot=verified not in _VMAP_VERIFIED)
                 _VMAP_VERIFIED.add(verified)
             except (RuntimeError, NotImplementedError) as err:
                 if isinstance(err, BrokenBatchingError):
@@ -469,7 +468,7 @@ class GenericRule(Rule):
                 # no batching rule, data-dependent control flow, ...: plain autograd per
                 # sample. A genuine error in the module raises again there.
                 try:
-                    out = self._loop(inputs, primals, run, cols, axes, diff, n, m)
+                    out = samples.loop()
                 except Exception as loop_err:
                     raise loop_err from err
                 if type(module) not in _WARNED:
@@ -489,19 +488,25 @@ class GenericRule(Rule):
             result[name] = v if first == name else torch.zeros_like(v)
         return result
 
-    @staticmethod
-    def _check_vmapped(
-        out: Any,
-        inputs: _Inputs,
-        primals: dict[str, Tensor],
-        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
-        cols: list[Tensor],
-        axes: list[int],
-        diff: list[int],
-        n: int,
-        m: int,
-        spot: bool = True,
-    ) -> None:
+
+@dataclass
+class _Samples:
+    """One generic-rule call's per-sample problem: ``Vₘₙ`` of the parameters ``primals`` for
+    the columns ``cols`` (``[M, N, *rest]`` per differentiable output ``diff``, batch axes
+    ``axes``), with ``run(params, args, kwargs)`` the module's forward on ``inputs``' samples.
+    Computed by plain autograd one sample at a time (:meth:`loop`), which also checks what a
+    ``vmap`` of it gave (:meth:`check`)."""
+
+    inputs: _Inputs
+    primals: dict[str, Tensor]
+    run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]]
+    cols: list[Tensor]
+    axes: list[int]
+    diff: list[int]
+    n: int
+    m: int
+
+    def check(self, out: Any, spot: bool = True) -> None:
         r"""Raise :class:`BrokenBatchingError` if the vmapped ``Vₘₙ`` cannot be right.
 
         A broken batching rule of an operator (``prelu``'s backward in torch 2.13 under nested
@@ -516,7 +521,8 @@ class GenericRule(Rule):
           ``10·√eps`` of the largest per-entry norm; once per module type, sizes and
           input shapes (``spot``: a batching rule is the same in every call of that kind).
         """
-        for key, p in primals.items():
+        m, n = self.m, self.n
+        for key, p in self.primals.items():
             v = out.get(key) if isinstance(out, dict) else None
             want = (m, n, *p.shape)
             if not isinstance(v, Tensor) or tuple(v.shape) != want:
@@ -527,9 +533,9 @@ class GenericRule(Rule):
                 )
         if not spot:
             return
-        keys = list(primals)
+        keys = list(self.primals)
         for i, k in sorted({(n - 1, 0), (0, m - 1)}):
-            ref = GenericRule._sample_grads(inputs, primals, run, cols, axes, diff, i, [k])[0]
+            ref = self.sample_grads(i, [k])[0]
             for key, r in zip(keys, ref):
                 v = out[key]
                 got = v[k, i]
@@ -543,28 +549,18 @@ class GenericRule(Rule):
                         f"scale {float(scale):.3g}): an operator's batching rule is broken"
                     )
 
-    @staticmethod
-    def _sample_grads(
-        inputs: _Inputs,
-        primals: dict[str, Tensor],
-        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
-        cols: list[Tensor],
-        axes: list[int],
-        diff: list[int],
-        i: int,
-        columns: list[int],
-    ) -> list[list[Tensor]]:
+    def sample_grads(self, i: int, columns: list[int]) -> list[list[Tensor]]:
         """``Vₖᵢ`` by plain autograd for sample ``i`` and each column ``k`` in ``columns``:
         ``[len(columns)][len(primals)]`` tensors of the parameters' shapes."""
-        keys = list(primals)
-        args, kwargs = inputs.sample(inputs.index(i))
+        keys = list(self.primals)
+        args, kwargs = self.inputs.sample(self.inputs.index(i))
         with torch.enable_grad():
-            params = {k: v.clone().requires_grad_(True) for k, v in primals.items()}
-            outs = run(params, args, kwargs)
-            outs = [outs[j] for j in diff]
+            params = {k: v.clone().requires_grad_(True) for k, v in self.primals.items()}
+            outs = self.run(params, args, kwargs)
+            outs = [outs[j] for j in self.diff]
         per_k = []
         for k in columns:
-            cot = [c[k, i].unsqueeze(axes[j]) for c, j in zip(cols, diff)]
+            cot = [c[k, i].unsqueeze(self.axes[j]) for c, j in zip(self.cols, self.diff)]
             used = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
             if used:
                 grads = torch.autograd.grad(
@@ -582,24 +578,12 @@ class GenericRule(Rule):
             )
         return per_k
 
-    @staticmethod
-    def _loop(
-        inputs: _Inputs,
-        primals: dict[str, Tensor],
-        run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
-        cols: list[Tensor],
-        axes: list[int],
-        diff: list[int],
-        n: int,
-        m: int,
-    ) -> dict[str, Tensor]:
+    def loop(self) -> dict[str, Tensor]:
         """Plain autograd, one sample and one column at a time (for non-vmappable modules)."""
-        keys = list(primals)
+        keys = list(self.primals)
         per_n: list[list[Tensor]] = []
-        for i in range(n):
-            per_m = GenericRule._sample_grads(
-                inputs, primals, run, cols, axes, diff, i, list(range(m))
-            )
+        for i in range(self.n):
+            per_m = self.sample_grads(i, list(range(self.m)))
             per_n.append([torch.stack([pm[j] for pm in per_m]) for j in range(len(keys))])
         return {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
 
