@@ -345,7 +345,6 @@ class BackwardPass:
         for rec, _ in view.losses:
             if rec.layout_error is not None:
                 raise RuntimeError(rec.layout_error)
-            check_supported(rec.module)
         if view.outside_losses:
             raise RuntimeError(
                 f"backprism {names}: the objective of this backward pass has terms that no "
