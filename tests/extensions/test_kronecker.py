@@ -131,6 +131,38 @@ def test_kfra_conv_chain_single_sample():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("ext", [KFLR, KFRA])
+def test_grouped_conv_factors_per_group_exact_for_single_sample(ext):
+    """A grouped (here also a depthwise) convolution's weight gets one Kronecker pair per
+    group, ``[G, O, O]`` and ``[G, I, I]``; with one sample and one output position each
+    pair is the exact GGN block of that group's rows of the weight (the groups' cross terms
+    are the part the block-diagonal approximation leaves out)."""
+    torch.manual_seed(5)
+    model = extend(
+        nn.Sequential(
+            nn.Conv2d(4, 6, 2, groups=2), nn.Tanh(), nn.Conv2d(6, 6, 1, groups=6), nn.Flatten(),
+            nn.Linear(6, 3),
+        )
+    ).double()
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(1, 4, 2, 2, dtype=torch.double), torch.randint(0, 3, (1,))
+    with collect(ext()):
+        lossfunc(model(X), y).backward()
+    blocks = _blocks(model, ggn(model, lossfunc, X, y))
+    field = ext.__name__.lower()
+    for i in (0, 2):
+        conv = model[i]
+        b, a = getattr(conv.weight, field)
+        g, per = conv.groups, conv.weight[0].numel()
+        o = conv.out_channels // g
+        assert b.shape == (g, o, o) and a.shape == (g, per, per)
+        block = blocks[f"{i}.weight"]
+        for h in range(g):
+            rows = slice(h * o * per, (h + 1) * o * per)
+            torch.testing.assert_close(torch.kron(b[h], a[h]), block[rows, rows])
+        torch.testing.assert_close(getattr(conv.bias, field)[0], blocks[f"{i}.bias"])
+
+
 def test_kfra_rejects_non_chain():
     class Res(nn.Module):
         def __init__(self):

@@ -60,23 +60,26 @@ def ref_per_sample(module: nn.Module, x: Tensor, g: Tensor, kwargs: dict) -> dic
     return {k: v.transpose(0, 1) for k, v in out.items()}
 
 
-def ref_unfolded(module: nn.Module, x: Tensor, kwargs: dict, transpose: bool) -> Tensor:
-    """``[N, I, L]``: ∂out[n, 0, l] / ∂(weight of output channel 0), i.e. the unfolded input."""
+def ref_unfolded(
+    module: nn.Module, x: Tensor, kwargs: dict, transpose: bool, channel: int = 0
+) -> Tensor:
+    """``[N, I, L]``: ∂out[n, c, l] / ∂(weight of output channel c), i.e. the unfolded input
+    of the group that output channel ``c`` belongs to."""
     w = module.weight.detach()
+    c = channel
 
-    def out0(w0: Tensor, xn: Tensor) -> Tensor:
-        full = w.clone()
+    def out0(wc: Tensor, xn: Tensor) -> Tensor:
         if transpose:
-            full = torch.cat([w0.unsqueeze(1), w[:, 1:]], 1)
+            full = torch.cat([w[:, :c], wc.unsqueeze(1), w[:, c + 1 :]], 1)
         else:
-            full = torch.cat([w0.unsqueeze(0), w[1:]], 0)
+            full = torch.cat([w[:c], wc.unsqueeze(0), w[c + 1 :]], 0)
         p = {"weight": full}
         if module.bias is not None:
             p["bias"] = module.bias.detach()
-        return functional_call(module, p, (xn.unsqueeze(0),), kwargs)[0, 0].flatten()
+        return functional_call(module, p, (xn.unsqueeze(0),), kwargs)[0, c].flatten()
 
-    w0 = w[:, 0] if transpose else w[0]
-    jac = vmap(jacrev(out0), in_dims=(None, 0))(w0, x)  # [N, L, *w0.shape]
+    wc = w[:, c] if transpose else w[c]
+    jac = vmap(jacrev(out0), in_dims=(None, 0))(wc, x)  # [N, L, *wc.shape]
     return jac.flatten(2).transpose(1, 2)
 
 
@@ -196,23 +199,32 @@ def _check_case(case: dict) -> None:
     for k in names:
         torch.testing.assert_close(proj[k], ref[k].sum(0).flatten(1) @ vectors[k].flatten())
 
-    # Kronecker factors (groups = 1)
-    if module.groups == 1:
-        xu = ref_unfolded(module, x, kwargs, case["transpose"])  # [N, I, L]
-        a_ref = torch.einsum("nil,njl->ij", xu, xu) / n
-        gb = g.flatten(3).sum(-1)  # Σ_l g: the bias gradients' definition
-        if module.bias is not None:
-            torch.testing.assert_close(gb, ref["bias"])
-        b_ref = torch.einsum("mni,mnj->ij", gb, gb)
+    # Kronecker factors: per group (a leading group axis) for grouped convolutions
+    gb = g.flatten(3).sum(-1)  # Σ_l g: the bias gradients' definition
+    if module.bias is not None:
+        torch.testing.assert_close(gb, ref["bias"])
+    b_full = torch.einsum("mni,mnj->ij", gb, gb)
+    if case["transpose"] and module.groups != 1:
+        with pytest.raises(NotImplementedError, match="groups=2"):
+            rule.kronecker_factors(call, g)
+    else:
         kf = rule.kronecker_factors(call, g)
+        groups = module.groups
+        o = module.out_channels // groups
+        # the unfolded input of each group, from the output channel that starts the group
+        xs = [ref_unfolded(module, x, kwargs, case["transpose"], h * o) for h in range(groups)]
+        a_refs = [torch.einsum("nil,njl->ij", xu, xu) / n for xu in xs]
+        if groups == 1:
+            a_ref, b_ref = a_refs[0], b_full
+        else:
+            a_ref = torch.stack(a_refs)
+            b_ref = torch.stack([b_full[h * o : (h + 1) * o, h * o : (h + 1) * o]
+                                 for h in range(groups)])
         torch.testing.assert_close(kf["weight"][1], a_ref)
         torch.testing.assert_close(kf["weight"][0], b_ref)
         if module.bias is not None:
             assert len(kf["bias"]) == 1
-            torch.testing.assert_close(kf["bias"][0], b_ref)
-    else:
-        with pytest.raises(NotImplementedError, match="groups=2"):
-            rule.kronecker_factors(call, g)
+            torch.testing.assert_close(kf["bias"][0], b_full)
 
 
 @settings(max_examples=25, deadline=None)

@@ -211,7 +211,8 @@ class KFRA(SecondOrderExtension):
     pooling: through autograd). A weight gets ``[B, A]`` with ``A`` as in :class:`KFLR` and
     ``B = Σₜₛ Ḡ_out[t, s]`` (the ``[O, O]`` / ``[C_out, C_out]`` blocks of ``Ḡ_out`` summed over
     output positions ``t, s`` — Linear middle axes or convolution positions, as BackPACK does for
-    convolutions and as :class:`KFLR`'s ``B`` sums the columns over positions), a bias ``[B]``.
+    convolutions and as :class:`KFLR`'s ``B`` sums the columns over positions), a bias ``[B]``;
+    a grouped convolution's weight ``B``'s diagonal blocks ``[G, O, O]`` (as :class:`KFLR`).
 
     Parameters without Kronecker structure — the scales and shifts of LayerNorm, RMSNorm,
     GroupNorm and eval-mode BatchNorm, and the parameters of any other module in the chain whose
@@ -333,9 +334,15 @@ class KFRA(SecondOrderExtension):
             c = out.shape[1]
             positions = out[0].numel() // c
             B = G.view(c, positions, c, positions).sum((1, 3)) if positions > 1 else G
+        groups = getattr(m, "groups", 1)
         for name, p in call.params.items():
+            bw = B
+            if name in a and groups > 1:  # a grouped convolution: B's diagonal blocks
+                o = c // groups
+                blocks = [B[h * o : (h + 1) * o, h * o : (h + 1) * o] for h in range(groups)]
+                bw = torch.stack(blocks)
             value = KroneckerFactors(
-                [B, a[name]] if name in a else [B],
+                [bw, a[name]] if name in a else [B],
                 {id(call)},
                 [True, False][: 2 if name in a else 1],
             )

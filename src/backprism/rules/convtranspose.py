@@ -28,6 +28,8 @@ __all__ = ["ConvTranspose1dRule", "ConvTranspose2dRule", "ConvTranspose3dRule"]
 
 
 class _ConvTransposeRule(UnfoldRule):
+    transposed = True
+
     def unfold_input(self, call: Call) -> Tensor:
         mod = call.module
         if mod.padding_mode != "zeros":  # PyTorch refuses these too

@@ -20,10 +20,13 @@ The statistics follow:
   ``N L² (M O + I)``) or by materialising ``V`` (cost ``N M O I L``), whichever is cheaper;
 * ``Σ_m ⟨V_{mn}, V_{mk}⟩`` from the materialised ``V``.
 
-Kronecker factors (BackPACK's convention, ``groups = 1`` only):
+Kronecker factors (BackPACK's convention):
 ``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` (``[I, I]``) and ``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``
 (``[C_out, C_out]``, the exact/MC GGN of the bias; the ``1/N`` of a mean loss sits in ``g``).
-The bias gets ``[B]``.
+The bias gets ``[B]``. A grouped convolution's weight (``G > 1``, e.g. depthwise) has a
+block-diagonal curvature over its groups; its factors carry a leading group axis,
+``[B_g, A_g]`` of shapes ``[G, O, O]`` and ``[G, I, I]`` (``B_g`` the diagonal blocks of ``B``),
+and the block of group ``g`` is ``≈ B_g[g] ⊗ A_g[g]``. Transpose convolutions: ``groups = 1``.
 
 The unfolded input of the most recent call is cached (weakly keyed on the call, one entry), so
 that several extensions of one backward step unfold once; the per-sample gradients computed by
@@ -152,6 +155,8 @@ class UnfoldRule(Rule):
 
     #: number of spatial axes (1, 2, 3)
     n_spatial: int = 2
+    #: whether the weight has the transpose convolution's layout ``[C_in, C_out/G, *k]``
+    transposed: bool = False
 
     def __init__(self) -> None:
         self._cache = _UnfoldCache()
@@ -372,34 +377,45 @@ class UnfoldRule(Rule):
 
     # -- Kronecker factors ---------------------------------------------------------------
     def _refuse_groups(self, call: Call) -> None:
-        if call.module.groups != 1:
+        if call.module.groups != 1 and self.transposed:
             raise NotImplementedError(
                 f"backprism: Kronecker factors (KFAC/KFLR/KFRA) of {type(call.module).__name__} "
-                f"with groups={call.module.groups} are not supported (the curvature is "
-                "block-diagonal over groups, not one Kronecker product). Use groups=1, or a "
+                f"with groups={call.module.groups} are not supported (the weight's layout "
+                "[C_in, C_out/G, *k] interleaves the groups' blocks). Use groups=1, or a "
                 "diagonal curvature extension (DiagGGNExact/DiagGGNMC) for this layer."
             )
 
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
-        r"""``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` over the unfolded input, ``[I, I]``."""
+        r"""``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` over the unfolded input, ``[I, I]``; with
+        ``G > 1`` groups one factor per group, ``[G, I, I]`` (``I = (C_in/G)·K``)."""
         self._refuse_groups(call)
         if not self._has_weight(call):
             return {}
-        x = self._x(call)[:, 0]  # [N, I, L]
-        n = x.shape[0]
-        xt = x.transpose(0, 1).reshape(x.shape[1], -1)
-        return {"weight": xt @ xt.t() / n}
+        x = self._x(call)  # [N, G, I, L]
+        n, groups = x.shape[:2]
+        if groups == 1:
+            xt = x[:, 0].transpose(0, 1).reshape(x.shape[2], -1)
+            return {"weight": xt @ xt.t() / n}
+        xt = x.transpose(0, 1).transpose(1, 2).reshape(groups, x.shape[2], -1)  # [G, I, N·L]
+        return {"weight": xt @ xt.transpose(1, 2) / n}
 
     def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
-        r"""``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``, ``[C_out, C_out]`` (BackPACK)."""
+        r"""``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``, ``[C_out, C_out]`` (BackPACK): the
+        bias's factor; with ``G > 1`` groups the weight's factor is its diagonal blocks,
+        ``[G, O, O]`` (``O = C_out/G``), as the weight's curvature is block-diagonal over the
+        groups (``B[g] ⊗ A[g]`` approximates the block of group ``g``)."""
         self._refuse_groups(call)
-        b = self._bias_cols(g).flatten(0, 1)
-        f = b.t() @ b
+        b = self._bias_cols(g).flatten(0, 1)  # [M·N, C_out]
         out = {}
+        groups = call.module.groups
         if self._has_weight(call):
-            out["weight"] = f
+            if groups == 1:
+                out["weight"] = b.t() @ b
+            else:
+                bg = b.reshape(b.shape[0], groups, -1).transpose(0, 1)  # [G, M·N, O]
+                out["weight"] = bg.transpose(1, 2) @ bg
         if self._has_bias(call):
-            out["bias"] = f
+            out["bias"] = out["weight"] if groups == 1 and "weight" in out else b.t() @ b
         return out
 
 
