@@ -25,7 +25,7 @@ from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from tests.common import LayerNormBetween, SoftmaxAttention
-from tests.reference import loss_hessian
+from tests.reference import diag_ggn, loss_hessian, split
 
 DT = torch.float64
 
@@ -146,6 +146,21 @@ class FunctionalParam(nn.Module):
         return self.b(torch.tanh(self.a(x)) + self.a.bias.sum())
 
 
+class Derived(nn.Module):
+    """A container using a value computed from its own parameter alone (released to
+    functional attribution: the value is rebuilt where it meets the samples)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.s = nn.Parameter(torch.randn(3) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h * self.s.exp() if self.how == "exp" else h + 2 * self.s)
+
+
 CASES = {
     "attention": (SoftmaxAttention, (4, 2, 3), "matmul|softmax"),
     "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
@@ -172,17 +187,36 @@ def test_refuses_non_elementwise_nonlinearities(case: str):
     lf(model(X), y).backward()
 
 
-def test_parameter_only_op_broadcast_into_activations_is_refused():
-    """``x + self.a.bias.sum()``: a parameter-only value broadcast over the samples has no
-    per-sample decomposition the engine knows; every extension refuses it before writing."""
+@pytest.mark.parametrize(
+    "make, refusal",
+    [(FunctionalParam, "several calls"), (lambda: Derived("exp"), "nonlinearly"),
+     (lambda: Derived("twice"), None)],
+    ids=["bias-sum", "exp", "twice"],
+)
+def test_parameter_only_op_broadcast_into_activations(make, refusal):
+    """``x + self.a.bias.sum()``, ``x * exp(self.s)``, ``x + 2 * self.s``: a value computed
+    from one parameter alone is rebuilt from it where it meets the samples, so every extension
+    attributes it. DiagHessian is exact where the value is linear in the parameter and the
+    parameter has no other use upstream, and refused clearly otherwise."""
     torch.manual_seed(8)
-    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
-    model, lf = extend(FunctionalParam()), extend(nn.CrossEntropyLoss())
-    for ext in (DiagHessian(), DiagGGNExact()):
-        with pytest.raises(RuntimeError, match="outside the forward"), collect(ext):
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    model, lf = extend(make().double()), extend(nn.CrossEntropyLoss())
+    G = diag_ggn(model, lf, X, y)
+    with collect(DiagGGNExact()):
+        lf(model(X), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, G[k])
+    model.zero_grad()
+    if refusal is None:
+        H = split(torch.diagonal(loss_hessian(model, lf, X, y)), model)
+        with collect(DiagHessian()):
+            lf(model(X), y).backward()
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.diag_h, H[k])
+    else:
+        with pytest.raises(RuntimeError, match=refusal), collect(DiagHessian()):
             lf(model(X), y).backward()
         assert all(p.grad is None for p in model.parameters())
-    lf(model(X), y).backward()
 
 
 def test_forward_not_recorded_inside_a_context_without_diag_hessian():

@@ -141,25 +141,37 @@ class OpModule(nn.Module):
     rebuilt from its own parameters (``p0``, ``p1``, …) and the per-sample tensors passed to
     :meth:`forward` in order."""
 
-    def __init__(self, func: Any, template: list[Any], kwargs: dict, params: list) -> None:
+    def __init__(
+        self, func: Any, template: list[Any], kwargs: dict, params: list,
+        linear_in_params: bool = False,
+    ) -> None:
         super().__init__()
         self._func = func
         self._template = template  # ("p", index, rebuild) | ("x", position) | constant
-        self._kwargs = kwargs
+        self._kwargs = kwargs  # name → ("p", index, rebuild) | constant
         for i, p in enumerate(params):
             self._parameters[f"p{i}"] = p
         self._backprism_name = f"'{residual.op_name(func)}' (a functional use of a parameter)"
+        #: whether the output depends linearly on the parameters (DiagHessian): the operation
+        #: is affine in its operands, or multilinear with the parameters in one operand, and
+        #: every parameter operand is a view of its parameter (:func:`_linear_use`)
+        self.linear_in_params = linear_in_params
+        #: an elementwise, indexing or joining operation: the generic rule's per-sample vmap
+        #: of it does the arithmetic a closed form would (``Σ_broadcast gₙ ⊙ xₙ`` for a scale),
+        #: so the rule does not announce it as a costly fallback
+        self.vmap_is_closed_form = residual.op_name(func) in _ELEMENTWISE_OPS
+
+    def _value(self, item: Any, xs: tuple[Tensor, ...]) -> Any:
+        if isinstance(item, tuple) and item and item[0] == "p":
+            return item[2](self._parameters[f"p{item[1]}"])
+        if isinstance(item, tuple) and item and item[0] == "x":
+            return xs[item[1]]
+        return item[1] if isinstance(item, tuple) and item and item[0] == "c" else item
 
     def forward(self, *xs: Tensor) -> Any:
-        args = []
-        for item in self._template:
-            if isinstance(item, tuple) and item and item[0] == "p":
-                args.append(item[2](self._parameters[f"p{item[1]}"]))
-            elif isinstance(item, tuple) and item and item[0] == "x":
-                args.append(xs[item[1]])
-            else:
-                args.append(item[1] if isinstance(item, tuple) and item[0] == "c" else item)
-        return self._func(*args, **self._kwargs)
+        args = [self._value(item, xs) for item in self._template]
+        kwargs = {k: self._value(v, xs) for k, v in self._kwargs.items()}
+        return self._func(*args, **kwargs)
 
 
 #: root model → ``{(id(weight), id(bias)): stand-in}``: a functional ``F.linear`` of the same
@@ -213,6 +225,70 @@ def _embedding_stand_in(weight: nn.Parameter, kwargs: dict, rest: tuple) -> nn.E
     m._parameters["weight"] = weight
     m._backprism_name = "embedding (a functional use of a parameter)"  # type: ignore[attr-defined]
     return m
+
+
+def _norm_stand_in(
+    name: str, weight: nn.Parameter | None, bias: nn.Parameter | None, args: list
+) -> nn.Module:
+    """``F.layer_norm(x, shape, w, b, eps)``, ``F.group_norm(x, groups, w, b, eps)`` or
+    ``F.rms_norm(x, shape, w, eps)`` (``args`` positional, defaults filled) as the module whose
+    closed-form rule (``y = x̂ ⊙ w + b``, :mod:`backprism.rules.norm`) attributes it."""
+    cls = {"layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm, "rms_norm": nn.RMSNorm}[name]
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    if name == "group_norm":
+        m.num_groups, m.num_channels, m.affine = int(args[1]), args[0].shape[1], True
+    else:
+        shape = args[1]
+        m.normalized_shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        m.elementwise_affine = True
+    m.eps = args[3] if name == "rms_norm" else args[4]
+    m._parameters["weight"] = weight
+    m._parameters["bias"] = bias
+    m._backprism_name = f"{name} (a functional use of a parameter)"
+    return m
+
+
+#: positional order and defaults of the functions attributed in closed form, so that
+#: parameters passed by keyword (``F.layer_norm(x, s, weight=self.weight, bias=self.bias)``)
+#: are seen where the closed forms look for them
+_CONV_SIGNATURE = (
+    ("input", None), ("weight", None), ("bias", None), ("stride", 1), ("padding", 0),
+    ("dilation", 1), ("groups", 1),
+)
+_SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
+    "linear": (("input", None), ("weight", None), ("bias", None)),
+    "layer_norm": (
+        ("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
+        ("eps", 1e-5),
+    ),
+    "group_norm": (
+        ("input", None), ("num_groups", None), ("weight", None), ("bias", None), ("eps", 1e-5),
+    ),
+    "rms_norm": (("input", None), ("normalized_shape", None), ("weight", None), ("eps", None)),
+    "embedding": (
+        ("input", None), ("weight", None), ("padding_idx", None), ("max_norm", None),
+        ("norm_type", 2.0), ("scale_grad_by_freq", False), ("sparse", False),
+    ),
+    "conv1d": _CONV_SIGNATURE,
+    "conv2d": _CONV_SIGNATURE,
+    "conv3d": _CONV_SIGNATURE,
+}
+_NORMS = frozenset({"layer_norm", "group_norm", "rms_norm"})
+
+
+def _positional(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` with ``kwargs`` of a function in :data:`_SIGNATURES` moved into their
+    positions (defaults filled up to the last one given); other calls unchanged."""
+    sig = _SIGNATURES.get(name)
+    if sig is None:
+        return args, kwargs
+    names = [k for k, _ in sig]
+    if not kwargs or not set(kwargs) <= set(names[len(args):]):
+        return args, kwargs
+    last = max(names.index(k) for k in kwargs)
+    full = list(args) + [kwargs.get(k, d) for k, d in sig[len(args) : last + 1]]
+    return tuple(full), {}
 
 
 _CONV_TYPES = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
@@ -285,22 +361,41 @@ def _capture_one(module: nn.Module, x: Tensor, outs: list[Tensor], params: dict)
 def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
     views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
-    if not views:
+    kw_views = (
+        {k: v for k, a in kwargs.items() if (v := _param_view(a)) is not None} if kwargs else {}
+    )
+    if not views and not kw_views:
         return
     if name is None:
         name = residual.op_name(func)
-    if all(_is_owned(v[0]) for _, v in views):
-        if name == "linear" and views[0][0] == 1 and views[0][1][2] == "param":
+    if kw_views and name in _SIGNATURES:
+        args, kwargs = _positional(name, args, kwargs)
+        views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
+        kw_views = {k: v for k, a in kwargs.items() if (v := _param_view(a)) is not None}
+    every = [v for _, v in views] + list(kw_views.values())
+    owned = frozenset(id(v[0]) for v in every if _is_owned(v[0]))
+    if len(owned) == len({id(v[0]) for v in every}):
+        if name == "linear" and views and views[0][0] == 1 and views[0][1][2] == "param":
             keep_linear(views[0][1][0], args[0], out)
         return
-    if not any(frame[2] and id(v[0]) in frame[2] for frame in FORWARD.call_stack for _, v in views):
-        FORWARD.acted += 1  # a use no module hook sees (released ones are optional)
-    if kwargs and any(_param_view(v) is not None for v in kwargs.values()):
-        return  # a parameter passed by keyword: left to the graph check, which refuses it
+    if owned:  # claimed by a module in its forward (an uncalled sub-module's bias): constants
+        views = [(i, v) for i, v in views if id(v[0]) not in owned]
+        kw_views = {k: v for k, v in kw_views.items() if id(v[0]) not in owned}
+        every = [v for _, v in views] + list(kw_views.values())
+    if not any(
+        frame[2] and frame[5] and id(v[0]) in frame[2]
+        for frame in FORWARD.call_stack
+        for v in every
+    ):
+        # a use no module hook sees: the model's forwards keep the mode (uses released by a
+        # module with replacement functions are optional: its light mode attributes them)
+        FORWARD.acted += 1
     tensors = [
         (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
     ]
-    if name in _VIEW_OPS and len(views) == 1 and not tensors and isinstance(out, Tensor):
+    if name in _VIEW_OPS and len(views) == 1 and not kw_views and not tensors and isinstance(
+        out, Tensor
+    ):
         p, rebuild, kind = views[0][1]
         pos = views[0][0]
         rest, kw = list(args), dict(kwargs)
@@ -318,9 +413,14 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
             )
             return
         two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
-        new_kind = "T" if kind == "param" and two_d_transpose else "view"
+        new_kind = "T" if kind == "param" and two_d_transpose else (
+            "derived" if kind == "derived" else "view"
+        )
         setattr(out, _VIEW, (p, rebuilt, new_kind))
         FORWARD.view_ids.add(id(out))
+        return
+    if not tensors and not owned and isinstance(out, Tensor) and _derivable(name, every, kwargs):
+        _derive(func, args, kwargs, views, kw_views, out)
         return
     outs = _outputs(out)
     if not tensors or not outs:
@@ -328,64 +428,42 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     x = tensors[0][1]
     if x.dim() == 0:
         return
-    # closed forms: F.linear(x, w, b) and x @ w.T
-    if name == "linear" and len(args) >= 2 and tensors[0][0] == 0:
-        w = _param_view(args[1])
-        b = _param_view(args[2]) if len(args) > 2 and args[2] is not None else None
-        if w is not None and w[2] == "param" and (b is None or b[2] == "param") and (
-            len(args) <= 2 or args[2] is None or b is not None
-        ):
-            module = _linear_stand_in(w[0], None if b is None else b[0])
-            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
-            _capture_one(module, x, outs, params)
-            return
-    if name == "embedding" and len(args) >= 2 and tensors[0][0] == 0:
-        w = _param_view(args[1])
-        if w is not None and w[2] == "param" and len(views) == 1:
-            module = _embedding_stand_in(w[0], kwargs, tuple(args[2:]))
-            _capture_one(module, x, outs, {"weight": w[0]})
-            return
-    if name in _CONV_TYPES and len(args) >= 2 and tensors[0][0] == 0:
-        w = _param_view(args[1])
-        b = _param_view(args[2]) if len(args) > 2 and args[2] is not None else None
-        bias_ok = len(args) <= 2 or args[2] is None or (b is not None and b[2] == "param")
-        if w is not None and w[2] == "param" and bias_ok and "bias" not in kwargs:
-            module = _conv_stand_in(
-                name, w[0], None if b is None else b[0], kwargs, tuple(args[3:])
-            )
-            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
-            _capture_one(module, x, outs, params)
-            return
+    if (
+        not kw_views
+        and tensors[0][0] == 0
+        and _closed_form(name, args, kwargs, views, x, outs, owned)
+    ):
+        return
     if name == "addmm" and len(args) == 3 and tensors[0][0] == 1 and not kwargs:
-        b, w = _param_view(args[0]), _param_view(args[2])
+        b, w = _pv(args[0], owned), _pv(args[2], owned)
         if b is not None and w is not None and b[2] == "param" and w[2] == "T":
             module = _linear_stand_in(w[0], b[0])
             _capture_one(module, x, outs, {"weight": w[0], "bias": b[0]})
             return
-    if name in _MATMULS and len(args) == 2 and tensors[0][0] == 0 and views[0][0] == 1:
-        w = views[0][1]
-        if w[2] == "T" and x.dim() >= 2:
-            module = _linear_stand_in(w[0], None)
-            _capture_one(module, x, outs, {"weight": w[0]})
-            return
     # everything else: the generic rule on a stand-in re-running the operation
     params: list[nn.Parameter] = []
     index: dict[int, int] = {}
-    template: list[Any] = []
     xs: list[Tensor] = []
-    for a in args:
+
+    def item(a: Any) -> Any:
         v = _param_view(a)
+        if v is not None and id(v[0]) in owned:
+            return ("c", a)
         if v is not None:
             if id(v[0]) not in index:
                 index[id(v[0])] = len(params)
                 params.append(v[0])
-            template.append(("p", index[id(v[0])], v[1]))
-        elif isinstance(a, Tensor):
-            template.append(("x", len(xs)))
+            return ("p", index[id(v[0])], v[1])
+        if isinstance(a, Tensor):
             xs.append(a)
-        else:
-            template.append(("c", a))
-    module = OpModule(func, template, dict(kwargs), params)
+            return ("x", len(xs) - 1)
+        return ("c", a)
+
+    template = [item(a) for a in args]
+    kw_template = {k: item(a) if k in kw_views else ("c", a) for k, a in kwargs.items()}
+    module = OpModule(
+        func, template, kw_template, params, _linear_use(name, views, kw_views, every)
+    )
     capture(
         module,
         tuple(t.detach() for t in xs),
@@ -395,6 +473,164 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         {f"p{i}": p for i, p in enumerate(params)},
         live=(tuple(xs), {}),
     )
+
+
+#: operations whose result on a parameter is not a function of the parameter alone
+_RANDOM_OPS = frozenset(
+    {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+     "native_dropout", "bernoulli", "rrelu", "normal", "rand_like", "randn_like", "randint_like",
+     "multinomial", "poisson", "uniform_", "normal_", "bernoulli_", "exponential_",
+     "geometric_", "cauchy_", "log_normal_", "random_"}
+)
+
+
+def _derivable(name: str, every: list, kwargs: dict) -> bool:
+    """An operation on one parameter alone (``self.log_scale.exp()``, ``1 + self.weight``,
+    ``F.softplus(self.raw)``): its result is tracked like a view (rebuilt from the parameter),
+    so that the operation where it meets the samples is attributed. Not for random operations
+    (a rebuild would draw again) nor in-place ones."""
+    if name in _RANDOM_OPS or "dropout" in name or (name.endswith("_") and not name.endswith("__")):
+        return False
+    if any(isinstance(a, Tensor) and _param_view(a) is None for a in kwargs.values()):
+        return False
+    return len({id(v[0]) for v in every}) == 1
+
+
+def _derive(func: Any, args: tuple, kwargs: dict, views: list, kw_views: dict, out: Tensor) -> None:
+    p = (views[0][1] if views else next(iter(kw_views.values())))[0]
+    rebuilds = {i: v[1] for i, v in views}
+    kw_rebuilds = {k: v[1] for k, v in kw_views.items()}
+    rest, kw = list(args), dict(kwargs)
+
+    def derived(q: Tensor) -> Tensor:
+        a = list(rest)
+        for i, rebuild in rebuilds.items():
+            a[i] = rebuild(q)
+        k = dict(kw)
+        for key, rebuild in kw_rebuilds.items():
+            k[key] = rebuild(q)
+        return func(*a, **k)
+
+    every = [v for _, v in views] + list(kw_views.values())
+    linear = _linear_use(residual.op_name(func), views, kw_views, every)
+    setattr(out, _VIEW, (p, derived, "view" if linear else "derived"))
+    FORWARD.view_ids.add(id(out))
+
+
+#: operations affine in every operand (DiagHessian: no Hessian term of the parameters)
+_AFFINE_OPS = frozenset(
+    {"add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__", "neg",
+     "__neg__", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "sum", "mean",
+     "__getitem__", "index_select", "gather", "pad", "roll", "flip", "narrow", "select",
+     "repeat", "tile", "repeat_interleave", "where", "masked_fill", "take_along_dim"}
+)
+#: operations linear in each operand separately (the parameters must sit in one operand)
+_MULTILINEAR_OPS = frozenset(
+    {"mul", "__mul__", "__rmul__", "__imul__", "matmul", "__matmul__", "__rmatmul__", "mm",
+     "bmm", "einsum", "linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+     "conv_transpose2d", "conv_transpose3d", "outer", "mv", "dot", "inner", "tensordot", "kron",
+     "div", "__truediv__", "true_divide"}
+)
+
+
+_ELEMENTWISE_OPS = _AFFINE_OPS | {
+    "mul", "__mul__", "__rmul__", "__imul__", "div", "__truediv__", "true_divide",
+}
+
+
+def _linear_use(name: str, views: list, kw_views: dict, every: list) -> bool:
+    """Whether an operation's output depends linearly on its parameter operands: every one is
+    a view of its parameter (no derived value such as ``exp(θ)``), and the operation is affine
+    (:data:`_AFFINE_OPS`) or multilinear (:data:`_MULTILINEAR_OPS`) with the parameters in a
+    single operand (a numerator for divisions)."""
+    if kw_views or any(v[2] == "derived" for v in every):
+        return False
+    if name in _AFFINE_OPS:
+        return True
+    if name in _MULTILINEAR_OPS:
+        slots = {i for i, _ in views}
+        if name in ("div", "__truediv__", "true_divide"):
+            return slots == {0}
+        return len(slots) == 1
+    return False
+
+
+def _pv(a: Any, owned: frozenset[int]) -> tuple | None:
+    """:func:`_param_view` of ``a`` unless its parameter is claimed by a module in its
+    forward (``owned``)."""
+    v = _param_view(a)
+    return None if v is None or id(v[0]) in owned else v
+
+
+def _frozen(a: Any, owned: frozenset[int]) -> bool:
+    """A tensor operand that takes no gradient here: a frozen bias, a buffer, or a parameter
+    a module in its forward claims (its call attributes it)."""
+    if not isinstance(a, Tensor):
+        return False
+    v = _param_view(a)
+    return (v is None and not a.requires_grad) or (v is not None and id(v[0]) in owned)
+
+
+def _closed_form(
+    name: str, args: tuple, kwargs: dict, views: list, x: Tensor, outs: list[Tensor],
+    owned: frozenset[int],
+) -> bool:
+    """Capture ``F.linear``/``x @ w.T``/``addmm``, ``F.embedding``, ``F.conv*`` and the norms
+    with a parameter weight as the module whose closed-form rule attributes them (``True``),
+    or leave the operation to the generic stand-in (``False``)."""
+    if name == "linear" and len(args) >= 2:
+        w = _pv(args[1], owned)
+        bias = args[2] if len(args) > 2 else None
+        b = _pv(bias, owned) if bias is not None else None
+        if w is not None and w[2] == "param" and (
+            bias is None or (b is not None and b[2] == "param") or _frozen(bias, owned)
+        ):
+            module = _linear_stand_in(w[0], None if b is None else b[0])
+            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
+            _capture_one(module, x, outs, params)
+            return True
+    if name == "embedding" and len(args) >= 2:
+        w = _pv(args[1], owned)
+        if w is not None and w[2] == "param" and len(views) == 1:
+            module = _embedding_stand_in(w[0], kwargs, tuple(args[2:]))
+            _capture_one(module, x, outs, {"weight": w[0]})
+            return True
+    if name in _CONV_TYPES and len(args) >= 2 and "bias" not in kwargs:
+        w = _pv(args[1], owned)
+        bias = args[2] if len(args) > 2 else None
+        b = _pv(bias, owned) if bias is not None else None
+        if w is not None and w[2] == "param" and (
+            bias is None or (b is not None and b[2] == "param") or _frozen(bias, owned)
+        ):
+            module = _conv_stand_in(
+                name, w[0], None if b is None else b[0], kwargs, tuple(args[3:])
+            )
+            params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
+            _capture_one(module, x, outs, params)
+            return True
+    if name in _NORMS and not kwargs:
+        full = list(args) + [d for _, d in _SIGNATURES[name][len(args) :]]
+        slots = (2,) if name == "rms_norm" else (2, 3)
+        found: dict[str, nn.Parameter] = {}
+        for key, pos in zip(("weight", "bias"), slots):
+            a = full[pos]
+            v = _pv(a, owned) if a is not None else None
+            if v is not None and v[2] == "param":
+                found[key] = v[0]
+            elif not (a is None or _frozen(a, owned)):
+                return False  # a computed scale (adaptive norms): the generic stand-in
+        if not found or x is not full[0]:
+            return False
+        module = _norm_stand_in(name, found.get("weight"), found.get("bias"), full)
+        _capture_one(module, x, outs, found)
+        return True
+    if name in _MATMULS and len(args) == 2 and views and views[0][0] == 1:
+        w = views[0][1]
+        if w[2] == "T" and x.dim() >= 2:
+            module = _linear_stand_in(w[0], None)
+            _capture_one(module, x, outs, {"weight": w[0]})
+            return True
+    return False
 
 
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})

@@ -638,7 +638,7 @@ def check_linear_in_params(call: Any, exts: list) -> None:
             "and the Hessian residual terms would be missing. Run the forward pass inside the "
             f"collect() that holds {names}, or outside any collect()."
         )
-    if not get_rule(call.module).linear_in_params:
+    if not get_rule(call.module).is_linear_in_params(call):
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "

@@ -71,6 +71,10 @@ class Rule:
         it (:attr:`Call.inner`). The default releases and keeps nothing."""
         return _NOTHING_INSIDE
 
+    def is_linear_in_params(self, call: Call) -> bool:
+        """:attr:`linear_in_params` for one call (rules whose calls differ override it)."""
+        return self.linear_in_params
+
     def builds_per_sample(self, call: Call) -> bool:
         """Whether the statistics of ``call`` may build per-sample, per-column gradients
         ``[N, *p]`` (the engine sizes column chunks by it); rules with closed forms say no."""

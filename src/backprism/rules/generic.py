@@ -79,8 +79,8 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from backprism.engine.backward import current_pass
-from backprism.engine.rule import Call, Rule, get_rule, set_generic_rule
-from backprism.engine.state import suspended
+from backprism.engine.rule import Call, Rule, get_rule, has_rule, set_generic_rule
+from backprism.engine.state import Inside, suspended
 
 __all__ = ["BrokenBatchingError", "GenericRule", "GenericRuleWarning"]
 
@@ -303,6 +303,30 @@ def _memory_budget() -> int:
     return bp.ctx.memory_budget if bp is not None else 2**30
 
 
+_KEEP = Inside()
+#: layer types whose functional forms (``F.linear`` …) the forward mode attributes in closed
+#: form; a subclass that overrides ``forward`` releases its parameters to them
+_FUNCTIONAL_FORMS = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
+    nn.RMSNorm,
+)
+
+
+def _releases(cls: type) -> bool | None:
+    """Whether modules of type ``cls`` (taking the generic rule) release their own parameters
+    (:meth:`GenericRule.inside`): ``True`` for overriding subclasses of the layers in
+    :data:`_FUNCTIONAL_FORMS`, ``None`` for types whose containers release (decided per
+    module), ``False`` for RNNs (fused kernels taking the weights in a list), BatchNorm and
+    InstanceNorm (``F.batch_norm`` in train mode mixes the samples, which only the BatchNorm
+    rule's checks see) and ``nn.MultiheadAttention`` subclasses (sequence-first layouts)."""
+    keep = (nn.RNNBase, nn.modules.batchnorm._NormBase, nn.MultiheadAttention)
+    if issubclass(cls, keep):
+        return False
+    if issubclass(cls, _FUNCTIONAL_FORMS):
+        return True
+    return None
+
+
 class GenericRule(Rule):
     """Per-sample VJPs of the module's own forward with ``torch.func`` (see module docstring).
 
@@ -314,6 +338,35 @@ class GenericRule(Rule):
 
     def __init__(self) -> None:
         self._cache: tuple[weakref.ref, Any, weakref.ref, dict[str, Tensor]] | None = None
+        self._releases: dict[type, bool | None] = {}
+
+    def inside(self, module: nn.Module, args: tuple, kwargs: dict) -> Inside:
+        """Release the module's own parameters to functional attribution (each use becomes a
+        call where the parameter enters: ``F.linear``/``F.conv*``/``F.embedding``/
+        ``F.layer_norm``… take their closed forms, other operations a stand-in re-running that
+        operation alone) when the module is a container (it has sub-modules: the whole forward
+        need not be re-run per sample for, e.g., a ViT's ``pos_embed`` or a ConvNeXt block's
+        layer scale ``gamma``), or a subclass of a layer with a closed-form rule whose forward
+        was overridden (timm's ``LayerNorm2d``, ``Conv2dSame``). Other modules keep their
+        parameters: the vmap of their own forward is the natural unit."""
+        cls = type(module)
+        release = False if has_rule(cls) else self._release(cls)  # a rule registered later
+        if release is False or (release is None and not module._modules):
+            return _KEEP
+        names = tuple(
+            k for k, p in module._parameters.items() if p is not None and p.requires_grad
+        )
+        return Inside(release=names) if names else _KEEP
+
+    def _release(self, cls: type) -> bool | None:
+        if cls not in self._releases:
+            self._releases[cls] = _releases(cls)
+        return self._releases[cls]
+
+    def is_linear_in_params(self, call: Call) -> bool:
+        """A stand-in of one functional operation knows whether its parameter operands enter
+        linearly (:class:`~backprism.engine.functional.OpModule`); modules do not."""
+        return bool(getattr(call.module, "linear_in_params", False))
 
     # -- caching one (call, g) -------------------------------------------------------------
     def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
@@ -591,15 +644,18 @@ class _Samples:
 def _announce(call: Call) -> None:
     """Warn, once per module type (or functional op) and process, that ``call`` and the other
     calls of the current backward pass without a closed-form rule take the generic rule."""
-    if call.name in _ANNOUNCED:
+    if call.name in _ANNOUNCED or getattr(call.module, "vmap_is_closed_form", False):
         return
     names = {call.name}
     bp = current_pass()
     if bp is not None:
         for other in bp.calls:
-            if other.params and other.name not in _ANNOUNCED and type(
-                get_rule(other.module)
-            ) is GenericRule:
+            if (
+                other.params
+                and other.name not in _ANNOUNCED
+                and not getattr(other.module, "vmap_is_closed_form", False)
+                and type(get_rule(other.module)) is GenericRule
+            ):
                 names.add(other.name)
     _ANNOUNCED.update(names)
     shown = ", ".join(sorted(names))

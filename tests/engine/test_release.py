@@ -1,0 +1,261 @@
+"""Parameters of modules without a rule attributed where they enter (``GenericRule.inside``).
+
+A container's own parameters (a ViT's ``pos_embed``/``cls_token``, a ConvNeXt block's layer
+scale) and the parameters of a layer subclass that overrides ``forward`` (timm's
+``LayerNorm2d``) are released to functional attribution: ``F.layer_norm``/``F.group_norm``/
+``F.rms_norm`` take the norm closed forms, ``F.linear``/``F.conv*`` the Linear/Conv ones (also
+with parameters passed by keyword and with frozen biases), values computed from one parameter
+alone (``exp(s)``, ``2 * s``) are rebuilt where they meet the samples, elementwise operations
+take a stand-in whose ``vmap`` is the closed form's arithmetic (no fallback warning). Every
+number against the dense float64 references of ``tests/reference.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.extensions import (
+    KFLR,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagHessian,
+    SumGradSquared,
+    Variance,
+)
+from backprism.rules.generic import GenericRuleWarning
+from tests.common import assert_first_order
+from tests.reference import diag_ggn, loss_hessian, per_sample_grads, split
+
+DT = torch.float64
+N = 4
+
+
+class PatchTokens(nn.Module):
+    """ViT-like: class token concatenated, position embedding added, a block, mean head."""
+
+    def __init__(self, d: int = 6, t: int = 3, c: int = 3) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, d)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.1)
+        self.pos_embed = nn.Parameter(torch.randn(1, t + 1, d) * 0.1)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.proj(x)
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], dim=1)
+        h = h + self.pos_embed
+        return self.head(torch.tanh(self.norm(h))[:, 0])
+
+
+class ChannelsLastNorm(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: a LayerNorm over channels of ``[N, C, H, W]`` (overridden
+    forward: permute, ``F.layer_norm``, permute back)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class ScaledBlock(nn.Module):
+    """ConvNeXt-like: depthwise conv, channels-last norm, pointwise conv, layer scale
+    ``gamma`` used directly in the block's forward, residual."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.norm = ChannelsLastNorm(c)
+        self.pw = nn.Conv2d(c, c, 1)
+        self.gamma = nn.Parameter(torch.rand(c) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.pw(torch.tanh(self.norm(self.dw(x))))
+        return x + h.mul(self.gamma.reshape(1, -1, 1, 1))
+
+
+class ConvNet(nn.Module):
+    def __init__(self, c: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, c, 2)
+        self.block = ScaledBlock(c)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.stem(x)).mean((2, 3)))
+
+
+class KeywordNorms(nn.Module):
+    """Hand-written norms calling the functional forms, parameters passed by keyword, one
+    with a frozen bias and one RMS norm."""
+
+    def __init__(self, d: int = 6, c: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.w1, self.b1 = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.randn(d))
+        self.w2 = nn.Parameter(torch.rand(d) + 0.5)
+        self.g = nn.Parameter(torch.rand(d) + 0.5)
+        self.frozen = nn.Parameter(torch.randn(d), requires_grad=False)
+        self.w3 = nn.Parameter(torch.randn(c, d) * 0.3)
+        self.b3 = nn.Parameter(torch.randn(c))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.layer_norm(self.inp(x), (x.shape[-1] + 1,), weight=self.w1, bias=self.b1)
+        h = F.layer_norm(torch.tanh(h), h.shape[-1:], self.w2, self.frozen, 1e-5)
+        h = F.rms_norm(torch.tanh(h), (h.shape[-1],), weight=self.g, eps=1e-6)
+        return F.linear(h, weight=self.w3, bias=self.b3).mean(1)
+
+
+class GroupNormed(nn.Module):
+    def __init__(self, c: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, c, 2)
+        self.w, self.b = nn.Parameter(torch.rand(c) + 0.5), nn.Parameter(torch.randn(c))
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.group_norm(self.conv(x), 2, self.w, self.b)
+        return self.head(torch.tanh(h).mean((2, 3)))
+
+
+MODELS = {
+    "tokens": (PatchTokens, (N, 3, 5)),
+    "convnext-like": (ConvNet, (N, 2, 5, 5)),
+    "keyword-norms": (KeywordNorms, (N, 2, 5)),
+    "group-norm": (GroupNormed, (N, 2, 4, 4)),
+}
+
+
+def _setup(name: str):
+    torch.manual_seed(0)
+    make, shape = MODELS[name]
+    model = make().to(DT)
+    x = torch.randn(*shape, dtype=DT)
+    y = torch.randint(0, 3, (N,))
+    return model, x, y, nn.CrossEntropyLoss()
+
+
+@pytest.mark.parametrize("name", ["tokens", "convnext-like", "group-norm"])
+def test_first_order_without_fallback(name: str) -> None:
+    """Every parameter's first-order quantities against ``∇(ℓₙ/N)``; no module or operation
+    announces the generic fallback."""
+    model, x, y, lf = _setup(name)
+    ref = per_sample_grads(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+            lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
+
+
+def test_keyword_and_frozen_parameters_first_order() -> None:
+    """``F.layer_norm(..., weight=, bias=)``, ``F.rms_norm(..., weight=)``,
+    ``F.linear(h, weight=, bias=)`` and a frozen bias: the closed forms (no fallback)."""
+    model, x, y, lf = _setup("keyword-norms")
+    ref = per_sample_grads(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+            lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    assert model.frozen.grad is None and not hasattr(model.frozen, "grad_batch")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diag_ggn_exact(name: str) -> None:
+    model, x, y, lf = _setup(name)
+    ref = diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with collect(DiagGGNExact()):
+        lf(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], rtol=1e-9, atol=1e-12)
+
+
+class ShiftScale(nn.Module):
+    """A container whose own parameters enter linearly after the last nonlinearity:
+    ``head(tanh(lin(x)) * a + b + 2·c)`` — the exact Hessian diagonal is built from columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.a = nn.Parameter(torch.rand(4) + 0.5)
+        self.b = nn.Parameter(torch.randn(4))
+        self.c = nn.Parameter(torch.randn(1, 4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.lin(x)) * self.a + self.b + 2 * self.c)
+
+
+def test_diag_hessian_through_released_linear_uses() -> None:
+    torch.manual_seed(3)
+    model = ShiftScale().to(DT)
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref = split(torch.diagonal(loss_hessian(model, lf, x, y)), model)
+    extend(model)
+    lf = extend(lf)
+    with collect(DiagHessian()):
+        lf(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-9, atol=1e-12)
+
+
+def test_kronecker_factors_of_released_uses() -> None:
+    """KFLR on the ConvNeXt-like net: Kronecker pairs for every Conv/Linear weight (one per
+    group for the depthwise one), the single diagonal factor for the norm's and the layer
+    scale's parameters — equal to the exact GGN diagonal."""
+    model, x, y, lf = _setup("convnext-like")
+    ref = diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with collect(KFLR()):
+        lf(model(x), y).backward()
+    params = dict(model.named_parameters())
+    assert [f.shape for f in params["block.dw.weight"].kflr] == [(4, 1, 1), (4, 9, 9)]
+    assert [f.shape for f in params["stem.weight"].kflr] == [(4, 4), (8, 8)]
+    assert [f.shape for f in params["head.weight"].kflr] == [(3, 3), (4, 4)]
+    for k in ("block.norm.weight", "block.norm.bias", "block.gamma"):
+        (d,) = params[k].kflr
+        torch.testing.assert_close(d, torch.diag(ref[k].reshape(-1)), rtol=1e-9, atol=1e-12)
+
+
+def test_released_forwards_keep_the_mode_outside_collect() -> None:
+    """A container whose parameters are released needs the forward mode: its later forwards
+    outside ``collect`` (BackPACK's ``loss = ...; with backpack(...): loss.backward()``)
+    attribute the same way as the first (train-mode dropout after the use included)."""
+
+    class Dropped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3))
+            self.drop = nn.Dropout(0.5)
+            self.head = nn.Linear(3, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.drop(x @ self.w))
+
+    torch.manual_seed(4)
+    model, lf = extend(Dropped().to(DT)), extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
+    for _ in range(3):
+        model.zero_grad()
+        loss = lf(model(x), y)
+        with collect(BatchGrad()):
+            loss.backward()
+        torch.testing.assert_close(model.w.grad_batch.sum(0), model.w.grad)
