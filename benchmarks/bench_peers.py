@@ -12,6 +12,10 @@ Usage::
 Problems: ``transformer`` and ``resnet18`` from ``problems.py`` and ``gpt2``, a GPT-2-shaped
 decoder from a Hugging Face ``GPT2Config`` (2 layers, 4 heads, d = 64, T = 32, 2048-token
 vocabulary, head tied to the token embedding, next-token cross-entropy over ``[N, V, T]``).
+Not in the default list (``--problems timm_resnet18 timm_convnext timm_vit``): timm models from
+``timm.create_model(name, pretrained=False, num_classes=10)`` in eval mode on 3×32×32 inputs —
+``resnet18``, ``convnext_atto`` and ``vit_tiny_patch16_224`` with ``img_size=32, patch_size=4``
+(:func:`import_timm` first makes a CUDA torchvision build importable beside a CPU torch).
 
 Configurations (each on its own copy of the model, same weights and data):
 
@@ -105,10 +109,45 @@ def gpt2(n: int, seq: int = 32, vocab: int = 2048, d: int = 64, layers: int = 2,
     return model, nn.CrossEntropyLoss(), X, y
 
 
+def import_timm() -> types.ModuleType:
+    """``import timm``. Beside the CPU torch wheel pip installs torchvision's CUDA build, whose
+    ``_meta_registrations`` fails at import (``operator torchvision::nms does not exist``: the
+    detection ops' C extension did not load). No timm model uses those ops, so an empty
+    stand-in replaces that module (as in ``tests/conftest.py``)."""
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        stub = "torchvision._meta_registrations"
+        sys.modules[stub] = types.ModuleType(stub)
+    except ImportError:
+        pass
+    import timm
+
+    return timm
+
+
+#: ``--problems`` name → (timm model name, extra ``create_model`` arguments)
+TIMM = {
+    "timm_resnet18": ("resnet18", {}),
+    "timm_convnext": ("convnext_atto", {}),
+    "timm_vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4}),
+}
+
+
+def timm_problem(name: str, n: int):
+    arch, kwargs = TIMM[name]
+    model = import_timm().create_model(arch, pretrained=False, num_classes=10, **kwargs).eval()
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
 def make_problem(name: str, n: int):
     torch.manual_seed(0)
     if name == "gpt2":
         return gpt2(n)
+    if name in TIMM:
+        return timm_problem(name, n)
     return build(name, n)
 
 
@@ -130,6 +169,10 @@ def _contiguous_positions(model: nn.Module) -> None:
 
 
 # -- runners -------------------------------------------------------------------------------------
+class NotApplicable(Exception):
+    """A configuration that does not apply to a problem (the row's note gives the reason)."""
+
+
 class Runner:
     def __init__(self, run: Callable[[], None], clear: Callable[[], None]) -> None:
         self.run, self.clear = run, clear
@@ -265,7 +308,7 @@ def make_runner(problem: str, tool: str, method: str, n: int) -> Runner | None:
 
         if method == "KFAC (Linear/Conv)":
             if problem == "gpt2":
-                return None  # Conv1D: no curvlinops KFAC
+                raise NotApplicable("curvlinops' KFAC has no Hugging Face Conv1D")
             params = _freeze_except_linear_conv(model)
 
             def run() -> None:
@@ -365,14 +408,15 @@ def bench(problem: str, n: int, repeats: int, generic: bool, memory: bool) -> li
     peaks = measure_memory(runners) if memory else {}
     del runners
     gc.collect()
-    plain = med[("plain", "step")]
+    plain = med.get(("plain", "step"))  # None: the problem itself failed (see the notes)
     base = peaks.get(("plain", "step"))
     rows = []
     for key in configurations(problem, generic):
         peak = peaks.get(key)
         rows.append({
             "problem": problem, "tool": key[0], "method": key[1], "n": n,
-            "seconds": med.get(key), "ratio": med[key] / plain if key in med else None,
+            "seconds": med.get(key),
+            "ratio": med[key] / plain if key in med and plain else None,
             "mib": mib(peak - base) if peak is not None and base is not None else None,
             "peak_mib": mib(peak),
             "error": errors.get(key),
@@ -412,6 +456,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         plain = rows[0]["seconds"]
         peak = rows[0]["peak_mib"]
+        if plain is None:
+            print(f"\n{problem}: {rows[0]['error']}")
+            continue
         print(f"\n{problem} (plain step {plain:.3f} s"
               + (f", peak {peak:.0f} MiB)" if peak is not None else ")"))
         print(f"  {'tool':<18} {'method':<24} {'ratio':>7} {'target':>7} {'+MiB':>7}")
@@ -438,10 +485,11 @@ def _print_markdown(rows: list[dict], settings: str, memory: bool) -> None:
     table = []
     for r in rows:
         if r["tool"] == "plain" and r["method"] == "step":
-            cells = [r["problem"], "*plain step*", "", f"{r['seconds']:.3f} s", ""]
+            secs = f"{r['seconds']:.3f} s" if r["seconds"] is not None else None
+            cells = [r["problem"], "*plain step*", "", secs, ""]
             peak = r["peak_mib"]
             cells += [mib_cell(peak, " peak")] if memory else []
-            table.append([*cells, ""])
+            table.append([*cells, r["error"] or ""])
             continue
         target = TARGETS.get(r["method"]) if r["tool"] == "backprism" else None
         cells = [

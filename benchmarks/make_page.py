@@ -162,10 +162,13 @@ NOT_INSTALLED = {
 
 def _missing() -> list[str]:
     """The optional tools that cannot be imported here (their rows are left out)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from bench_peers import import_timm
+
     out = []
     for module, what in NOT_INSTALLED.items():
         try:
-            __import__(module)
+            import_timm() if module == "timm" else __import__(module)
         except Exception:
             out.append(what)
     return out

@@ -5,16 +5,56 @@ thread count.
 (the ids read ``test_x[cpu-...]`` / ``test_x[cuda-...]``). ``BACKPRISM_TEST_DEVICES`` (a comma
 separated list, e.g. ``cuda:1`` or ``cpu,mps``) replaces that list; a listed device that is not
 available is skipped.
+
+At import it also makes ``torchvision`` importable where the installed wheel does not match the
+CPU ``torch`` (:func:`_importable_torchvision`), so that ``transformers`` and ``timm`` load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import os
+import sys
+import types
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("BACKPRISM_TEST_THREADS", "1")))
+
+
+def _importable_torchvision() -> None:
+    """Make ``import torchvision`` work beside a CPU ``torch`` wheel.
+
+    ``scripts/setup.sh`` pins the CPU wheel of torch; pip then resolves ``torchvision`` (pulled in
+    by ``timm``) to the PyPI wheel of the matching version, which is a CUDA build. Its C extension
+    cannot load beside the CPU torch, so the detection operators (``torchvision::nms`` & co.) are
+    never registered, and ``torchvision/_meta_registrations.py`` then fails at import with
+    ``RuntimeError: operator torchvision::nms does not exist`` while registering fake kernels for
+    them. ``transformers`` imports torchvision whenever it is installed, so that error breaks it
+    too. No model in the tests uses those operators: after such a failure, drop the partially
+    imported ``torchvision*`` modules, put an empty stand-in for ``torchvision._meta_registrations``
+    in ``sys.modules`` and import again. Any further failure is left alone (tests that need
+    torchvision, timm or transformers then skip at ``pytest.importorskip``)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        importlib.import_module("torchvision")
+    except RuntimeError:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType(
+            "torchvision._meta_registrations"
+        )
+        with contextlib.suppress(Exception):
+            importlib.import_module("torchvision")
+    except Exception:
+        pass
+
+
+_importable_torchvision()
 
 
 def _available(name: str) -> bool:

@@ -1,0 +1,367 @@
+"""timm models built from small random-init configs (no downloads), float64, ``N = 3``, called as
+their documentation shows (``model(x)`` → logits): a ResNet (BatchNorm, residual 1×1-conv
+downsampling, max-pool), a ConvNeXt (depthwise 7×7 convs, timm's ``LayerNorm2d`` and
+channels-last ``LayerNorm``, the layer-scale ``gamma`` used directly in ``ConvNeXtBlock.forward``)
+and ViTs (``cls_token`` and ``pos_embed`` used directly in ``VisionTransformer``'s forward; one
+with ``LayerScale``, one without class token and with average pooling).
+
+References are dense float64 ones from the definitions (``tests/reference.py``, torch.func /
+autograd, never backprism): per-sample gradients (``per_sample_grads``), GGN diagonals
+(``batch_diag_ggn_loop``: ``Jₙᵀ (∂²L/∂fₙ²) Jₙ`` per sample — ``diag_ggn`` builds the dense
+``[N, N, P, P]`` GGN, 1.3 GB for the ConvNeXt), the exact Hessian diagonal (Hessian-vector
+products with the basis vectors, :func:`hessian_diagonal`), the Kronecker input factors from the
+layers' (unfolded) inputs, and the whole-batch GGN of the ResNet in train mode.
+
+The ResNet uses timm's deep stem (``stem_type="deep", stem_width=2``): the default stem is a
+64-channel 7×7 convolution whatever ``channels`` says (9408 of 15781 parameters), which makes the
+dense Hessian diagonal take ~50 s. Norm scales, biases, layer scales, ``cls_token``,
+``pos_embed`` and BatchNorm's running statistics are drawn away from their initial values (timm
+zero-initialises the last BatchNorm of each ResNet block and sets ``gamma`` to 1e-6).
+
+Skipped where timm cannot be imported (``tests/conftest.py`` repairs the usual torchvision
+import failure of a CPU torch beside a CUDA torchvision build first).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jacrev, jvp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from backprism import collect, extend
+from backprism.engine.rule import get_rule
+from backprism.extensions import (
+    KFAC,
+    KFLR,
+    BatchDiagGGNExact,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagHessian,
+    SumGradSquared,
+    Variance,
+)
+from backprism.rules.generic import GenericRule
+
+try:
+    timm = pytest.importorskip("timm")
+except RuntimeError as err:  # a torchvision import that conftest could not repair
+    pytest.skip(f"timm cannot be imported: {err}", allow_module_level=True)
+
+from timm.models.convnext import ConvNeXt
+from timm.models.resnet import BasicBlock, ResNet
+from timm.models.vision_transformer import VisionTransformer
+
+from tests.common import assert_first_order
+from tests.reference import batch_diag_ggn_loop, per_sample_grads
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:There is a performance drop"),
+    pytest.mark.filterwarnings("ignore:backprism. no closed-form rule"),
+]
+
+DT = torch.float64
+TOL = {"rtol": 1e-8, "atol": 1e-10}
+N = 3
+C = 5
+
+
+def resnet() -> tuple[nn.Module, tuple[int, ...]]:
+    model = ResNet(
+        BasicBlock, [1, 1, 1, 1], channels=(4, 8, 8, 8), num_classes=C, stem_type="deep",
+        stem_width=2,
+    )
+    return model, (3, 16, 16)
+
+
+def convnext() -> tuple[nn.Module, tuple[int, ...]]:
+    return ConvNeXt(depths=(1, 1, 1, 1), dims=(4, 8, 8, 8), num_classes=C), (3, 32, 32)
+
+
+def _vit(**kw: Any) -> tuple[nn.Module, tuple[int, ...]]:
+    model = VisionTransformer(
+        img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, num_classes=C, **kw
+    )
+    return model, (3, 8, 8)
+
+
+MODELS = {
+    "resnet": resnet,
+    "convnext": convnext,
+    "vit": _vit,
+    "vit_layerscale": lambda: _vit(init_values=1e-1),
+    "vit_avgpool": lambda: _vit(class_token=False, global_pool="avg"),
+}
+VITS = ["vit", "vit_layerscale", "vit_avgpool"]
+
+
+def _nontrivial(model: nn.Module) -> None:
+    """Norm scales and layer scales in ``[0.5, 1.5]``, biases in ``[-0.5, 0.5]``, ``cls_token``
+    and ``pos_embed`` ``~ N(0, 0.5²)``, BatchNorm running statistics away from ``(0, 1)``."""
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                mod.running_mean.normal_(0.0, 0.1)
+                mod.running_var.uniform_(0.5, 1.5)
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.ndim == 1 and leaf in ("weight", "gamma"):
+                p.uniform_(0.5, 1.5)
+            elif leaf == "bias":
+                p.uniform_(-0.5, 0.5)
+            elif leaf in ("cls_token", "pos_embed"):
+                p.normal_(0.0, 0.5)
+
+
+def setup(name: str) -> tuple[nn.Module, Tensor, Tensor]:
+    """``model`` (float64, eval mode), inputs ``x`` and labels ``y``."""
+    torch.manual_seed(0)
+    model, shape = MODELS[name]()
+    model = model.to(DT).eval()
+    _nontrivial(model)
+    return model, torch.randn(N, *shape, dtype=DT), torch.randint(0, C, (N,))
+
+
+def _run(model: nn.Module, x: Tensor, y: Tensor, *exts: Any) -> None:
+    """``extend`` the model and a cross-entropy loss; one forward and backward in ``collect``."""
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    with collect(*exts):
+        lossfunc(model(x), y).backward()
+
+
+# ------------------------------------------------------------------------------------ references
+def diag_ggn_reference(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """``{name: [N, *p]}`` per-sample GGN diagonals (their sum is the GGN diagonal)."""
+    return batch_diag_ggn_loop(model, nn.CrossEntropyLoss(), x, y)
+
+
+def hessian_diagonal(model: nn.Module, x: Tensor, y: Tensor, chunk: int = 512) -> dict[str, Tensor]:
+    """``{name: p-shaped}`` diagonal of the exact Hessian of the mini-batch loss w.r.t. all
+    parameters: ``Hᵢᵢ = eᵢᵀ H eᵢ`` from forward-over-reverse Hessian-vector products
+    ``jvp(grad L, eᵢ)`` over the flattened parameters, ``vmap``-ped over chunks of basis
+    vectors. Attention runs on SDPA's math kernel (the fused CPU kernel has no forward-mode
+    derivative)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    names = list(params)
+    shapes = [params[k].shape for k in names]
+    sizes = [params[k].numel() for k in names]
+    flat = torch.cat([params[k].reshape(-1) for k in names])
+    buffers = dict(model.named_buffers())
+    lossfunc = nn.CrossEntropyLoss()
+
+    def loss(theta: Tensor) -> Tensor:
+        p = {k: t.reshape(s) for k, t, s in zip(names, torch.split(theta, sizes), shapes)}
+        return lossfunc(functional_call(model, {**p, **buffers}, (x,)), y)
+
+    def hvp(v: Tensor) -> Tensor:
+        return jvp(grad(loss), (flat,), (v,))[1]
+
+    out = []
+    with sdpa_kernel(SDPBackend.MATH):
+        for start in range(0, flat.numel(), chunk):
+            idx = torch.arange(start, min(start + chunk, flat.numel()))
+            basis = torch.zeros(len(idx), flat.numel(), dtype=DT)
+            basis[torch.arange(len(idx)), idx] = 1.0
+            out.append(vmap(hvp)(basis)[torch.arange(len(idx)), idx])
+    diag = torch.cat(out)
+    return {k: t.reshape(s) for k, t, s in zip(names, torch.split(diag, sizes), shapes)}
+
+
+def whole_batch_diag_ggn(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """``{name: p-shaped}`` diagonal of ``Jᵀ (∇²_f L) J`` with ``J`` the Jacobian of the whole
+    batch's outputs in train mode (BatchNorm with batch statistics; on a copy whose running
+    statistics are removed so that nothing is updated)."""
+    ref = copy.deepcopy(model).train()
+    for m in ref.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.track_running_stats = False
+            m.running_mean = m.running_var = m.num_batches_tracked = None
+    params = {k: p.detach() for k, p in ref.named_parameters()}
+
+    def f(p: dict[str, Tensor]) -> Tensor:
+        return functional_call(ref, p, (x,))
+
+    out = f(params)
+    H = torch.func.hessian(lambda o: nn.CrossEntropyLoss()(o, y))(out)
+    H = H.reshape(out.numel(), out.numel())
+    jac = jacrev(f)(params)
+    result = {}
+    for k, p in params.items():
+        J = jac[k].reshape(out.numel(), -1)
+        result[k] = torch.einsum("op,oq,qp->p", J, H, J).reshape(p.shape)
+    return result
+
+
+def kronecker_layout(model: nn.Module) -> dict[str, tuple[nn.Module, str, list[tuple[int, ...]]]]:
+    """``{name: (module, kind, factor shapes)}``: ``kind`` is ``"weight"`` for Conv/Linear
+    weights (``[B, A]``, with a leading group axis for grouped convolutions:
+    ``[(G, O/G, O/G), (G, I/G·k, I/G·k)]``), ``"bias"`` for their biases (``[B]``, the exact
+    GGN block for KFLR) and ``"diagonal"`` for every other parameter (the single factor
+    ``[diag(GGN diagonal)]``, ``[P, P]``)."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            key = f"{mod_name}.{pname}" if mod_name else pname
+            layer = isinstance(mod, (nn.Linear, nn.Conv2d))
+            if layer and pname == "weight":
+                o, i, g = p.shape[0], p[0].numel(), getattr(mod, "groups", 1)
+                shapes = [(o, o), (i, i)] if g == 1 else [(g, o // g, o // g), (g, i, i)]
+                out[key] = (mod, "weight", shapes)
+            else:
+                kind = "bias" if layer else "diagonal"
+                out[key] = (mod, kind, [(p.numel(), p.numel())])
+    return out
+
+
+def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
+    """The Kronecker input factors ``A = (1/N) Σₙ Σₜ uₙₜ uₙₜᵀ`` of every Conv/Linear layer from
+    its inputs in a plain forward (``u``: the unfolded patch of one output position of a
+    group for a convolution, the feature vector of one position for a Linear layer)."""
+    inputs: dict[nn.Module, Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda m, args, out: inputs.__setitem__(m, args[0].detach()))
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+    ]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for m, inp in inputs.items():
+        if isinstance(m, nn.Linear):
+            u = inp.reshape(-1, inp.shape[-1])
+            out[m] = u.T @ u / N
+        else:
+            assert isinstance(m.padding, tuple) and m.padding_mode == "zeros"
+            cols = F.unfold(inp, m.kernel_size, m.dilation, m.padding, m.stride)  # [N, I·k, T]
+            cols = cols.reshape(N, m.groups, -1, cols.shape[-1])  # [N, G, I/G·k, T]
+            A = torch.einsum("ngit,ngjt->gij", cols, cols) / N
+            out[m] = A[0] if m.groups == 1 else A
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("name", list(MODELS))
+def test_first_order(name: str) -> None:
+    """BatchGrad, BatchL2Grad, SumGradSquared, Variance and ``Σₙ grad_batch = .grad``."""
+    model, x, y = setup(name)
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    _run(model, x, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diag_ggn_exact(name: str) -> None:
+    model, x, y = setup(name)
+    ref = diag_ggn_reference(model, x, y)
+    _run(model, x, y, DiagGGNExact(), BatchDiagGGNExact())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k].sum(0), **TOL, msg=k)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, ref[k], **TOL, msg=k)
+
+
+def test_diag_hessian_resnet() -> None:
+    model, x, y = setup("resnet")
+    ref = hessian_diagonal(model, x, y)
+    _run(model, x, y, DiagHessian())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
+
+
+@pytest.mark.parametrize("name", ["convnext", *VITS])
+def test_diag_hessian_refused_through_layer_norm(name: str) -> None:
+    """LayerNorm (timm's ``LayerNorm2d`` too) lies between the parameters and the loss: its
+    Hessian term is not an elementwise residual, so the exact diagonal is refused before
+    anything is written, naming the operation and the extensions that work."""
+    model, x, y = setup(name)
+    with pytest.raises(RuntimeError, match=r"layer_norm|nonlinearly") as err:
+        _run(model, x, y, DiagHessian())
+    assert "HutchinsonDiagHessian" in str(err.value)
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool"])
+def test_no_generic_rule_for_convnext_and_vit(name: str, monkeypatch) -> None:
+    """ConvNeXt's ``LayerNorm2d`` (an overriding ``nn.LayerNorm`` subclass) and the parameters
+    its blocks and the ViT use directly (``gamma``, ``cls_token``, ``pos_embed``) are attributed
+    where they enter, in closed form: no generic-rule warning (shown once per type and
+    process, so the record of earlier warnings is emptied first)."""
+    from backprism.rules import generic
+
+    monkeypatch.setattr(generic, "_ANNOUNCED", set())
+    GenericRuleWarning = generic.GenericRuleWarning
+    model, x, y = setup(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenericRuleWarning)
+        _run(model, x, y, BatchL2Grad())
+
+
+@pytest.mark.parametrize("ext", [KFLR, KFAC])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kronecker(name: str, ext: type) -> None:
+    """Every Conv/Linear weight has ``[B, A]`` (per-group factors with a leading group axis for
+    the depthwise convolutions) with ``A`` from its inputs; biases and elementwise parameters
+    (norm scales and shifts, ``gamma``, ``cls_token``, ``pos_embed``) the single-factor form.
+    KFLR: ``diag B`` of a layer (of its weight and bias alike) is the GGN diagonal of its bias,
+    and the single factor of a parameter without Kronecker structure is ``diag(GGN diagonal)``."""
+    model, x, y = setup(name)
+    ggn = {k: v.sum(0) for k, v in diag_ggn_reference(model, x, y).items()}
+    inputs = input_factors(model, x)
+    layout = kronecker_layout(model)
+    torch.manual_seed(1)
+    _run(model, x, y, ext())
+    field = ext().savefield
+    biases = {id(m): k for k, (m, kind, _) in layout.items() if kind == "bias"}
+    for k, p in model.named_parameters():
+        module, kind, shapes = layout[k]
+        factors = getattr(p, field)
+        assert [tuple(f.shape) for f in factors] == shapes, k
+        if kind == "weight":
+            torch.testing.assert_close(factors[1], inputs[module], **TOL, msg=k)
+        if ext is not KFLR:
+            continue
+        if kind == "diagonal":
+            torch.testing.assert_close(factors[0], torch.diag(ggn[k].reshape(-1)), **TOL, msg=k)
+        elif id(module) in biases:  # the bias's [B] is its exact GGN block; a weight shares B
+            diag_b = torch.diagonal(factors[0], dim1=-2, dim2=-1).reshape(-1)
+            torch.testing.assert_close(diag_b, ggn[biases[id(module)]], **TOL, msg=k)
+
+
+def test_resnet_train_mode_whole_batch() -> None:
+    """BatchNorm with batch statistics: ``DiagGGNExact`` is the diagonal of the whole batch's
+    GGN; per-sample quantities are refused with a clear error before anything is written."""
+    model, x, y = setup("resnet")
+    model.train()
+    ref = whole_batch_diag_ggn(model, x, y)
+    _run(model, x, y, DiagGGNExact())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **TOL, msg=k)
+    model.zero_grad(set_to_none=True)
+    for ext in (BatchGrad, Variance, BatchDiagGGNExact):
+        with pytest.raises(RuntimeError, match=r"train mode mixes the samples.*model\.eval\(\)"):
+            _run(model, x, y, ext())
+        for p in model.parameters():
+            assert p.grad is None and not hasattr(p, ext().savefield)
+
+
+def test_resnet_uses_closed_form_rules_only() -> None:
+    """Every layer of the ResNet (Conv2d, BatchNorm2d, Linear) has a closed-form rule: no
+    warning about the generic ``torch.func`` rule."""
+    model, x, y = setup("resnet")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(model, x, y, BatchL2Grad())
+    generic = [str(w.message) for w in caught if "generic torch.func rule" in str(w.message)]
+    assert not generic, generic
+    # the warning is shown once per module type and process: the rules themselves, too
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    assert not [type(m).__name__ for m in owners if type(get_rule(m)) is GenericRule]
