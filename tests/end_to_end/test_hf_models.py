@@ -1,6 +1,14 @@
 """Hugging Face models built from small random-init configs, called as their documentation
 shows (``model(input_ids).logits``, ``model(pixel_values).logits``): per-sample results against
-dense float64 ``torch.func`` references. Skipped where ``transformers`` is not installed."""
+dense float64 ``torch.func`` references. Skipped where ``transformers`` is not installed.
+
+Every extension that applies, on GPT-2 (tied head, ``Conv1D``), BERT, ViT and Llama (RMSNorm,
+rotary embeddings, grouped-query attention): first order, ``DiagGGNExact`` and its per-sample
+``BatchDiagGGNExact``, ``SqrtGGNExact`` (``Σₖ Vₖ² = diag(G)``), ``GGNMP`` against the dense
+GGN, ``BatchDotGrad``, ``KFLR`` (Kronecker pairs for every Linear-like and embedding weight,
+the exact GGN diagonal as the single factor of the rest), ``DiagGGNMC`` within its standard
+error, and ``DiagHessian``'s clear refusal (LayerNorm/RMSNorm and softmax lie between the
+parameters and the loss)."""
 
 from __future__ import annotations
 
@@ -11,15 +19,31 @@ import torch
 from torch import Tensor, nn
 
 from backprism import collect, extend
-from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from backprism.extensions import (
+    GGNMP,
+    KFLR,
+    BatchDiagGGNExact,
+    BatchDotGrad,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
 
 transformers = pytest.importorskip("transformers")
 
 from tests.common import assert_first_order  # noqa: E402
-from tests.reference import diag_ggn, per_sample_grads  # noqa: E402
+from tests.reference import diag_ggn, ggn, per_sample_grads  # noqa: E402
 
 DT = torch.float64
 TOL = {"rtol": 1e-8, "atol": 1e-10}
+#: Llama's RMSNorm normalises in float32 (``hidden_states.to(torch.float32)``) also in a
+#: float64 model: curvature (squares of those rounded values) agrees to float32's precision
+LOOSE = {"rtol": 1e-5, "atol": 1e-7}
 N = 3
 
 
@@ -118,13 +142,103 @@ def test_first_order(name: str):
     assert_first_order(Logits(model), ref, **TOL)
 
 
-@pytest.mark.parametrize("name", ["bert", "vit"])
-def test_diag_ggn_exact(name: str):
-    model, x, y, _ = _setup(name)
-    ref = diag_ggn(Logits(model), nn.CrossEntropyLoss(), x, y)
+def _backward(model: nn.Module, x: Tensor, y: Tensor, kind: str, *exts) -> None:
     ce = extend(nn.CrossEntropyLoss())
     extend(model)
-    with collect(DiagGGNExact()):
-        ce(model(x).logits, y).backward()
-    for k, p in Logits(model).named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **TOL)
+    with collect(*exts):
+        logits = model(x).logits
+        (ce(logits.transpose(1, 2), y) if kind == "lm" else ce(logits, y)).backward()
+
+
+def _trainable(model: nn.Module):
+    return [(k, p) for k, p in Logits(model).named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diag_ggn_exact_and_square_root(name: str):
+    """``diag_ggn_exact``, ``Σₙ diag_ggn_exact_batch`` and ``Σₖ sqrt_ggn_exact²`` all equal the
+    diagonal of the dense GGN."""
+    model, x, y, kind = _setup(name)
+    ref = diag_ggn(Logits(model), _loss(kind), x, y)
+    _backward(model, x, y, kind, DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact())
+    tol = LOOSE if name == "llama" else TOL
+    for k, p in _trainable(model):
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **tol)
+        torch.testing.assert_close(p.diag_ggn_exact_batch.sum(0), ref[k], **tol)
+        torch.testing.assert_close(p.sqrt_ggn_exact.square().sum((0, 1)), ref[k], **tol)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_ggn_vector_products_and_batch_dot(name: str):
+    """``GGNMP`` applied to random vectors against the dense GGN's blocks; ``BatchDotGrad``
+    against the per-sample gradients' Gram matrix."""
+    model, x, y, kind = _setup(name)
+    G = ggn(Logits(model), _loss(kind), x, y)
+    grads = per_sample_grads(Logits(model), _loss(kind), x, y)
+    _backward(model, x, y, kind, GGNMP(), BatchDotGrad())
+    tol = LOOSE if name == "llama" else TOL
+    offset = 0
+    for k, p in _trainable(model):
+        size = p.numel()
+        block = G[offset : offset + size, offset : offset + size]
+        offset += size
+        v = torch.randn(2, *p.shape, dtype=DT, generator=torch.Generator().manual_seed(offset))
+        got = p.ggnmp(v)
+        want = (block @ v.reshape(2, -1).T).T.reshape(v.shape)
+        torch.testing.assert_close(got, want, **tol)
+        flat = grads[k].flatten(1)
+        torch.testing.assert_close(p.batch_dot, flat @ flat.T, **TOL)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kflr_factors(name: str):
+    """Every Linear-like weight (``nn.Linear``, GPT-2's ``Conv1D``) and embedding gets a
+    Kronecker pair; every other parameter (norm scales and shifts, biases aside) one factor,
+    the exact GGN diagonal — nothing is refused."""
+    model, x, y, kind = _setup(name)
+    ref = diag_ggn(Logits(model), _loss(kind), x, y)
+    _backward(model, x, y, kind, KFLR())
+    tol = LOOSE if name == "llama" else TOL
+    modules = dict(Logits(model).named_modules())
+    for k, p in _trainable(model):
+        owner = modules[k.rsplit(".", 1)[0]]
+        factors = p.kflr
+        kronecker = type(owner).__name__ in ("Linear", "Conv1D", "Conv2d", "Embedding") and (
+            p.dim() >= 2
+        )
+        if kronecker:
+            assert len(factors) == 2, k
+            assert factors[0].shape[0] * factors[1].shape[0] == p.numel(), k
+        elif p.dim() == 1 and k.endswith("bias") and type(owner).__name__ != "LayerNorm":
+            (b,) = factors  # a Linear-like bias: its exact GGN block
+            torch.testing.assert_close(torch.diagonal(b), ref[k], **tol)
+        else:
+            (d,) = factors
+            torch.testing.assert_close(d, torch.diag(ref[k].reshape(-1)), **tol)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_diag_ggn_mc_within_its_standard_error(name: str):
+    """``DiagGGNMC`` with many samples within six standard errors of the exact diagonal."""
+    model, x, y, kind = _setup(name)
+    ref = diag_ggn(Logits(model), _loss(kind), x, y)
+    torch.manual_seed(1)
+    draws = []
+    for _ in range(8):
+        model.zero_grad()
+        _backward(model, x, y, kind, DiagGGNMC(mc_samples=64))
+        draws.append(torch.cat([p.diag_ggn_mc.flatten() for _, p in _trainable(model)]))
+    d = torch.stack(draws)
+    want = torch.cat([ref[k].flatten() for k, _ in _trainable(model)])
+    se = d.std(0) / 8**0.5
+    assert ((d.mean(0) - want).abs() <= 6 * se + 1e-9).all()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diag_hessian_is_refused_clearly(name: str):
+    """The exact Hessian diagonal cannot be built from columns through LayerNorm/RMSNorm:
+    refused before anything is written, pointing at the GGN and Hutchinson extensions."""
+    model, x, y, kind = _setup(name)
+    with pytest.raises(RuntimeError, match=r"DiagGGNExact|HutchinsonDiagHessian"):
+        _backward(model, x, y, kind, DiagHessian())
+    assert all(p.grad is None for p in model.parameters())
