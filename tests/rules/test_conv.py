@@ -247,6 +247,19 @@ def test_conv_per_sample_paths(grouped: bool, case: dict) -> None:
             _check_case(case)
 
 
+@pytest.mark.parametrize("pairs", [True, False])
+@settings(max_examples=15, deadline=None)
+@given(case=st.one_of(conv_case(transpose=False), conv_case(transpose=True)))
+def test_sum_squared_paths(pairs: bool, case: dict) -> None:
+    """``Σ V²`` by pairs of output positions and by materialising ``V`` (the choice between
+    them is a speed heuristic, :func:`~backprism.rules.unfold.pair_form_cheaper`), also in
+    sample chunks."""
+    with mock.patch("backprism.rules.unfold.pair_form_cheaper", lambda m, length: pairs):
+        _check_case(case)
+        with mock.patch("backprism.rules.unfold.CHUNK_ELEMENTS", 20):
+            _check_case(case)
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=conv_case(transpose=True))
 def test_conv_transpose_rule_methods(case: dict) -> None:

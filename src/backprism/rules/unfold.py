@@ -143,6 +143,16 @@ class _UnfoldCache:
         self._v[call] = (weakref.ref(g), v)
 
 
+def pair_form_cheaper(m: int, length: int) -> bool:
+    """Whether ``Σ_{m,n} V_{mn}²`` is cheaper by pairs of output positions
+    (:meth:`UnfoldRule._squares_by_pairs`: one product over ``N·L(L+1)/2`` terms, no ``V``)
+    than by materialising ``V`` (``M·L`` multiply-adds per entry of ``[M, N, O, I]`` plus
+    memory-bound squares and sums, weighted as four more): ``L(L+1)/2 < M (L + 4)``. Few
+    positions (the last stages of a ResNet on small images: ``L = 1``, ``4``) or many
+    columns (exact curvature) favour the pairs."""
+    return length * (length + 1) < 2 * m * (length + 4)
+
+
 def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
     step = max(1, CHUNK_ELEMENTS // max(1, per_sample))
     for start in range(0, n, step):
@@ -275,7 +285,9 @@ class UnfoldRule(Rule):
                 sq = sq * weights.reshape(weights.shape + (1,) * (sq.dim() - 2))
             return sq.sum(0) if keep_batch else sq.sum((0, 1))
         g5 = self._g(call, g)
-        m, n, grp, o, _ = g5.shape
+        m, n, grp, o, length = g5.shape
+        if not keep_batch and pair_form_cheaper(m, length):
+            return self.to_param(call, self._squares_by_pairs(call, g5, weights))
         per = m * grp * o * self._in_features(call)
         parts: list[Tensor] = []
         total: Tensor | None = None
@@ -300,6 +312,38 @@ class UnfoldRule(Rule):
         res = torch.cat(parts) if keep_batch else total
         assert res is not None
         return self.to_param(call, res.reshape(*res.shape[:-1], grp, o, -1))
+
+    def _squares_by_pairs(self, call: Call, g5: Tensor, weights: Tensor | None) -> Tensor:
+        r"""``Σ_{m,n} w_{mn} V_{mn}²`` (``[G, O, I]``) without materialising ``V``: with
+        ``V_{mn}[o, i] = Σ_l g_{mnol} X_{nil}``,
+
+        .. math:: Σ_{m,n} w_{mn} V_{mn}[o, i]^2 = Σ_n Σ_{l \le l'} c_{ll'}
+            \Big(Σ_m w_{mn} g_{mnol} g_{mnol'}\Big) X_{nil} X_{nil'},
+            \qquad c_{ll} = 1,\ c_{ll'} = 2,
+
+        one matrix product per group over ``(n, l ≤ l')`` (see :func:`pair_form_cheaper`)."""
+        m, n, grp, o, length = g5.shape
+        x = self._x(call)  # [N, G, I, L]
+        li, lj = torch.triu_indices(length, length, device=g5.device)
+        coef = torch.where(li == lj, 1.0, 2.0).to(g5.dtype)
+        pairs = li.numel()
+        total: Tensor | None = None
+        per = pairs * (m * grp * o + grp * x.shape[2])
+        for sl in _sample_chunks(n, per):
+            gs = g5[:, sl]
+            k = gs.shape[1]
+            gp = gs[..., li] * gs[..., lj]  # [M, k, G, O, P]
+            if weights is not None:
+                gp = gp * weights[:, sl].to(gp.dtype).reshape(m, k, 1, 1, 1)
+            gp = gp.sum(0) * coef  # [k, G, O, P]
+            xs = x[sl]
+            xp = xs[..., li] * xs[..., lj]  # [k, G, I, P]
+            a = gp.permute(1, 2, 0, 3).reshape(grp, o, k * pairs)
+            b = xp.permute(1, 0, 3, 2).reshape(grp, k * pairs, -1)
+            term = torch.bmm(a, b)
+            total = term if total is None else total.add_(term)
+        assert total is not None
+        return total
 
     def _bias_squares(
         self, g: Tensor, weights: Tensor | None, keep_batch: bool
