@@ -260,3 +260,38 @@ def test_released_forwards_keep_the_mode_outside_collect() -> None:
         with collect(BatchGrad()):
             loss.backward()
         torch.testing.assert_close(model.w.grad_batch.sum(0), model.w.grad)
+
+
+class InPlaceUses(nn.Module):
+    """A container's own parameters entering in place: ``h.mul_(self.g)``, ``h += self.b``
+    (timm's ``LayerScale(inplace=True)`` pattern): attributed with the value before the
+    operation (run out of place and copied back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+        self.b = nn.Parameter(torch.randn(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        h.mul_(self.g)
+        h += self.b
+        return self.head(torch.tanh(h))
+
+
+def test_in_place_uses() -> None:
+    torch.manual_seed(6)
+    model = InPlaceUses().to(DT)
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lf, x, y)
+    ggn = diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)

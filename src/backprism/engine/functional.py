@@ -848,6 +848,32 @@ def _math_attention() -> Any:
     return _sdpa_kernel([_SDPBackend.MATH])
 
 
+def _in_place_forms() -> dict[str, tuple[Any, str, int]]:
+    """In-place arithmetic → ``(out-of-place function, its name, residual kind)``."""
+    forms = {}
+    for op in ("mul", "add", "sub", "div", "addcmul", "addcdiv", "true_divide", "multiply"):
+        oop = getattr(Tensor, op, None)
+        if oop is not None:
+            forms[op + "_"] = (oop, op, residual.classify(op))
+    for op in ("mul", "add", "sub", "truediv"):
+        oop = getattr(Tensor, f"__{op}__")
+        forms[f"__i{op}__"] = (oop, f"__{op}__", residual.classify(f"__{op}__"))
+    return forms
+
+
+#: in-place arithmetic that a parameter may enter (``x.mul_(self.gamma)``, ``h += self.bias``)
+_IN_PLACE = _in_place_forms()
+
+
+def _in_place_parameter_use(args: tuple) -> bool:
+    """An in-place operation on a per-sample tensor with an extended parameter (or a view of
+    one) among its other operands that no module in its forward claims."""
+    if not args or not isinstance(args[0], Tensor) or _param_view(args[0]) is not None:
+        return False
+    views = [v for a in args[1:] if (v := _param_view(a)) is not None]
+    return bool(views) and not all(_is_owned(v[0]) for v in views)
+
+
 class ForwardMode(TorchFunctionMode):
     """Active during every top-level forward of an extended model: attributes functional
     parameter uses and, when ``record``, records nonlinearities for DiagHessian.
@@ -878,6 +904,13 @@ class ForwardMode(TorchFunctionMode):
             out = replacement(self, *args, **kwargs)
             if out is not NotImplemented:
                 return out  # attributed, recorded and followed inside
+        target = None
+        if name in _IN_PLACE and _in_place_parameter_use(args):
+            # x.mul_(self.gamma): the value of x before the operation is what the parameter
+            # multiplies; run the out-of-place form (attributed as usual) and copy it back
+            target = args[0]
+            func, name, kind = _IN_PLACE[name]
+            args = (target.clone(), *args[1:])  # the call's input, which the copy leaves intact
         if self.math_attention and name in _ATTENTION:
             with _math_attention():
                 out = func(*args, **kwargs)
@@ -893,6 +926,11 @@ class ForwardMode(TorchFunctionMode):
         if self.record:
             residual.record(func, name, kind, args, kwargs, out)
         attribute(func, args, kwargs, out, name)
+        if target is not None:
+            target.copy_(out)
+            if hasattr(out, AXIS):
+                setattr(target, AXIS, getattr(out, AXIS))
+            return target
         return out
 
     def call(self, func: Callable[..., Any], *args: Any) -> Any:
