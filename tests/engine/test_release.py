@@ -29,6 +29,7 @@ from backprism.extensions import (
     SumGradSquared,
     Variance,
 )
+from backprism.engine.rule import get_rule
 from backprism.rules.generic import GenericRuleWarning
 from tests.common import assert_first_order
 from tests.reference import diag_ggn, loss_hessian, per_sample_grads, split
@@ -295,3 +296,72 @@ def test_in_place_uses() -> None:
     assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
+class MetParameters(nn.Module):
+    """Own parameters that meet each other before any per-sample tensor (``g · v/‖v‖``, a
+    relative-position bias table indexed by a buffer): the release is undone and the
+    container's own call claims them (the generic rule), for this and later forwards."""
+
+    def __init__(self, t: int = 3, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.g = nn.Parameter(torch.rand(d) + 0.5)
+        self.v = nn.Parameter(torch.randn(d))
+        self.table = nn.Parameter(torch.randn(2 * t - 1) * 0.1)
+        idx = torch.arange(t)
+        self.register_buffer("index", (idx[:, None] - idx[None, :] + t - 1).reshape(-1))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x) * (self.g * self.v / self.v.norm())  # [N, T, d]
+        t = h.shape[1]
+        scores = h @ h.transpose(1, 2) + self.table[self.index].reshape(t, t)
+        h = torch.softmax(scores, -1) @ h
+        return self.head(h.mean(1))
+
+
+def test_release_undone_where_parameters_meet_first() -> None:
+    torch.manual_seed(7)
+    model = MetParameters().to(DT)
+    x, y = torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    for _ in range(2):  # the first forward undoes the release, the second keeps from the start
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GenericRuleWarning)
+            with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+                lf(model(x), y).backward()
+        assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    assert get_rule(model)._release(MetParameters) is False  # kept from the second forward
+
+
+def test_relative_position_table_indexed_by_a_buffer() -> None:
+    """``self.table[self.index]`` (a buffer index): a value of the parameter alone, rebuilt
+    where it meets the samples — no undo."""
+
+    class Biased(MetParameters):
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.lin(x)
+            t = h.shape[1]
+            scores = h @ h.transpose(1, 2) + self.table[self.index].reshape(t, t)
+            return self.head((torch.softmax(scores, -1) @ h).mean(1))
+
+    torch.manual_seed(8)
+    model = Biased().to(DT)
+    model.g.requires_grad_(False)
+    model.v.requires_grad_(False)
+    x, y = torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+            lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    assert get_rule(model)._release(Biased) is None

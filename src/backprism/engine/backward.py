@@ -49,7 +49,13 @@ from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
-from backprism.engine.state import Call, LossRecord, forget_mode_free, sequence_first
+from backprism.engine.state import (
+    UNATTRIBUTED,
+    Call,
+    LossRecord,
+    forget_mode_free,
+    sequence_first,
+)
 
 __all__ = ["BackwardPass", "current_pass"]
 
@@ -286,6 +292,16 @@ class BackwardPass:
                     "Remove the parametrization for the analysis "
                     "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), "
                     "or freeze its originals (requires_grad_(False)) to analyse the rest"
+                )
+            inside = node.metadata.get(UNATTRIBUTED) if node is not None else None
+            if inside is not None:
+                raise RuntimeError(
+                    f"backprism: the parameter {name} meets {inside} inside the model's forward "
+                    "before any per-sample tensor, so its value cannot be rebuilt from one "
+                    f"parameter where it meets the samples; {_names(exts)} cannot split that "
+                    "use over the samples. Let each parameter meet the per-sample tensors on "
+                    "its own (e.g. (x * a) * b instead of x * (a * b)), or freeze the "
+                    "parameter (requires_grad_(False)) to analyse the rest"
                 )
             raise RuntimeError(
                 f"backprism: the parameter {self._param_name(p)} is used by "

@@ -126,7 +126,7 @@ _NONE: frozenset[int] = frozenset()
 
 def _new_frame(module: nn.Module) -> list[Any]:
     """A :data:`~backprism.engine.state.FORWARD` call-stack frame (see its docstring)."""
-    return [module, set(), _NONE, None, None, None, not module._modules, None]
+    return [module, set(), _NONE, None, None, None, not module._modules, None, None, None, False]
 
 
 #: ``[factory(functions)]`` of the light mode entered for one releasing module's forward inside
@@ -180,6 +180,14 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             return  # nothing the light mode can do: the module keeps its parameters
         release = [(n, _parameter(module, n)) for n in inside.release]
         frame[2] = frozenset(id(p) for _, p in release if p is not None)
+        if frame[2] and not inside.functions:
+            # a release without replacement functions (the generic rule's): its calls are
+            # recorded so that it can be undone (undo_release)
+            frame[8] = []
+            first = next((a for a in args if isinstance(a, Tensor) and a.dim() > 0), None)
+            if first is not None:
+                axis = getattr(first, AXIS, None)
+                frame[9] = first.shape[axis if axis is not None and axis >= 0 else 0]
         if inside.keep:
             keep = [(n, _parameter(module, n)) for n in inside.keep]
             frame[3] = {id(p): n for n, p in keep if p is not None}
@@ -331,7 +339,11 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
     if not arg_tensors:
         return
-    params = call_params(module, ran, frame[2])
+    released = frame[2]
+    if frame[10]:
+        undo_release(frame)
+        released = _NONE
+    params = call_params(module, ran, released)
     kept: Kept | None = frame[4]
     if kept is not None:
         ptrs = [_data_ptr(o) for o in outs]
@@ -409,15 +421,46 @@ def capture(
         inner=inner,
         owner=_releaser(params),
     )
-    return call if attach(call, outs) else None
+    if not attach(call, outs):
+        return None
+    frame = releasing_frame(params.values()) if call.owner is not None else None
+    if frame is not None and frame[8] is not None:
+        frame[8].append((call, [o.grad_fn for o in outs if o.grad_fn is not None]))
+    return call
 
 
 def _releaser(params: dict[str, nn.Parameter]) -> nn.Module | None:
     """The module in its forward that released one of ``params`` (:attr:`Inside.release`)."""
+    frame = releasing_frame(params.values())
+    return None if frame is None else frame[0]
+
+
+def releasing_frame(params: Any) -> list[Any] | None:
+    """The innermost frame of a module in its forward that released one of ``params``."""
     for frame in reversed(FORWARD.call_stack):
-        if frame[2] and any(id(p) in frame[2] for p in params.values()):
-            return frame[0]
+        if frame[2] and any(id(p) in frame[2] for p in params):
+            return frame
     return None
+
+
+def undo_release(frame: list[Any]) -> None:
+    """Undo a module's release of its parameters (the generic rule's, see
+    :meth:`~backprism.rules.generic.GenericRule.inside`) after one of their uses could not be
+    attributed where it enters (two parameters met before any per-sample tensor, an operand
+    that is not per-sample): the calls captured for them leave the graph's records, the
+    module's own call claims the parameters (a ``vmap`` of its whole forward), and later
+    calls of its type keep them from the start."""
+    released = frame[2]
+    for call, nodes in frame[8] or ():
+        for node in nodes:
+            entries = node.metadata.get(CALLS)
+            if entries:
+                entries[:] = [e for e in entries if e[0] is not call]
+        call.params = {k: p for k, p in call.params.items() if id(p) not in released}
+    frame[8] = None
+    keep = getattr(get_rule(frame[0]), "keep", None)
+    if keep is not None:
+        keep(type(frame[0]))
 
 
 def _edge(a: Tensor) -> GradientEdge:

@@ -48,13 +48,14 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
-from backprism.engine.forward import attach, capture, keep_linear
+from backprism.engine.forward import attach, capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
     CALLS,
     FORWARD,
     FORWARD_LISTENERS,
     MODE_FREE,
+    UNATTRIBUTED,
     Call,
     active,
 )
@@ -391,7 +392,9 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         # module with replacement functions are optional: its light mode attributes them)
         FORWARD.acted += 1
     tensors = [
-        (i, a) for i, a in enumerate(args) if isinstance(a, Tensor) and _param_view(a) is None
+        (i, a)
+        for i, a in enumerate(args)
+        if isinstance(a, Tensor) and _param_view(a) is None and not _constant(a)
     ]
     if name in _VIEW_OPS and len(views) == 1 and not kw_views and not tensors and isinstance(
         out, Tensor
@@ -423,10 +426,22 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         _derive(func, args, kwargs, views, kw_views, out)
         return
     outs = _outputs(out)
+    frame = releasing_frame(v[0] for v in every)
+    undoable = frame is not None and frame[8] is not None
     if not tensors or not outs:
-        return  # no per-sample operand: left to the graph check, which refuses it
+        # no per-sample operand: a releasing module claims its parameters after all; else
+        # left to the graph check, which refuses it (naming this)
+        if undoable:
+            frame[10] = True  # type: ignore[index]
+            return
+        for o in outs:
+            if o.grad_fn is not None:
+                o.grad_fn.metadata[UNATTRIBUTED] = f"another parameter in '{name}'"
+        return
     x = tensors[0][1]
-    if x.dim() == 0:
+    if x.dim() == 0 or (undoable and not _per_sample(tensors, frame[9])):  # type: ignore[index]
+        if undoable:
+            frame[10] = True  # type: ignore[index]
         return
     if (
         not kw_views
@@ -454,7 +469,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
                 index[id(v[0])] = len(params)
                 params.append(v[0])
             return ("p", index[id(v[0])], v[1])
-        if isinstance(a, Tensor):
+        if isinstance(a, Tensor) and not _constant(a):
             xs.append(a)
             return ("x", len(xs) - 1)
         return ("c", a)
@@ -491,7 +506,10 @@ def _derivable(name: str, every: list, kwargs: dict) -> bool:
     (a rebuild would draw again) nor in-place ones."""
     if name in _RANDOM_OPS or "dropout" in name or (name.endswith("_") and not name.endswith("__")):
         return False
-    if any(isinstance(a, Tensor) and _param_view(a) is None for a in kwargs.values()):
+    if any(
+        isinstance(a, Tensor) and _param_view(a) is None and not _constant(a)
+        for a in kwargs.values()
+    ):
         return False
     return len({id(v[0]) for v in every}) == 1
 
@@ -553,6 +571,30 @@ def _linear_use(name: str, views: list, kw_views: dict, every: list) -> bool:
             return slots == {0}
         return len(slots) == 1
     return False
+
+
+def _constant(a: Tensor) -> bool:
+    """A tensor operand that is the same for every sample: a frozen parameter, or a buffer of
+    a module in its forward (a relative-position index)."""
+    if isinstance(a, nn.Parameter):
+        return True  # extended trainable ones are parameter views, never operands here
+    return any(
+        a is b for frame in FORWARD.call_stack for b in frame[0]._buffers.values()
+    )
+
+
+def _per_sample(tensors: list[tuple[int, Tensor]], n: int | None) -> bool:
+    """Whether every tensor operand carries the batch of its releasing module's input
+    (``n``; the batch axis where it is known): a buffer or index tensor that does not (a
+    relative-position index) means the operation is not per-sample."""
+    if n is None:
+        return True
+    for _, t in tensors:
+        axis = getattr(t, AXIS, None)
+        axis = 0 if axis is None or axis < 0 else axis
+        if t.dim() <= axis or t.shape[axis] != n:
+            return False
+    return True
 
 
 def _pv(a: Any, owned: frozenset[int]) -> tuple | None:

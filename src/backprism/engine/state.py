@@ -50,6 +50,7 @@ __all__ = [
     "MODE_FREE",
     "ROOT",
     "SITES",
+    "UNATTRIBUTED",
     "Call",
     "Inside",
     "Kept",
@@ -67,6 +68,9 @@ CALLS = "backprism.calls"  # [(Call, output index, output_nr)]
 LOSS = "backprism.loss"  # LossRecord
 ROOT = "backprism.root"  # RootRecord
 SITES = "backprism.sites"  # [Site] (Hessian residual sites and refusals, see engine.residual)
+#: an operation of the forward mode in which parameters met each other before any per-sample
+#: tensor (``a * b`` of two parameters): what they met, for the graph check's refusal
+UNATTRIBUTED = "backprism.unattributed"
 #: tensor attribute: the batch axis of an activation whose batch is not on axis 0 (the outputs
 #: of a ``batch_first=False`` RNN, and what is computed from them), ``-1`` if unknown
 AXIS = "_backprism_batch_axis"
@@ -265,7 +269,10 @@ class _ForwardState(threading.local):
         #: uses it keeps (``Inside.keep``), the :class:`Kept` record being filled, the
         #: replacement functions (``Inside.functions``) or ``None``, whether the module is a
         #: leaf (no sub-modules), the forward mode entered for this module's forward alone or
-        #: ``None``]
+        #: ``None``, the calls captured for its released parameters with their output nodes
+        #: (``[(call, nodes)]``, or ``None``), the batch size of its first input (or ``None``),
+        #: whether a use of a released parameter could not be attributed (the release is then
+        #: undone: :func:`~backprism.engine.forward.undo_release`)]
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []

@@ -358,6 +358,11 @@ class GenericRule(Rule):
         )
         return Inside(release=names) if names else _KEEP
 
+    def keep(self, cls: type) -> None:
+        """Modules of type ``cls`` keep their parameters from now on (a use of one could not
+        be attributed where it enters: :func:`~backprism.engine.forward.undo_release`)."""
+        self._releases[cls] = False
+
     def _release(self, cls: type) -> bool | None:
         if cls not in self._releases:
             self._releases[cls] = _releases(cls)
