@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism import collect, extend
+from backprism.engine.rule import get_rule
 from backprism.extensions import (
     KFLR,
     BatchGrad,
@@ -29,7 +30,6 @@ from backprism.extensions import (
     SumGradSquared,
     Variance,
 )
-from backprism.engine.rule import get_rule
 from backprism.rules.generic import GenericRuleWarning
 from tests.common import assert_first_order
 from tests.reference import diag_ggn, loss_hessian, per_sample_grads, split
@@ -365,3 +365,108 @@ def test_relative_position_table_indexed_by_a_buffer() -> None:
             lf(model(x), y).backward()
     assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
     assert get_rule(model)._release(Biased) is None
+
+
+class Positions(nn.Module):
+    """nanoGPT's ``tok_emb + wpe(arange(T))`` (``[N, T, d] + [T, d]``) and its functional form
+    ``self.pos[arange(T)]``: the positions' axis is not the batch, also where ``T = N``."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.wte = nn.Embedding(7, 4)
+        self.wpe = nn.Embedding(8, 4)
+        self.pos = nn.Parameter(torch.randn(8, 4))
+        self.head = nn.Linear(4, 3)
+        (self.wpe.weight if functional else self.pos).requires_grad_(False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        ids = torch.arange(idx.shape[1])
+        p = self.pos[ids] if self.functional else self.wpe(ids)
+        return self.head(torch.tanh(self.wte(idx) + p).mean(1))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+@pytest.mark.parametrize("t", [N, N + 1])
+def test_position_embeddings_broadcast_over_the_batch(functional: bool, t: int) -> None:
+    torch.manual_seed(9)
+    model = Positions(functional).to(DT)
+    x, y = torch.randint(0, 7, (N, t)), torch.randint(0, 3, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref, ggn = per_sample_grads(model, lf, x, y), diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
+class Uses(nn.Module):
+    """Container-parameter uses the forward cannot split where they enter, or splits with a
+    new leading axis: each against the reference (undone releases included)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lin = nn.Linear(3, N)  # out_features = N: a [N, 3] mask has the batch's size
+        self.w = nn.Parameter(torch.randn(N, N) * 0.5)
+        self.g = nn.Parameter(torch.rand(N) + 0.5)
+        self.mask = torch.tril(torch.ones(N, N))  # a plain attribute, not a buffer
+        self.head = nn.Linear(N, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        if self.how == "setitem":  # an in-place change of a value rebuilt from w
+            w = self.w.clone()
+            w[0, 1] = 0.0
+            h = F.linear(h, w)
+        elif self.how == "mask":
+            h = F.linear(h, self.w * self.mask)
+        elif self.how == "expand":
+            h = h * self.g.expand(x.shape[0], N)
+        elif self.how == "bmm":
+            h = torch.bmm(h[:, None], self.w.expand(x.shape[0], N, N))[:, 0]
+        elif self.how == "cat":
+            h = torch.cat([h, self.g.expand(x.shape[0], N)], 0)[: x.shape[0]] + h
+        return self.head(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["setitem", "mask", "expand", "bmm", "cat"])
+def test_uses_split_or_undone(how: str) -> None:
+    torch.manual_seed(10)
+    model = Uses(how).to(DT)
+    model.mask = model.mask.to(DT)
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref, ggn = per_sample_grads(model, lf, x, y), diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+            lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
+def test_a_failed_pass_leaves_no_results() -> None:
+    """An error during the backward pass (here a user's hook on an activation) after some
+    results were stored: the pass removes what it stored."""
+    torch.manual_seed(11)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT))
+    lf = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
+
+    def fail(_: Tensor) -> None:
+        raise ValueError("a user's hook failed")
+
+    h = model[1](model[0](x))
+    h.register_hook(fail)
+    with pytest.raises(ValueError, match="hook failed"), collect(BatchGrad(), DiagGGNExact()):
+        lf(model[2](h), y).backward()
+    for p in model.parameters():
+        assert not hasattr(p, "grad_batch") and not hasattr(p, "diag_ggn_exact")
