@@ -147,7 +147,11 @@ def test_empty_batch(ext: type) -> None:
     assert_nothing_written(model, grad_too=True)
 
 
-def test_broadcast_position_embedding_is_refused():
+def test_broadcast_position_embedding():
+    """``x + self.pos(arange(T))`` (``[N, T, 3] + [T, 3]``): broadcasting puts the positions'
+    axis on the sequence axis, so the embedding's call is taken as broadcast over the batch
+    (``tests/engine/test_release.py`` covers ``T = N`` and the functional form)."""
+
     class Pos(nn.Module):
         def __init__(self):
             super().__init__()
@@ -157,11 +161,16 @@ def test_broadcast_position_embedding_is_refused():
         def forward(self, x):  # x [N, T, 3]
             return self.lin(x + self.pos(torch.arange(x.shape[1]))).mean(1)
 
-    model = extend(Pos())
+    torch.manual_seed(13)
+    model = Pos().to(DT)
+    X, y = torch.randn(5, 4, 3, dtype=DT), torch.randint(0, 2, (5,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    extend(model)
     lossfunc = extend(nn.CrossEntropyLoss())
-    X, y = torch.randn(5, 4, 3), torch.randint(0, 2, (5,))
-    with pytest.raises(RuntimeError, match="batch sizes 4 and 5"), collect(BatchGrad()):
+    with collect(BatchGrad()):
         lossfunc(model(X), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[k])
 
 
 # ------------------------------------------------------------------------------------ column chunks

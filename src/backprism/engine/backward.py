@@ -33,6 +33,7 @@ extensions.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections import Counter
@@ -490,6 +491,11 @@ class BackwardPass:
             if ok:
                 with _Running(self):
                     self._finish()
+            else:
+                self._discard()
+        except BaseException:
+            self._discard()
+            raise
         finally:
             for h in self._handles:
                 h.remove()
@@ -504,6 +510,16 @@ class BackwardPass:
                     call.whole_batch = False
             self._handles.clear()
             self._marked.clear()
+
+    def _discard(self) -> None:
+        """The pass failed (an error in a rule, an extension or a user's hook during the
+        backward): the results it stored leave the parameters, so that no parameter carries a
+        mix of this pass's values and none (``.grad`` is autograd's, as in any failed
+        backward)."""
+        for param, ext in self.stored.values():
+            with contextlib.suppress(AttributeError):
+                delattr(param, ext.savefield)
+        self.stored.clear()
 
     def _finish(self) -> None:
         if self.whole_batch and self._rows is not None:

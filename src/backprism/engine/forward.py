@@ -187,7 +187,10 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             first = next((a for a in args if isinstance(a, Tensor) and a.dim() > 0), None)
             if first is not None:
                 axis = getattr(first, AXIS, None)
-                frame[9] = first.shape[axis if axis is not None and axis >= 0 else 0]
+                frame[9] = (
+                    first.shape[axis if axis is not None and axis >= 0 else 0],
+                    frozenset(id(a) for a in args if isinstance(a, Tensor)),
+                )
         if inside.keep:
             keep = [(n, _parameter(module, n)) for n in inside.keep]
             frame[3] = {id(p): n for n, p in keep if p is not None}

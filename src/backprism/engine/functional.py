@@ -361,6 +361,9 @@ def _capture_one(module: nn.Module, x: Tensor, outs: list[Tensor], params: dict)
 
 def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
+    for a in args:
+        if isinstance(a, (list, tuple)) and a:
+            _nested_uses(a)
     views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
     kw_views = (
         {k: v for k, a in kwargs.items() if (v := _param_view(a)) is not None} if kwargs else {}
@@ -411,6 +414,12 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         src = args[pos]
         if _expands_batch(name, src, out):
             module = ParamBroadcast(p, rebuild)
+            if src.dim() < out.dim():  # g.expand(N, d): a new leading axis, each slice g
+
+                def source(q: Tensor, rebuild=rebuild) -> Tensor:
+                    return rebuild(q).unsqueeze(0)
+
+                module = ParamBroadcast(p, source)
             capture(
                 module, (), {}, [], [out], {"p0": p}, batch_size=out.shape[0], live=((), {})
             )
@@ -583,13 +592,32 @@ def _constant(a: Tensor) -> bool:
     )
 
 
-def _per_sample(tensors: list[tuple[int, Tensor]], n: int | None) -> bool:
-    """Whether every tensor operand carries the batch of its releasing module's input
-    (``n``; the batch axis where it is known): a buffer or index tensor that does not (a
-    relative-position index) means the operation is not per-sample."""
-    if n is None:
+def _nested_uses(items: list | tuple) -> None:
+    """Parameters (or values rebuilt from them) inside a list operand (``torch.cat([h,
+    self.cls.expand(N, -1, -1)], 1)``, ``torch.stack([g, 2 * g])``) are not attributed where
+    they enter: a module that released them claims them after all (elsewhere the graph check
+    refuses the use)."""
+    for a in items:
+        v = _param_view(a) if isinstance(a, Tensor) else None
+        if v is None:
+            continue
+        frame = releasing_frame([v[0]])
+        if frame is not None and frame[8] is not None:
+            frame[10] = True
+
+
+def _per_sample(tensors: list[tuple[int, Tensor]], info: tuple | None) -> bool:
+    """Whether every tensor operand is per-sample for its releasing module (``info``: the
+    batch size of the module's input and the ids of its tensor arguments): it carries that
+    batch (on its batch axis where known), and it either takes a gradient or is one of the
+    module's arguments — a tensor without a gradient made inside the forward (a mask, an
+    index) may have the batch's size by chance."""
+    if info is None:
         return True
+    n, arg_ids = info
     for _, t in tensors:
+        if not t.requires_grad and id(t) not in arg_ids:
+            return False
         axis = getattr(t, AXIS, None)
         axis = 0 if axis is None or axis < 0 else axis
         if t.dim() <= axis or t.shape[axis] != n:
@@ -684,15 +712,13 @@ _BROADCASTING = frozenset(
 
 def _expands_batch(name: str, src: Any, out: Tensor) -> bool:
     """``src`` (batch axis of size 1) expanded to ``out`` with a larger leading axis, the rest
-    unchanged (``cls.expand(N, -1, -1)``)."""
-    return (
-        name in _EXPANDS
-        and isinstance(src, Tensor)
-        and src.dim() == out.dim() >= 1
-        and src.shape[0] == 1
-        and out.shape[0] > 1
-        and src.shape[1:] == out.shape[1:]
-    )
+    unchanged (``cls.expand(N, -1, -1)``), or given a new leading axis
+    (``g.expand(N, d)``)."""
+    if name not in _EXPANDS or not isinstance(src, Tensor) or out.dim() < 1 or out.shape[0] < 2:
+        return False
+    if src.dim() == out.dim():
+        return src.shape[0] == 1 and src.shape[1:] == out.shape[1:]
+    return src.dim() + 1 == out.dim() and src.shape == out.shape[1:]
 
 
 def _batch_one_call(t: Tensor) -> Call | None:
@@ -719,8 +745,10 @@ def _broadcast_calls(args: tuple) -> tuple:
     expanded to ``N`` whose output is the expanded tensor — so the per-sample gradient of its
     parameters is each sample's slice after the broadcast."""
     a, b = args
-    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() != b.dim() or not a.dim():
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not a.dim() or not b.dim():
         return args
+    if a.dim() != b.dim():
+        return _lower_rank_calls(args)
     n = max(a.shape[0], b.shape[0])
     if n <= 1:
         return args
@@ -750,6 +778,62 @@ def _broadcast_calls(args: tuple) -> tuple:
             call.superseded = True
             new[i] = wide
             FORWARD.acted += 1
+    return tuple(new)
+
+
+def _lower_rank_calls(args: tuple) -> tuple:
+    """A call's output of one rank less than the other operand of an elementwise op
+    (``tok_emb + self.wpe(torch.arange(T))``: ``[T, d]`` added to ``[N, T, d]``): broadcasting
+    aligns its axis 0 with the other's axis 1, so that axis is not the batch even where its
+    size happens to be ``N``. The call is replaced by the same call on inputs of batch size 1
+    expanded to ``N`` (as :func:`_broadcast_calls` does for ``[1, T]`` operands), whose output
+    is the operand expanded to ``[N, *shape]``."""
+    a, b = args
+    hi, lo_i = (a, 1) if a.dim() > b.dim() else (b, 0)
+    lo = args[lo_i]
+    if hi.dim() != lo.dim() + 1 or not lo.requires_grad or hi.shape[0] <= 1:
+        return args
+    fn = lo.grad_fn
+    if fn is None:
+        return args
+    call = next(
+        (
+            c for c, _, nr in fn.metadata.get(CALLS, ())
+            if nr == lo.output_nr and len(c.out_shapes) == 1 and c.batch_size == lo.shape[0]
+            and not getattr(c, "superseded", False) and not c.batch_axis
+        ),
+        None,
+    )
+    if call is None:
+        return args
+    n = hi.shape[0]
+
+    def widen(x: Any) -> Any:
+        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == call.batch_size:
+            return x.unsqueeze(0).expand(n, *x.shape)
+        return x
+
+    wide = lo.unsqueeze(0).expand(n, *lo.shape)
+    expanded = dataclasses.replace(
+        call,
+        args=tuple(widen(x) for x in call.args),
+        kwargs={k: widen(v) for k, v in call.kwargs.items()},
+        out_shapes=[wide.shape],
+        batch_size=n,
+        pass_=None,
+        live=None
+        if call.live is None
+        else (
+            tuple(widen(x) for x in call.live[0]),
+            {k: widen(v) for k, v in call.live[1].items()},
+        ),
+    )
+    if not attach(expanded, [wide]):
+        return args
+    call.superseded = True
+    FORWARD.acted += 1
+    new = list(args)
+    new[lo_i] = wide
     return tuple(new)
 
 
@@ -890,6 +974,29 @@ def _math_attention() -> Any:
     return _sdpa_kernel([_SDPBackend.MATH])
 
 
+def _mutates(name: str) -> bool:
+    """An operation that modifies its first operand in place (``w[0] = 0``, ``w.clamp_()``)."""
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__")
+    )
+
+
+def _invalidate_view(t: Tensor) -> None:
+    """``t``, tracked as a value rebuilt from a parameter (a view, a clone), is modified in
+    place: the rebuild no longer gives its value, so it is no longer tracked. A use of it
+    then cannot be attributed where it enters: a releasing module claims its parameters
+    after all; elsewhere the graph check refuses the use."""
+    view = getattr(t, _VIEW, None)
+    if view is None:
+        return
+    with contextlib.suppress(AttributeError):
+        delattr(t, _VIEW)
+    FORWARD.view_ids.discard(id(t))
+    frame = releasing_frame([view[0]])
+    if frame is not None and frame[8] is not None:
+        frame[10] = True
+
+
 def _in_place_forms() -> dict[str, tuple[Any, str, int]]:
     """In-place arithmetic → ``(out-of-place function, its name, residual kind)``."""
     forms = {}
@@ -936,6 +1043,8 @@ class ForwardMode(TorchFunctionMode):
         name, inert, kind = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
+        if args and id(args[0]) in FORWARD.view_ids and _mutates(name):
+            _invalidate_view(args[0])
         if len(args) == 2 and name in _BROADCASTING:
             args = _broadcast_calls(args)
         stack = FORWARD.call_stack

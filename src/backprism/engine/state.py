@@ -270,7 +270,8 @@ class _ForwardState(threading.local):
         #: replacement functions (``Inside.functions``) or ``None``, whether the module is a
         #: leaf (no sub-modules), the forward mode entered for this module's forward alone or
         #: ``None``, the calls captured for its released parameters with their output nodes
-        #: (``[(call, nodes)]``, or ``None``), the batch size of its first input (or ``None``),
+        #: (``[(call, nodes)]``, or ``None``), the batch size of its first input and the ids of
+        #: its tensor arguments (or ``None``),
         #: whether a use of a released parameter could not be attributed (the release is then
         #: undone: :func:`~backprism.engine.forward.undo_release`)]
         self.call_stack: list[list[Any]] = []
