@@ -81,7 +81,18 @@ class Columns:
 def _loop(
     origins: list[Tensor], outputs: list[Any], cols: list[Tensor]
 ) -> tuple[Tensor | None, ...]:
-    """One ordinary backward per column, stacked."""
+    """One ordinary backward per column, stacked (a single column, e.g. one MC sample: its
+    gradients with a leading axis of size 1, no copy; rules never write into their columns,
+    as in the first-order path, where they get the hook's gradients themselves)."""
+    if cols[0].shape[0] == 1:
+        grads = torch.autograd.grad(
+            origins,
+            outputs,
+            grad_outputs=[c[0] for c in cols],
+            retain_graph=True,
+            allow_unused=True,
+        )
+        return tuple(None if t is None else t.unsqueeze(0) for t in grads)
     per_col = [
         torch.autograd.grad(
             origins,

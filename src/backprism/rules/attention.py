@@ -177,8 +177,10 @@ def _self_attention_forward(
     setattr(query, AXIS, 1)
     proj = mode.call(F.linear, query, in_proj_weight, in_proj_bias)
     proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
-    proj = proj.contiguous()
-    q, k, v = proj[0], proj[1], proj[2]
+    # unbind, not three selects (PyTorch's proj[0], proj[1], proj[2]): the same views, whose
+    # backward stacks the three gradients instead of zero-filling and adding three [3, L, N, E]
+    # buffers
+    q, k, v = proj.contiguous().unbind(0)
     if attn_mask is not None:
         if attn_mask.dim() == 2:
             if attn_mask.shape != (tgt_len, src_len):

@@ -83,9 +83,16 @@ class _Tokens:
     @cached_property
     def table(self) -> tuple[Tensor, Tensor, Tensor]:
         """Compact ``(sample, token)`` table: ``(G [M, U, D], sample [U], token [U])`` with
-        ``G[:, u]`` the sum of the gradients of the positions of that sample holding that token."""
+        ``G[:, u]`` the sum of the gradients of the positions of that sample holding that token
+        (rows in any order; the positions' own rows when no pair repeats)."""
         key = self.sample * self.vocab + self.token
+        if key.numel() < 2 or bool((key[1:] > key[:-1]).all()):
+            # strictly increasing keys (e.g. position indices): every pair occurs once, so the
+            # table is the gradients themselves (no sort, no scatter)
+            return self.g, self.sample, self.token
         uniq, inv = torch.unique(key, return_inverse=True)
+        if uniq.numel() == key.numel():  # every pair once, in another order
+            return self.g, self.sample, self.token
         m, _, d = self.g.shape
         table = self.g.new_zeros(m, uniq.numel(), d).index_add_(1, inv, self.g)
         return table, uniq // self.vocab, uniq % self.vocab

@@ -26,36 +26,51 @@ from backprism.engine.rule import Call, Rule, register_rule
 
 #: elements of a per-sample weight-gradient chunk ``[M, n, O, I]`` built at once (sequences)
 CHUNK_ELEMENTS = 2**22
+#: elements of a chunk squared and reduced over the samples at once (``sum_squared``): small
+#: enough to stay in cache and to come from the allocator's free memory, not fresh pages (an
+#: ``[N, O, I]`` chunk of a transformer's feed-forward layer is 8 MiB)
+SQUARE_CHUNK_ELEMENTS = 2**18
 
 
-def _vmat(g: Tensor, x: Tensor) -> Tensor:
-    """``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ``: ``[M, n, T, O] × [n, T, I] → [M, n, O, I]`` (batched BLAS)."""
+def _vmat(g: Tensor, x: Tensor, out: Tensor | None = None) -> Tensor:
+    """``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ``: ``[M, n, T, O] × [n, T, I] → [M, n, O, I]`` (batched BLAS);
+    ``out``: a ``[n, O, I]`` buffer to write into (``M = 1`` only)."""
     if g.shape[0] == 1:
-        return torch.bmm(g[0].transpose(1, 2), x).unsqueeze(0)
+        return torch.bmm(g[0].transpose(1, 2), x, out=out).unsqueeze(0)
     return torch.einsum("mnto,nti->mnoi", g, x)
 
 
 def _squares(g: Tensor, x: Tensor, weights: Tensor | None, keep_batch: bool) -> Tensor:
     """``Σₘ wₘₙ Vₘₙ²`` (``[N, O, I]``) or its sum over ``n`` (``[O, I]``) for sequences: ``V``
-    in sample chunks, squared in place, reduced over ``(m, n)`` by one matrix product."""
+    in sample chunks, squared in place, reduced over ``(m, n)`` by one matrix product per
+    chunk (accumulated by ``addmm``; with ``M = 1`` the chunks share one buffer)."""
     m, n, _, o = g.shape
     i = x.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // max(1, m * o * i))
+    limit = CHUNK_ELEMENTS if keep_batch else SQUARE_CHUNK_ELEMENTS
+    step = max(1, limit // max(1, m * o * i))
     parts: list[Tensor] = []
     total: Tensor | None = None
+    # one buffer for the chunks (not under autograd: a create_graph=True pass differentiates
+    # the result, and ``out=`` does not record)
+    reuse = m == 1 and not keep_batch and not (g.requires_grad or x.requires_grad)
+    buf = g.new_empty(min(n, step), o, i) if reuse else None
+    ones = None
     for a in range(0, n, step):
         b = min(n, a + step)
-        v = _vmat(g[:, a:b], x[a:b]).reshape(m * (b - a), o * i)
+        out = None if buf is None else buf[: b - a]
+        v = _vmat(g[:, a:b], x[a:b], out).reshape(m * (b - a), o * i)
         v.square_()
-        w = None if weights is None else weights[:, a:b].reshape(-1, 1).to(v.dtype)
+        w = None if weights is None else weights[:, a:b].reshape(1, -1).to(v.dtype)
         if keep_batch:
             if w is not None:
-                v.mul_(w)
+                v.mul_(w.t())
             parts.append(v.reshape(m, b - a, o, i).sum(0))
-        else:
-            wv = w.t() if w is not None else v.new_ones(1, v.shape[0])
-            term = (wv @ v)[0]
-            total = term if total is None else total.add_(term)
+            continue
+        if w is None:
+            if ones is None or ones.shape[1] != v.shape[0]:
+                ones = v.new_ones(1, v.shape[0])
+            w = ones
+        total = w @ v if total is None else total.addmm_(w, v)
     if keep_batch:
         return torch.cat(parts)
     assert total is not None
@@ -159,9 +174,13 @@ class LinearRule(Rule):
         if t == 1:
             out["weight"] = g[:, :, 0].square().sum(-1).sum(0) * x[:, 0].square().sum(-1)
         elif t * (o + i) <= o * i:
-            gram_x = torch.einsum("nti,nsi->nts", x, x)
-            gram_g = torch.einsum("mnto,mnso->nts", g, g)
-            out["weight"] = (gram_x * gram_g).sum((1, 2))
+            gram_x = torch.bmm(x, x.transpose(1, 2))  # [N, T, T]
+            if g.shape[0] == 1:
+                gram_g = torch.bmm(g[0], g[0].transpose(1, 2))
+            else:
+                gram_g = torch.einsum("mnto,mnso->nts", g, g)
+            prod = gram_x * gram_g if gram_x.requires_grad else gram_x.mul_(gram_g)
+            out["weight"] = prod.sum((1, 2))
         else:
             out["weight"] = torch.cat([
                 torch.linalg.vector_norm(_vmat(g[:, sl], x[sl]).flatten(2), dim=-1)
