@@ -234,6 +234,26 @@ class FunctionalCallChild(nn.Module):
         return self.out(torch.tanh(h))
 
 
+class SwappedIntoChild(nn.Module):
+    """``functional_call`` swaps another tensor into a child for one call (the container's own
+    parameter, or a constant), and the child also runs with its own weight: the swapped call
+    must not change which parameters the child's later calls own."""
+
+    def __init__(self, swap: str) -> None:
+        super().__init__()
+        self.swap = swap
+        self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        if swap == "parameter":
+            self.w = nn.Parameter(torch.randn(4, 4))
+        else:
+            self.register_buffer("w", torch.randn(4, 4))
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = functional_call(self.seq, {"0.weight": self.w}, (x,))
+        return self.out(a + self.seq(x))
+
+
 N1 = 4
 OUTSIDE: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], Callable[[], Tensor]]] = {
     "tied_decoder": (
@@ -245,6 +265,16 @@ OUTSIDE: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], Callable
     "hand_norm": (HandNorm, lambda: torch.randn(N1, 4, dtype=DT), lambda: seeded_labels((N1,), 3)),
     "functional_call_child": (
         FunctionalCallChild, lambda: torch.randn(N1, 4, dtype=DT), lambda: seeded_labels((N1,), 3)
+    ),
+    "functional_call_swap_parameter": (
+        lambda: SwappedIntoChild("parameter"),
+        lambda: torch.randn(N1, 4, dtype=DT),
+        lambda: seeded_labels((N1,), 3),
+    ),
+    "functional_call_swap_constant": (
+        lambda: SwappedIntoChild("constant"),
+        lambda: torch.randn(N1, 4, dtype=DT),
+        lambda: seeded_labels((N1,), 3),
     ),
 }
 

@@ -72,23 +72,29 @@ _VIEW_OPS = frozenset(
 )
 _TRANSPOSES = frozenset({"t", "T", "mT", "transpose"})
 _MATMULS = frozenset({"matmul", "__matmul__", "mm"})
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, dict[int, frozenset[int]]] = (
-    weakref.WeakKeyDictionary()
-)
+#: module → (its sub-modules, the ids of their parameters when the table was built, the table)
+_OWNERS: weakref.WeakKeyDictionary[
+    nn.Module, tuple[list[nn.Module], tuple[int, ...], dict[int, frozenset[int]]]
+] = weakref.WeakKeyDictionary()
 
 
 def _owners(module: nn.Module) -> dict[int, frozenset[int]]:
     """Parameter id → ids of the sub-modules of ``module`` (itself included) owning it
-    directly (cached per module)."""
-    table = _OWNERS.get(module)
-    if table is None:
-        found: dict[int, set[int]] = {}
-        for sub in module.modules():
-            for p in sub._parameters.values():
-                if p is not None:
-                    found.setdefault(id(p), set()).add(id(sub))
-        table = {pid: frozenset(subs) for pid, subs in found.items()}
-        _OWNERS[module] = table
+    directly. Cached per module and checked against the parameters the sub-modules hold now:
+    ``torch.func.functional_call`` swaps other tensors into ``_parameters`` for one call, and
+    a table built then would disown the module's own parameters in its later calls."""
+    entry = _OWNERS.get(module)
+    subs = entry[0] if entry is not None else list(module.modules())
+    key = tuple(id(p) for sub in subs for p in sub._parameters.values())
+    if entry is not None and entry[1] == key:
+        return entry[2]
+    found: dict[int, set[int]] = {}
+    for sub in subs:
+        for p in sub._parameters.values():
+            if p is not None:
+                found.setdefault(id(p), set()).add(id(sub))
+    table = {pid: frozenset(owners) for pid, owners in found.items()}
+    _OWNERS[module] = (subs, key, table)
     return table
 
 
