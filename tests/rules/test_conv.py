@@ -483,3 +483,28 @@ def test_conv_transpose(case, chunking, seed):
     X = torch.randn(N, case["cin"], *[case["size"]] * case["d"], dtype=DT)
     model = Head(_conv(case, True), X).to(DT)
     run_family(model, X, labels(N, seed=seed), chunking)
+
+
+@pytest.mark.parametrize(
+    ("d", "kernel", "stride", "dilation", "padding", "mode"),
+    [
+        (1, (3,), (2,), (1,), [(1, 1)], "zeros"),
+        (2, (3, 2), (1, 2), (2, 1), [(2, 1), (0, 1)], "reflect"),
+        (2, (1, 1), (1, 1), (1, 1), [(0, 0), (0, 0)], "zeros"),
+        (3, (2, 2, 2), (1, 1, 2), (1, 1, 1), [(1, 1), (0, 0), (1, 0)], "circular"),
+    ],
+)
+def test_unfold_rows_is_the_unfold_with_features_first(
+    d: int, kernel: tuple, stride: tuple, dilation: tuple, padding: list, mode: str
+) -> None:
+    """The features-first unfold (the Kronecker input factor's operand) against the definition
+    ``X[c·K + κ, n·L + l] = x̃[n, c, s·l + d·κ]``, here through the ``[N, C, K, L]`` unfold,
+    itself checked against the layers' outputs by the other tests."""
+    from backprism.rules.unfold import unfold_conv, unfold_conv_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, *([7] * d), dtype=torch.float64)
+    full = unfold_conv(x, kernel, stride, dilation, padding, mode)  # [N, C, K, L]
+    rows = unfold_conv_rows(x, kernel, stride, dilation, padding, mode)
+    n, c, k, length = full.shape
+    assert torch.equal(rows, full.permute(1, 2, 0, 3).reshape(c * k, n * length))

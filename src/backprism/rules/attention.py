@@ -78,6 +78,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backprism.engine.gram import gram
 from backprism.engine.rule import Call, Rule, register_rule
 from backprism.engine.state import AXIS, FORWARD, Inside
 from backprism.rules.generic import GenericRule
@@ -756,10 +757,10 @@ class MultiheadAttentionRule(GenericRule):
         split = {pc.bias for pc in pieces.linear if pc.bias is not None and pc.rows is not None}
         for k in split:  # in_proj_bias of three projections: B of the concatenated gradient
             f = self._apply("per_sample", call, g)[k].flatten(0, 1)
-            out[k] = [f.t() @ f]
+            out[k] = [gram(f.t())]
         for k, v in pieces.dense.items():
             f = v.reshape(-1, v[0, 0].numel())
-            out[k] = [f.t() @ f]
+            out[k] = [gram(f.t())]
         return out
 
 

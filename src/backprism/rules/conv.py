@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.engine.rule import Call, register_rule
-from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv
+from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv, unfold_conv_rows
 
 __all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]
 
@@ -33,6 +33,16 @@ class _ConvRule(UnfoldRule):
     def unfold_input(self, call: Call) -> Tensor:
         mod = call.module
         return unfold_conv(
+            call.input, mod.kernel_size, mod.stride, mod.dilation, conv_padding(mod),
+            mod.padding_mode,
+        )
+
+    def unfold_rows(self, call: Call) -> Tensor:
+        if self._cache.peek(call) is not None:  # unfolded already (first order, same pass)
+            return super().unfold_rows(call)
+        self.check_call(call)
+        mod = call.module
+        return unfold_conv_rows(
             call.input, mod.kernel_size, mod.stride, mod.dilation, conv_padding(mod),
             mod.padding_mode,
         )

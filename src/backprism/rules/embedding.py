@@ -44,6 +44,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
+from backprism.engine.gram import gram
 from backprism.engine.rule import Call, Rule, register_rule
 
 __all__ = ["EmbeddingRule"]
@@ -200,7 +201,7 @@ class EmbeddingRule(Rule):
         """``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``[D, D]``) over the non-padding positions."""
         tk = _tokens(call, g)
         f = tk.g.reshape(-1, tk.g.shape[-1])
-        return {"weight": f.t() @ f}
+        return {"weight": gram(f.t())}
 
     def kronecker_factors(self, call: Call, g: Tensor) -> dict[str, list[Tensor]]:
         """``{"weight": [A_tokens, B]}`` in the weight's axis order: ``weight ≈ A_tokens ⊗ B``."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from backprism.engine.gram import gram
 from backprism.engine.rule import Call, Rule, register_rule
 
 #: elements of a per-sample weight-gradient chunk ``[M, n, O, I]`` built at once (sequences)
@@ -231,12 +232,12 @@ class LinearRule(Rule):
         x = call.input
         n = x.shape[0]
         x = x.reshape(-1, x.shape[-1])
-        return {"weight": x.t() @ x / n}
+        return {"weight": gram(x.t()) / n}
 
     def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         _, g = _flat(call, g)
         f = g.sum(2).flatten(0, 1)  # [M * N, O]
-        b = f.t() @ f
+        b = gram(f.t())
         out = {"weight": b}
         if call.module.bias is not None:
             out["bias"] = b

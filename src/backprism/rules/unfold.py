@@ -44,12 +44,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backprism.engine.gram import gram
 from backprism.engine.rule import Call, Rule
 
 __all__ = ["UnfoldRule", "unfold_conv", "unfold_conv_transpose"]
 
 #: elements of a materialised per-sample chunk ``[M, n, G, O, I]`` (or Gram chunk) at once
 CHUNK_ELEMENTS = 2**22
+
+
+def _patch_view(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+    padding_mode: str,
+) -> Tensor:
+    """The patches of ``x`` as a view (no copy but the padding): ``[N, C, *L_shape, *k]``."""
+    d = len(kernel_size)
+    if any(p for pair in padding for p in pair):
+        pad = [p for pair in reversed(padding) for p in pair]
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+        x = F.pad(x, pad, mode=mode)
+    v = x
+    for i in range(d):
+        v = v.unfold(2 + i, dilation[i] * (kernel_size[i] - 1) + 1, stride[i])
+    if any(dl != 1 for dl in dilation):
+        v = v[(slice(None),) * (2 + d) + tuple(slice(None, None, dl) for dl in dilation)]
+    return v
 
 
 def unfold_conv(
@@ -69,18 +92,29 @@ def unfold_conv(
     """
     d = len(kernel_size)
     n, c = x.shape[:2]
-    if any(p for pair in padding for p in pair):
-        pad = [p for pair in reversed(padding) for p in pair]
-        mode = "constant" if padding_mode == "zeros" else padding_mode
-        x = F.pad(x, pad, mode=mode)
-    v = x
-    for i in range(d):
-        v = v.unfold(2 + i, dilation[i] * (kernel_size[i] - 1) + 1, stride[i])
-    if any(dl != 1 for dl in dilation):
-        v = v[(slice(None),) * (2 + d) + tuple(slice(None, None, dl) for dl in dilation)]
+    v = _patch_view(x, kernel_size, stride, dilation, padding, padding_mode)
     out_size = v.shape[2 : 2 + d]
     v = v.permute(0, 1, *range(2 + d, 2 + 2 * d), *range(2, 2 + d))
     return v.reshape(n, c, math.prod(kernel_size), math.prod(out_size))
+
+
+def unfold_conv_rows(
+    x: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+    padding_mode: str = "zeros",
+) -> Tensor:
+    """The same patches as :func:`unfold_conv` with the features first: ``[C·K, N·L]``,
+    ``X[c·K + κ, n·L + l]`` — the layout of the Kronecker input factor's product ``X Xᵀ``,
+    in one copy (not an unfold and a transposed copy of it)."""
+    d = len(kernel_size)
+    n, c = x.shape[:2]
+    v = _patch_view(x, kernel_size, stride, dilation, padding, padding_mode)
+    out_size = v.shape[2 : 2 + d]
+    v = v.permute(1, *range(2 + d, 2 + 2 * d), 0, *range(2, 2 + d))
+    return v.reshape(c * math.prod(kernel_size), n * math.prod(out_size))
 
 
 def unfold_conv_transpose(
@@ -125,6 +159,10 @@ class _UnfoldCache:
         self._v: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
             weakref.WeakKeyDictionary()
         )
+
+    def peek(self, call: Call) -> Tensor | None:
+        """The call's unfolded input if it is cached, else ``None``."""
+        return self._x.get(call)
 
     def unfolded(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
         x = self._x.get(call)
@@ -175,6 +213,12 @@ class UnfoldRule(Rule):
     def unfold_input(self, call: Call) -> Tensor:
         """The unfolded input ``[N, C_in, K, L]``."""
         raise NotImplementedError
+
+    def unfold_rows(self, call: Call) -> Tensor:
+        """The unfolded input with the features first, ``[C_in·K, N·L]`` (rows ``c·K + κ``):
+        here a transposed copy of :meth:`_x`; convolutions unfold into it directly."""
+        x = self._x(call)  # [N, G, I, L]
+        return x.permute(1, 2, 0, 3).reshape(x.shape[1] * x.shape[2], -1)
 
     def to_param(self, call: Call, v: Tensor) -> Tensor:
         """Reshape ``[..., G, O, I]`` into ``[..., *weight.shape]``."""
@@ -435,13 +479,11 @@ class UnfoldRule(Rule):
         self._refuse_groups(call)
         if not self._has_weight(call):
             return {}
-        x = self._x(call)  # [N, G, I, L]
-        n, groups = x.shape[:2]
+        n, groups = call.input.shape[0], call.module.groups
+        rows = self.unfold_rows(call)  # [C_in·K, N·L]
         if groups == 1:
-            xt = x[:, 0].transpose(0, 1).reshape(x.shape[2], -1)
-            return {"weight": xt @ xt.t() / n}
-        xt = x.transpose(0, 1).transpose(1, 2).reshape(groups, x.shape[2], -1)  # [G, I, N·L]
-        return {"weight": xt @ xt.transpose(1, 2) / n}
+            return {"weight": gram(rows) / n}
+        return {"weight": gram(rows.reshape(groups, -1, rows.shape[-1])) / n}  # [G, I, I]
 
     def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         r"""``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``, ``[C_out, C_out]`` (BackPACK): the
@@ -454,12 +496,12 @@ class UnfoldRule(Rule):
         groups = call.module.groups
         if self._has_weight(call):
             if groups == 1:
-                out["weight"] = b.t() @ b
+                out["weight"] = gram(b.t())
             else:
                 bg = b.reshape(b.shape[0], groups, -1).transpose(0, 1)  # [G, M·N, O]
-                out["weight"] = bg.transpose(1, 2) @ bg
+                out["weight"] = gram(bg.transpose(1, 2))
         if self._has_bias(call):
-            out["bias"] = out["weight"] if groups == 1 and "weight" in out else b.t() @ b
+            out["bias"] = out["weight"] if groups == 1 and "weight" in out else gram(b.t())
         return out
 
 
