@@ -453,6 +453,48 @@ def test_uses_split_or_undone(how: str) -> None:
         torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
 
 
+class Transposed(nn.Module):
+    """A container parameter multiplying transposed activations, ``(W @ h.T).T``, with the
+    hidden width equal to the batch size: ``h.T`` has the batch's size on axis 0 too."""
+
+    def __init__(self, how: str, d: int) -> None:
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(3, d)
+        self.w = nn.Parameter(torch.randn(5, d))
+        self.g = nn.Parameter(torch.rand(d) + 0.5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.how == "T":
+            out = (self.w @ h.T).T
+        elif self.how == "transpose":
+            out = (self.w @ (h.transpose(0, 1) * self.g[:, None])).mT
+        else:  # permute, then back: the activation's batch is on axis 0 again
+            out = F.linear(h.permute(1, 0).permute(1, 0), self.w)
+        return self.head(out)
+
+
+@pytest.mark.parametrize("how", ["T", "transpose", "permute_back"])
+@pytest.mark.parametrize("d", [N, N + 1])
+def test_transposed_activations(how: str, d: int) -> None:
+    torch.manual_seed(12)
+    model = Transposed(how, d).to(DT)
+    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
+    lf = nn.CrossEntropyLoss()
+    ref, ggn = per_sample_grads(model, lf, x, y), diag_ggn(model, lf, x, y)
+    extend(model)
+    lf = extend(lf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericRuleWarning)
+        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+            lf(model(x), y).backward()
+    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
 def test_a_failed_pass_leaves_no_results() -> None:
     """An error during the backward pass (here a user's hook on an activation) after some
     results were stored: the pass removes what it stored."""

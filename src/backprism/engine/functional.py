@@ -70,6 +70,8 @@ _VIEW_OPS = frozenset(
         "to", "type", "float", "double", "half", "bfloat16", "contiguous", "clone",
     }
 )
+#: attribute of a tensor that a transpose inside a releasing forward made (:func:`_mark_transposed`)
+_MOVED = "_backprism_transposed"
 _TRANSPOSES = frozenset({"t", "T", "mT", "transpose"})
 _MATMULS = frozenset({"matmul", "__matmul__", "mm"})
 #: module → (its sub-modules, the ids of their parameters when the table was built, the table)
@@ -624,11 +626,48 @@ def _per_sample(tensors: list[tuple[int, Tensor]], info: tuple | None) -> bool:
     for _, t in tensors:
         if not t.requires_grad and id(t) not in arg_ids:
             return False
+        if getattr(t, _MOVED, False):
+            return False  # perhaps transposed (:func:`_mark_transposed`)
         axis = getattr(t, AXIS, None)
-        axis = 0 if axis is None or axis < 0 else axis
+        if axis is None:
+            axis = 0
+        elif axis < 0:  # the batch axis is lost: the module's own call claims the parameters
+            return False
         if t.dim() <= axis or t.shape[axis] != n:
             return False
     return True
+
+
+#: attribute of a tensor that a transpose inside a releasing forward made (:func:`_mark_transposed`)
+_MOVED = "_backprism_transposed"
+_TRANSPOSES = frozenset(
+    {"transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "permute", "movedim",
+     "moveaxis"}
+)
+
+
+def _mark_transposed(name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    """Inside a module's forward that released its parameters to the generic attribution
+    (forwards without batch-second layouts, where batch axes are not followed): mark a
+    transposed activation with the batch's size on axis 0 (``h.T``, ``h.transpose(0, 1)``),
+    which might be taken to have the batch on axis 0 where another axis has the batch's size
+    too. A use of a released parameter with such an operand is not attributed where it enters
+    (:func:`_per_sample`: the module's own call claims the parameters) — exact either way,
+    only slower where the mark was not needed."""
+    frame = next((f for f in reversed(FORWARD.call_stack) if f[9] is not None), None)
+    src = args[0] if args else None
+    if frame is None or not isinstance(src, Tensor) or not isinstance(out, Tensor):
+        return
+    if src.dim() < 2 or src.shape[0] != frame[9][0] or _param_view(src) is not None:
+        return
+    if name == "mT":
+        moved = src.dim() == 2
+    elif name in ("movedim", "moveaxis"):
+        moved = True
+    else:
+        moved = _new_axis(name, args, kwargs, src, 0, out) != 0
+    if moved:
+        setattr(out, _MOVED, True)
 
 
 def _pv(a: Any, owned: frozenset[int]) -> tuple | None:
@@ -1075,6 +1114,8 @@ class ForwardMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         if FORWARD.layouts:  # activations with the batch off axis 0 exist in this forward
             follow_batch_axis(name, args, kwargs, out)
+        elif name in _TRANSPOSES and stack:
+            _mark_transposed(name, args, kwargs, out)
         if isinstance(out, Tensor):
             if not out.requires_grad:
                 return out
