@@ -508,3 +508,45 @@ def test_unfold_rows_is_the_unfold_with_features_first(
     rows = unfold_conv_rows(x, kernel, stride, dilation, padding, mode)
     n, c, k, length = full.shape
     assert torch.equal(rows, full.permute(1, 2, 0, 3).reshape(c * k, n * length))
+
+
+@pytest.mark.parametrize(
+    ("d", "kernel", "dilation", "padding", "mode", "size"),
+    [
+        (1, 7, 1, 3, "zeros", 40),
+        (1, 5, 2, 3, "zeros", 40),
+        (2, 3, 1, 1, "zeros", 9),
+        (2, 3, (1, 2), "same", "zeros", 12),
+        (2, 3, 2, 2, "zeros", 20),
+        (2, (3, 5), 1, (0, 1), "zeros", 12),
+        (2, 3, 1, 1, "reflect", 8),
+        (2, 3, 1, 1, "circular", 8),
+        (3, 3, 1, 1, "zeros", 6),
+    ],
+)
+def test_input_factor_by_shifts_against_the_definition(
+    d: int, kernel: Any, dilation: Any, padding: Any, mode: str, size: int
+) -> None:
+    """KFLR's input factor of stride-1 convolutions large enough for the shifted products
+    (``rules.conv_factor``): ``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` with the patches
+    ``X[n, :, l] = ∂ out[n, 0, l] / ∂ W[0]`` from ``torch.func.jacrev`` of the layer."""
+    from backprism.extensions import KFLR
+    from backprism.rules.conv_factor import shifts_cheaper
+
+    torch.manual_seed(3)
+    cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
+    conv = cls(3, 2, kernel, dilation=dilation, padding=padding, padding_mode=mode, bias=False)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten()).to(DT)
+    X = torch.randn(2, 3, *[size] * d, dtype=DT)
+    out = conv(X)
+    assert shifts_cheaper(X.shape[2:], conv.kernel_size, conv.dilation, out.shape[2:])
+    head = nn.Linear(out[0].numel(), 3).to(DT)
+    model.append(head)
+    jac = jacrev(lambda w: functional_call(conv, {"weight": w}, (X,)))(conv.weight.detach())
+    patches = jac[:, 0].flatten(1, d)[:, :, 0].flatten(2)  # [N, L, C·K]
+    ref = torch.einsum("nli,nlj->ij", patches, patches) / X.shape[0]
+    backprism.extend(model)
+    lf = backprism.extend(nn.CrossEntropyLoss())
+    with backprism.collect(KFLR()):
+        lf(model(X), torch.tensor([0, 2])).backward()
+    torch.testing.assert_close(conv.weight.kflr[1], ref, rtol=1e-10, atol=1e-12)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.engine.rule import Call, register_rule
+from backprism.rules.conv_factor import input_factor_by_shifts, shifts_cheaper
 from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv, unfold_conv_rows
 
 __all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]
@@ -46,6 +47,26 @@ class _ConvRule(UnfoldRule):
             call.input, mod.kernel_size, mod.stride, mod.dilation, conv_padding(mod),
             mod.padding_mode,
         )
+
+    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+        """As :meth:`UnfoldRule.kfac_input`; with stride 1 and one group, from shifted
+        products of the input where they are cheaper than the unfold
+        (:mod:`backprism.rules.conv_factor`)."""
+        mod = call.module
+        out = call.out_shapes[0][2:]
+        if (
+            self._has_weight(call)
+            and mod.groups == 1
+            and all(s == 1 for s in mod.stride)
+            and call.input.dim() == self.n_spatial + 2
+            and shifts_cheaper(call.input.shape[2:], mod.kernel_size, mod.dilation, out)
+        ):
+            x, pads = _padded(mod, call.input)
+            factor = input_factor_by_shifts(
+                x, mod.kernel_size, mod.dilation, [a for a, _ in pads], out
+            )
+            return {"weight": factor / call.input.shape[0]}
+        return super().kfac_input(call)
 
     def weight_grad(self, call: Call, g: Tensor) -> Tensor:
         mod = call.module
