@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -550,3 +551,36 @@ def test_input_factor_by_shifts_against_the_definition(
     with backprism.collect(KFLR()):
         lf(model(X), torch.tensor([0, 2])).backward()
     torch.testing.assert_close(conv.weight.kflr[1], ref, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    d=st.integers(1, 3),
+    kernel=st.integers(1, 4),
+    dilation=st.integers(1, 2),
+    pad=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    size=st.integers(1, 7),
+    n=st.integers(1, 3),
+    c=st.integers(1, 3),
+)
+def test_input_factor_by_shifts_fuzzed(
+    d: int, kernel: int, dilation: int, pad: tuple[int, int], size: int, n: int, c: int
+) -> None:
+    """``input_factor_by_shifts`` on any stride-1 geometry (asymmetric padding, kernels as
+    large as the input, dilations) against ``Σ_{n,l} X_{nl} X_{nl}ᵀ`` with the patches from
+    ``jacrev`` of the convolution over the explicitly padded input."""
+    from backprism.rules.conv_factor import input_factor_by_shifts
+
+    out = size + sum(pad) - dilation * (kernel - 1)
+    if out < 1:
+        return
+    torch.manual_seed(n * 100 + c * 10 + size)
+    x = torch.randn(n, c, *[size] * d, dtype=DT)
+    padded = F.pad(x, [pad[0], pad[1]] * d)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[d - 1]
+    w = torch.zeros(1, c, *[kernel] * d, dtype=DT)
+    jac = jacrev(lambda v: conv(padded, v, dilation=dilation))(w)  # [N, 1, *L, 1, C, *k]
+    patches = jac[:, 0].flatten(1, d)[:, :, 0].flatten(2)  # [N, L, C·K]
+    ref = torch.einsum("nli,nlj->ij", patches, patches)
+    got = input_factor_by_shifts(x, [kernel] * d, [dilation] * d, [pad[0]] * d, [out] * d)
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
