@@ -434,11 +434,9 @@ class Uses(nn.Module):
         return self.head(torch.tanh(h))
 
 
-@pytest.mark.parametrize("how", ["setitem", "mask", "expand", "bmm", "cat"])
-def test_uses_split_or_undone(how: str) -> None:
-    torch.manual_seed(10)
-    model = Uses(how).to(DT)
-    model.mask = model.mask.to(DT)
+def _check_first_order_and_diag_ggn(model: nn.Module) -> None:
+    """First-order results and the GGN diagonal of ``model`` (inputs ``[N, 3]``, two classes)
+    against the references."""
     x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
     lf = nn.CrossEntropyLoss()
     ref, ggn = per_sample_grads(model, lf, x, y), diag_ggn(model, lf, x, y)
@@ -451,6 +449,14 @@ def test_uses_split_or_undone(how: str) -> None:
     assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["setitem", "mask", "expand", "bmm", "cat"])
+def test_uses_split_or_undone(how: str) -> None:
+    torch.manual_seed(10)
+    model = Uses(how).to(DT)
+    model.mask = model.mask.to(DT)
+    _check_first_order_and_diag_ggn(model)
 
 
 class Transposed(nn.Module):
@@ -481,18 +487,7 @@ class Transposed(nn.Module):
 def test_transposed_activations(how: str, d: int) -> None:
     torch.manual_seed(12)
     model = Transposed(how, d).to(DT)
-    x, y = torch.randn(N, 3, dtype=DT), torch.randint(0, 2, (N,))
-    lf = nn.CrossEntropyLoss()
-    ref, ggn = per_sample_grads(model, lf, x, y), diag_ggn(model, lf, x, y)
-    extend(model)
-    lf = extend(lf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", GenericRuleWarning)
-        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-            lf(model(x), y).backward()
-    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+    _check_first_order_and_diag_ggn(model)
 
 
 def test_a_failed_pass_leaves_no_results() -> None:

@@ -783,6 +783,22 @@ def _expand_arg(a: Any, n: int) -> Any:
     return a
 
 
+def _widened(call: Call, widen: Callable[[Any], Any], wide: Tensor) -> Call:
+    """The same call on its inputs widened to the batch by ``widen``, with output ``wide``."""
+    live = call.live
+    return dataclasses.replace(
+        call,
+        args=tuple(widen(x) for x in call.args),
+        kwargs={k: widen(v) for k, v in call.kwargs.items()},
+        out_shapes=[wide.shape],
+        batch_size=wide.shape[0],
+        pass_=None,
+        live=None
+        if live is None
+        else (tuple(widen(x) for x in live[0]), {k: widen(v) for k, v in live[1].items()}),
+    )
+
+
 def _broadcast_calls(args: tuple) -> tuple:
     """Batch-1 calls broadcast over the samples by an elementwise op (position embeddings of
     ``position_ids`` of shape ``[1, T]`` added to ``[N, T, d]`` token embeddings): the operand
@@ -805,20 +821,7 @@ def _broadcast_calls(args: tuple) -> tuple:
         if call is None:
             continue
         wide = t.expand(n, *t.shape[1:])
-        expanded = dataclasses.replace(
-            call,
-            args=tuple(_expand_arg(x, n) for x in call.args),
-            kwargs={k: _expand_arg(v, n) for k, v in call.kwargs.items()},
-            out_shapes=[wide.shape],
-            batch_size=n,
-            pass_=None,
-            live=None
-            if call.live is None
-            else (
-                tuple(_expand_arg(x, n) for x in call.live[0]),
-                {k: _expand_arg(v, n) for k, v in call.live[1].items()},
-            ),
-        )
+        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
         if attach(expanded, [wide]):
             call.superseded = True
             new[i] = wide
@@ -859,20 +862,7 @@ def _lower_rank_calls(args: tuple) -> tuple:
         return x
 
     wide = lo.unsqueeze(0).expand(n, *lo.shape)
-    expanded = dataclasses.replace(
-        call,
-        args=tuple(widen(x) for x in call.args),
-        kwargs={k: widen(v) for k, v in call.kwargs.items()},
-        out_shapes=[wide.shape],
-        batch_size=n,
-        pass_=None,
-        live=None
-        if call.live is None
-        else (
-            tuple(widen(x) for x in call.live[0]),
-            {k: widen(v) for k, v in call.live[1].items()},
-        ),
-    )
+    expanded = _widened(call, widen, wide)
     if not attach(expanded, [wide]):
         return args
     call.superseded = True
