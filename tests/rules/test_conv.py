@@ -522,7 +522,7 @@ def test_unfold_rows_is_the_unfold_with_features_first(
         (2, (3, 5), 1, (0, 1), "zeros", 12),
         (2, 3, 1, 1, "reflect", 8),
         (2, 3, 1, 1, "circular", 8),
-        (3, 3, 1, 1, "zeros", 6),
+        (3, (1, 3, 3), 1, (0, 1, 1), "zeros", 10),
     ],
 )
 def test_input_factor_by_shifts_against_the_definition(

@@ -48,11 +48,15 @@ def shifts_cheaper(
     with its zero margin) against ``≈ (K²/2)·ΠL`` (the block-symmetric Gram matrix of the
     unfold, ``ΠL`` output positions), the border cells' extra work and fixed costs weighed in
     by a factor 2. Measured on the CPU (2 threads, N = 128, 3×3 kernels): 67 → 19 ms at
-    ``C = 16, S = 32²``, 30 → 20 ms at ``C = 64, S = 8²``; at ``S = 4²`` the unfold is kept."""
+    ``C = 16, S = 32²``, 30 → 20 ms at ``C = 64, S = 8²``; at ``S = 4²`` the unfold is kept.
+    Large kernels are left to the unfold (``Π 2k > 64`` over the axes with ``k > 1``, as for
+    7×7 or 3×3×3): the border cells grow as ``Π(2k)²`` per layer, each a few small operations
+    (a 7×7 kernel on 8² inputs took 16× the unfold's time)."""
     k = math.prod(kernel)
     shifts = math.prod(2 * a - 1 for a in kernel)
     padded = math.prod(m + dl * (a - 1) for m, dl, a in zip(size, dilation, kernel))
-    return k > 1 and 2 * shifts * padded < k * k * math.prod(out)
+    few_cells = math.prod(2 * a for a in kernel if a > 1) <= 64
+    return k > 1 and few_cells and 2 * shifts * padded < k * k * math.prod(out)
 
 
 def input_factor_by_shifts(
