@@ -16,14 +16,15 @@ kernel, instead of the ``K² = 81`` blocks of the unfolded product: about ``13/8
 multiply-adds where the input is large next to the kernel, and no unfolded copy (9× the
 input).
 
-Per shift: the input as ``X = [C, N·ΠS]`` (one transposed copy, shared by the shifts) and its
-flat shift by ``o = Σ_a δ_a·stride_a`` give ``F = X[:, :T−o] X[:, o:]ᵀ``, the sum of
-``x_u x_{u+o}ᵀ`` over all positions, where ``u + o`` is ``u + δ`` inside the box of valid
-partners and another position (the next row, the next sample) outside it. The positions are
-cut, per axis, at every box boundary of the shift's pairs into cells; every cell but the
-largest valid one (the interior) gets its own product from gathered columns, the interior's
-is ``F`` less the others, and each block ``A_{κκ'}`` is the sum of the cells in its box (all of
-them inside the valid box, where the flat partner is the true one).
+Per shift: the input is copied once, channels first, with a zero margin of ``d(k−1)`` after
+it on every spatial axis, ``X = [C, N·Π(S + d(k−1))]`` (shared by the shifts). Its flat shift
+by ``o = Σ_a δ_a·step_a`` gives ``F = X[:, :T−o] X[:, o:]ᵀ = Σ x_u x_{u+δ}ᵀ`` over every
+position ``u`` whose partner ``u + δ`` is inside the input: a partner outside it falls into the
+margin (zeros), never onto another position, so no flat partner is wrong. The positions are cut,
+per axis, at every box boundary of the shift's pairs into cells; every cell but the largest one
+inside the valid box (the interior) gets its own product from the windows of the cell and of
+the cell shifted by ``δ`` (cells of one shape in one batched product), the interior's is ``F``
+less the others, and each block ``A_{κκ'}`` is the sum of the cells in its box.
 """
 
 from __future__ import annotations
