@@ -12,7 +12,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.extensions import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -44,6 +44,37 @@ def test_dropped_models_are_freed() -> None:
     assert alive == 0, f"{alive} of 40 extended models still alive after gc.collect()"
     alive = sum(r() is not None for r in losses)
     assert alive == 0, f"{alive} of 40 extended loss modules still alive after gc.collect()"
+
+
+class _FunctionalUses(nn.Module):
+    """Parameters used functionally and across modules (the forward mode's ownership tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.g = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.lin(x)) * self.g + F.linear(x, self.lin.weight)
+        return self.head(h)
+
+
+def test_dropped_models_with_functional_uses_are_freed() -> None:
+    """The forward mode's per-module caches hold no module: a model whose parameters were
+    attributed where they enter is freed when dropped, like any other."""
+    models = []
+    for i in range(5):
+        torch.manual_seed(i)
+        model, lf = extend(_FunctionalUses().to(DT)), extend(nn.CrossEntropyLoss())
+        X, y = torch.randn(3, 4, dtype=DT), seeded_labels((3,), 3, i)
+        with collect(BatchGrad()):
+            lf(model(X), y).backward()
+        models.append(weakref.ref(model))
+        del model, lf, X, y
+    gc.collect()
+    alive = sum(r() is not None for r in models)
+    assert alive == 0, f"{alive} of 5 extended models still alive after gc.collect()"
 
 
 def test_stray_forward_of_other_model() -> None:

@@ -74,9 +74,10 @@ _VIEW_OPS = frozenset(
 _MOVED = "_backprism_transposed"
 _TRANSPOSES = frozenset({"t", "T", "mT", "transpose"})
 _MATMULS = frozenset({"matmul", "__matmul__", "mm"})
-#: module → (its sub-modules, the ids of their parameters when the table was built, the table)
+#: module → (the ids of its sub-modules' parameters when the table was built, the table); no
+#: module is held (the weak key must not be kept alive by its own value)
 _OWNERS: weakref.WeakKeyDictionary[
-    nn.Module, tuple[list[nn.Module], tuple[int, ...], dict[int, frozenset[int]]]
+    nn.Module, tuple[tuple[int, ...], dict[int, frozenset[int]]]
 ] = weakref.WeakKeyDictionary()
 
 
@@ -85,18 +86,18 @@ def _owners(module: nn.Module) -> dict[int, frozenset[int]]:
     directly. Cached per module and checked against the parameters the sub-modules hold now:
     ``torch.func.functional_call`` swaps other tensors into ``_parameters`` for one call, and
     a table built then would disown the module's own parameters in its later calls."""
-    entry = _OWNERS.get(module)
-    subs = entry[0] if entry is not None else list(module.modules())
+    subs = list(module.modules()) if module._modules else [module]
     key = tuple(id(p) for sub in subs for p in sub._parameters.values())
-    if entry is not None and entry[1] == key:
-        return entry[2]
+    entry = _OWNERS.get(module)
+    if entry is not None and entry[0] == key:
+        return entry[1]
     found: dict[int, set[int]] = {}
     for sub in subs:
         for p in sub._parameters.values():
             if p is not None:
                 found.setdefault(id(p), set()).add(id(sub))
     table = {pid: frozenset(owners) for pid, owners in found.items()}
-    _OWNERS[module] = (subs, key, table)
+    _OWNERS[module] = (key, table)
     return table
 
 
