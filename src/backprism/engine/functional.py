@@ -641,10 +641,6 @@ def _per_sample(tensors: list[tuple[int, Tensor]], info: tuple | None) -> bool:
 
 #: attribute of a tensor that a transpose inside a releasing forward made (:func:`_mark_transposed`)
 _MOVED = "_backprism_transposed"
-_TRANSPOSES = frozenset(
-    {"transpose", "transpose_", "swapaxes", "swapdims", "t", "T", "mT", "permute", "movedim",
-     "moveaxis"}
-)
 
 
 def _mark_transposed(name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -875,6 +871,8 @@ def _lower_rank_calls(args: tuple) -> tuple:
 
 # -- the batch axis of activations computed from a batch_first=False RNN ------------------------
 _SWAPS = frozenset({"transpose", "transpose_", "swapaxes", "swapdims"})
+#: operations that may move the batch axis (:func:`_mark_transposed`)
+_AXIS_MOVES = _SWAPS | {"t", "T", "mT", "permute", "movedim", "moveaxis"}
 _FEATURE_OPS = frozenset({"linear", "embedding", "layer_norm", "rms_norm"})
 _REDUCTIONS = frozenset(
     {"sum", "mean", "amax", "amin", "max", "min", "nansum", "nanmean", "logsumexp", "prod",
@@ -1105,7 +1103,7 @@ class ForwardMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         if FORWARD.layouts:  # activations with the batch off axis 0 exist in this forward
             follow_batch_axis(name, args, kwargs, out)
-        elif name in _TRANSPOSES and stack:
+        elif name in _AXIS_MOVES and stack:
             _mark_transposed(name, args, kwargs, out)
         if isinstance(out, Tensor):
             if not out.requires_grad:
