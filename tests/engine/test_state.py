@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,24 +30,6 @@ from tests.reference import per_sample_grads
 DT = torch.float64
 
 
-def test_dropped_models_are_freed() -> None:
-    models, losses = [], []
-    for i in range(40):
-        torch.manual_seed(i)
-        model, lf = extend(small_mlp().to(DT)), extend(nn.CrossEntropyLoss())
-        X, y = torch.randn(3, 4, dtype=DT), seeded_labels((3,), 3, i)
-        with collect(BatchGrad()):
-            lf(model(X), y).backward()
-        models.append(weakref.ref(model))
-        losses.append(weakref.ref(lf))
-        del model, lf, X, y
-    gc.collect()
-    alive = sum(r() is not None for r in models)
-    assert alive == 0, f"{alive} of 40 extended models still alive after gc.collect()"
-    alive = sum(r() is not None for r in losses)
-    assert alive == 0, f"{alive} of 40 extended loss modules still alive after gc.collect()"
-
-
 class _FunctionalUses(nn.Module):
     """Parameters used functionally and across modules (the forward mode's ownership tables)."""
 
@@ -60,21 +44,26 @@ class _FunctionalUses(nn.Module):
         return self.head(h)
 
 
-def test_dropped_models_with_functional_uses_are_freed() -> None:
-    """The forward mode's per-module caches hold no module: a model whose parameters were
-    attributed where they enter is freed when dropped, like any other."""
-    models = []
-    for i in range(5):
+@pytest.mark.parametrize(("make", "count"), [(small_mlp, 40), (_FunctionalUses, 5)],
+                         ids=["mlp", "functional-uses"])
+def test_dropped_models_are_freed(make: Callable[[], nn.Module], count: int) -> None:
+    """Extended models and losses are freed when dropped, also those whose parameters the
+    forward mode attributed where they enter (its per-module caches hold no module)."""
+    models, losses = [], []
+    for i in range(count):
         torch.manual_seed(i)
-        model, lf = extend(_FunctionalUses().to(DT)), extend(nn.CrossEntropyLoss())
+        model, lf = extend(make().to(DT)), extend(nn.CrossEntropyLoss())
         X, y = torch.randn(3, 4, dtype=DT), seeded_labels((3,), 3, i)
         with collect(BatchGrad()):
             lf(model(X), y).backward()
         models.append(weakref.ref(model))
+        losses.append(weakref.ref(lf))
         del model, lf, X, y
     gc.collect()
     alive = sum(r() is not None for r in models)
-    assert alive == 0, f"{alive} of 5 extended models still alive after gc.collect()"
+    assert alive == 0, f"{alive} of {count} extended models still alive after gc.collect()"
+    alive = sum(r() is not None for r in losses)
+    assert alive == 0, f"{alive} of {count} extended loss modules still alive after gc.collect()"
 
 
 def test_stray_forward_of_other_model() -> None:
