@@ -143,10 +143,11 @@ def _setup(name: str):
     return model, x, y, nn.CrossEntropyLoss()
 
 
-def _first_order_without_fallback(name: str) -> nn.Module:
-    """The first-order quantities of model ``name`` against ``∇(ℓₙ/N)``, with the generic
+def _first_order_without_fallback(
+    model: nn.Module, x: Tensor, y: Tensor, lf: nn.Module
+) -> nn.Module:
+    """The first-order quantities of ``model`` against ``∇(ℓₙ/N)``, with the generic
     fallback's announcement an error; the extended model, for further checks."""
-    model, x, y, lf = _setup(name)
     ref = per_sample_grads(model, lf, x, y)
     extend(model)
     lf = extend(lf)
@@ -162,7 +163,7 @@ def _first_order_without_fallback(name: str) -> nn.Module:
 def test_first_order_without_fallback(name: str) -> None:
     """Every parameter's first-order quantities against ``∇(ℓₙ/N)``; no module or operation
     announces the generic fallback."""
-    model = _first_order_without_fallback(name)
+    model = _first_order_without_fallback(*_setup(name))
     for p in model.parameters():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
 
@@ -170,7 +171,7 @@ def test_first_order_without_fallback(name: str) -> None:
 def test_keyword_and_frozen_parameters_first_order() -> None:
     """``F.layer_norm(..., weight=, bias=)``, ``F.rms_norm(..., weight=)``,
     ``F.linear(h, weight=, bias=)`` and a frozen bias: the closed forms (no fallback)."""
-    model = _first_order_without_fallback("keyword-norms")
+    model = _first_order_without_fallback(*_setup("keyword-norms"))
     assert model.frozen.grad is None and not hasattr(model.frozen, "grad_batch")
 
 
@@ -345,15 +346,7 @@ def test_relative_position_table_indexed_by_a_buffer() -> None:
     model.g.requires_grad_(False)
     model.v.requires_grad_(False)
     x, y = torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 3, (N,))
-    lf = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lf, x, y)
-    extend(model)
-    lf = extend(lf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", GenericRuleWarning)
-        with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-            lf(model(x), y).backward()
-    assert_first_order(model, ref, rtol=1e-9, atol=1e-12)
+    _first_order_without_fallback(model, x, y, nn.CrossEntropyLoss())
     assert get_rule(model)._release(Biased) is None
 
 
