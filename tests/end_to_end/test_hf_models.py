@@ -242,3 +242,31 @@ def test_diag_hessian_is_refused_clearly(name: str):
     with pytest.raises(RuntimeError, match=r"DiagGGNExact|HutchinsonDiagHessian"):
         _backward(model, x, y, kind, DiagHessian())
     assert all(p.grad is None for p in model.parameters())
+
+
+class _ShiftedLoss:
+    """The loss Hugging Face's causal LMs compute for ``labels=``: position ``t`` predicts
+    token ``t + 1``, mean over the ``N·(T − 1)`` predicted tokens."""
+
+    def __call__(self, logits: Tensor, y: Tensor) -> Tensor:
+        v = logits.shape[-1]
+        return nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, v), y[:, 1:].reshape(-1)
+        )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_models_own_loss_with_labels(name: str):
+    """``model(x, labels=x).loss.backward()``, the loss computed inside the model with
+    ``F.cross_entropy`` (no extended loss module): first order and the exact GGN diagonal
+    against the references of that loss. The models compute it in float32
+    (``logits.float()``), hence float32's precision."""
+    model, x, _, _ = _setup(name)
+    ref_grads = per_sample_grads(Logits(model), _ShiftedLoss(), x, x)
+    ref = diag_ggn(Logits(model), _ShiftedLoss(), x, x)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        model(x, labels=x).loss.backward()
+    assert_first_order(Logits(model), ref_grads, **LOOSE)
+    for k, p in _trainable(model):
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **LOOSE)

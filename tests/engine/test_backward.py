@@ -329,10 +329,13 @@ def test_parameter_gradient_hook_warns_once() -> None:
             lf(model(X), y).backward()
 
 
-def test_parametrized_layer_is_refused_with_what_to_do() -> None:
-    """``weight_norm`` (torch.nn.utils.parametrize) computes the layer's weight from its
-    originals outside every rule: refused, naming the parametrization and the way out; with
-    the originals frozen the rest of the model is analysed."""
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_layer_is_refused_with_what_to_do(kind: str) -> None:
+    """``weight_norm``, ``spectral_norm``, ``orthogonal`` (torch.nn.utils.parametrize) compute
+    the layer's weight from its originals outside every rule: refused, naming the
+    parametrization and the way out (spectral_norm's power iteration, a product with a
+    vector of another length, is not taken for a second batch); with the originals frozen the
+    rest of the model is analysed."""
     from torch.nn.utils import parametrizations
 
     from backprism.extensions import BatchGrad
@@ -340,7 +343,7 @@ def test_parametrized_layer_is_refused_with_what_to_do() -> None:
 
     torch.manual_seed(0)
     model = nn.Sequential(
-        parametrizations.weight_norm(nn.Linear(4, 5)), nn.Tanh(), nn.Linear(5, 3)
+        getattr(parametrizations, kind)(nn.Linear(4, 5).double()), nn.Tanh(), nn.Linear(5, 3)
     ).double()
     lf = nn.CrossEntropyLoss()
     X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
@@ -381,3 +384,61 @@ def test_parameter_frozen_between_forward_and_backward() -> None:
             torch.testing.assert_close(p.grad_batch, ref[name])
             torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
             torch.testing.assert_close(p.diag_ggn_exact, ggn_ref[name])
+
+
+class _SharedBias(nn.Module):
+    """T5-style relative position bias: an Embedding of ``[T, T]`` bucket indices (no batch
+    axis) broadcast over the samples' attention logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.bias = nn.Embedding(3, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        pos = torch.arange(t)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-1, 1) + 1  # [T, T]
+        logits = self.proj(x) @ x.transpose(1, 2) + self.bias(buckets)[..., 0]  # [N, T, T]
+        return self.head(logits.softmax(-1) @ x).mean(1)
+
+
+class _Windows(nn.Module):
+    """Swin-style window partition: ``[N, T, d]`` folded into ``[N·T/2, 2, d]`` around a
+    Linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, d = x.shape
+        w = self.inner(x.reshape(n * t // 2, 2, d)).reshape(n, t, d)
+        return self.head(w).mean(1)
+
+
+@pytest.mark.parametrize(
+    ("model", "hint"), [(_SharedBias, "relative position bias"), (_Windows, "window partition")]
+)
+def test_batch_size_refusal_names_shared_tables_and_folded_batches(model, hint: str) -> None:
+    """Calls of another batch size inside one forward: refused before anything is written,
+    with the likely cause named (a table shared by all samples, a batch folded with another
+    axis); with the shared table frozen the rest is analysed."""
+    from backprism.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    net = extend(model().double())
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (2,))
+    loss = nn.functional.cross_entropy(net(x), y)
+    with pytest.raises(RuntimeError, match=hint), collect(BatchGrad()):
+        loss.backward()
+    assert all(p.grad is None for p in net.parameters())
+    if model is _SharedBias:
+        net.bias.requires_grad_(False)
+        with collect(BatchGrad()):
+            nn.functional.cross_entropy(net(x), y).backward()
+        for p in (net.proj.weight, net.head.weight):
+            torch.testing.assert_close(p.grad_batch.sum(0), p.grad)

@@ -145,18 +145,30 @@ def _results(model: nn.Module, exts) -> dict:
     }
 
 
-def _one_process(name, n, exts, reduction="mean", seed=1, **kw):
+def _lossfunc(reduction: str, functional: bool | str):
+    """An extended ``CrossEntropyLoss``, (``functional``) ``F.cross_entropy``, or
+    (``"own"``) per-sample losses reduced by ``.sum()`` / ``.mean()`` (no loss backprism
+    knows; the reduction is read off the start of the pass)."""
+    if functional == "own":
+        ce = nn.functional.cross_entropy
+        return lambda out, y: getattr(ce(out, y, reduction="none"), reduction)()
+    if functional:
+        return lambda out, y: nn.functional.cross_entropy(out, y, reduction=reduction)
+    return extend(nn.CrossEntropyLoss(reduction=reduction))
+
+
+def _one_process(name, n, exts, reduction="mean", seed=1, functional=False, **kw):
     """One process on the global batch (no DDP, local values)."""
     model, X, y = _problem(name, n)
     model = extend(model)
-    lossfunc = extend(nn.CrossEntropyLoss(reduction=reduction))
+    lossfunc = _lossfunc(reduction, functional)
     torch.manual_seed(seed)
     with collect(*exts, process_group=None, **kw):
         lossfunc(model(X), y).backward()
     return _results(model, exts), {k: p.grad for k, p in model.named_parameters()}
 
 
-def _ddp(name, sizes, rank, exts, reduction="mean", seed=1, wrap="outside", **kw):
+def _ddp(name, sizes, rank, exts, reduction="mean", seed=1, wrap="outside", functional=False, **kw):
     """``wrap``: ``"outside"`` DDP(extend(model)), ``"inside"`` extend(DDP(model)),
     ``"unused"`` DDP(..., find_unused_parameters=True) (DDP's autograd Function in the graph)."""
     model, X, y = _problem(name, sum(sizes))
@@ -165,7 +177,7 @@ def _ddp(name, sizes, rank, exts, reduction="mean", seed=1, wrap="outside", **kw
     else:
         model = extend(model)
         ddp = DDP(model, find_unused_parameters=wrap == "unused")
-    lossfunc = extend(nn.CrossEntropyLoss(reduction=reduction))
+    lossfunc = _lossfunc(reduction, functional)
     sl = _slice(sizes, rank)
     torch.manual_seed(seed)
     with collect(*exts, **kw) as ctx:
@@ -304,11 +316,17 @@ def _check_mc(rank: int, sizes: list[int]) -> None:
 
 
 def _check_sum_reduction(rank: int, sizes: list[int]) -> None:
+    """``reduction="sum"``, of an extended loss, of a functional ``F.cross_entropy`` and of
+    per-sample losses summed by ``.sum()`` (the reduction read off the graph, not assumed to
+    be the mean)."""
     n, sl = sum(sizes), _slice(sizes, rank)
     exts = [BatchGrad(), Variance(), DiagGGNExact(), KFLR()]
-    ref, _ = _one_process("residual", n, exts, reduction="sum")
-    got, _, _ = _ddp("residual", sizes, rank, exts, reduction="sum")
-    _compare(got, ref, sl, "reduction='sum'")
+    for functional in (False, True, "own"):
+        if functional == "own":  # (curvature needs a loss whose Hessian backprism knows)
+            exts = exts[:2]
+        ref, _ = _one_process("residual", n, exts, reduction="sum", functional=functional)
+        got, _, _ = _ddp("residual", sizes, rank, exts, reduction="sum", functional=functional)
+        _compare(got, ref, sl, f"reduction='sum', functional={functional}")
 
 
 def _check_hook_and_communication(rank: int, sizes: list[int]) -> None:
@@ -490,3 +508,18 @@ def test_two_ranks_match_one_process():
 
 def test_three_ranks_unequal_batches():
     _spawn(_three_ranks, 3)
+
+
+def test_reduction_read_off_the_start_of_a_pass() -> None:
+    """Without a loss backprism knows, the convention is what the pass's start node shows:
+    ``.mean()``, ``.sum()``, a loss operation's own ``reduction``; nothing for a sum of
+    terms (taken as a mean, with a warning, by :func:`_loss_reduction`)."""
+    from backprism.engine.distributed import _root_reduction
+
+    x = torch.randn(4, 3, requires_grad=True)
+    t = torch.randn(4, 3)
+    assert _root_reduction((x * 2).mean().grad_fn) == "mean"
+    assert _root_reduction((x * 2).sum().grad_fn) == "sum"
+    assert _root_reduction(nn.functional.smooth_l1_loss(x, t, reduction="sum").grad_fn) == "sum"
+    assert _root_reduction(nn.functional.huber_loss(x, t).grad_fn) == "mean"
+    assert _root_reduction((x.mean() + x.sum()).grad_fn) is None

@@ -227,7 +227,7 @@ class BackwardPass:
                 "{'use_reentrant': False})), which backprism supports"
             )
         if not self.calls:
-            if view.losses:
+            if any(not rec.functional for rec, _ in view.losses):
                 raise RuntimeError(
                     "backprism.collect: the backward pass reaches an extended loss but no "
                     "extended module: call backprism.extend(model) before the forward pass "
@@ -283,17 +283,8 @@ class BackwardPass:
             self.whole_batch = True
         if view.unattributed:
             p, node = view.unattributed[0]
+            self._refuse_parametrized([p], exts)
             name = self._param_name(p)
-            if ".parametrizations." in name or "'parametrizations." in name:
-                raise RuntimeError(
-                    f"backprism: the parameter {name} is the original of a parametrization "
-                    "(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...). "
-                    "The layer uses the parametrized weight, which is computed from it outside "
-                    f"every rule's closed form, so {_names(exts)} cannot be computed for it. "
-                    "Remove the parametrization for the analysis "
-                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), "
-                    "or freeze its originals (requires_grad_(False)) to analyse the rest"
-                )
             inside = node.metadata.get(UNATTRIBUTED) if node is not None else None
             if inside is not None:
                 raise RuntimeError(
@@ -317,6 +308,13 @@ class BackwardPass:
         # -- distributed (engine.distributed): refusals, then the reduction in end() --------
         self.distributed = _distributed.setup(self)
 
+    def _batch_off_axis_0(self) -> bool:
+        """Whether a call of this pass has its batch off axis 0 (a ``batch_first=False`` RNN,
+        or a module fed by one)."""
+        return any(
+            (c.batch_axis and c.owner is None) or sequence_first(c.module) for c in self.calls
+        )
+
     def _check_assumed_axes(self) -> None:
         """With a ``batch_first=False`` RNN in the pass, a call whose batch axis 0 was only
         assumed (its input's layout unknown, e.g. Embedding → Dropout → RNN on ``[T, N]``
@@ -326,9 +324,7 @@ class BackwardPass:
         the batch-size check refuses."""
         # (a call inside a module that released its parameters has its batch axis from that
         # module's own layout, e.g. attention's [T, N, E] projection: no RNN)
-        if not any(
-            (c.batch_axis and c.owner is None) or sequence_first(c.module) for c in self.calls
-        ):
+        if not self._batch_off_axis_0():
             return
         for call in self.calls:
             if call.params and call.assumed_axis and _ambiguous_batch_axis(call):
@@ -340,13 +336,49 @@ class BackwardPass:
                     "output, or construct the RNN with batch_first=True and batch-first inputs"
                 )
 
+    def _refuse_parametrized(self, params: list[nn.Parameter], exts: list[Extension]) -> None:
+        """Refuse the originals of a parametrization among ``params`` (an error path only:
+        names are looked up parameter by parameter). Their parametrized weight is computed
+        from them before it meets the samples (spectral_norm's power iteration even shows as
+        calls of another batch size), so the refusal names the parametrization."""
+        for p in params:
+            name = self._param_name(p)
+            if ".parametrizations." in name or "'parametrizations." in name:
+                raise RuntimeError(
+                    f"backprism: the parameter {name} is the original of a parametrization "
+                    "(torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal, ...). "
+                    "The layer uses the parametrized weight, which is computed from it outside "
+                    f"every rule's closed form, so {_names(exts)} cannot be computed for it. "
+                    "Remove the parametrization for the analysis "
+                    "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')), "
+                    "or freeze its originals (requires_grad_(False)) to analyse the rest"
+                )
+
     def _check_batch_sizes(self, sizes: list[int], exts: list[Extension]) -> None:
+        self._refuse_parametrized(
+            list({id(p): p for c in self.calls for p in c.params.values()}.values()), exts
+        )
         shown = " and ".join(str(s) for s in sizes)
         by_size: dict[int, list[str]] = {}
         for c in self.calls:
             if c.params:
                 by_size.setdefault(c.batch_size, []).append(c.name)
         detail = "; ".join(f"N = {s}: {', '.join(sorted(set(v)))}" for s, v in by_size.items())
+        n = self.n_samples
+        folded = [s for s in sizes if s > n and s % n == 0]
+        hints = ""
+        if folded:
+            hints += (
+                f" Calls with batch size {folded[0]} = {folded[0] // n}·{n} may fold another "
+                "axis into the batch (Swin's window partition, [N·windows, …]; a reshape(-1, …) "
+                "of [N, T, …]): backprism cannot split such a batch into samples."
+            )
+        hints += (
+            " A module called on an input without the batch axis and shared by all samples "
+            "(T5's relative position bias, an Embedding of [T, T] bucket indices) has no "
+            "per-sample split backprism can compute: freeze it (requires_grad_(False)) to "
+            "analyse the rest."
+        )
         raise RuntimeError(
             f"backprism: the backward pass combines calls with batch sizes {shown} ({detail}), "
             f"so the samples of {_names(exts)} do not match one to one. A sample index that "
@@ -354,7 +386,7 @@ class BackwardPass:
             "concatenate the inputs into one forward, or use separate backward passes. (A "
             "module called on a batch of 1 and broadcast over the samples, e.g. position "
             "embeddings of shape [1, T], needs its input expanded to [N, T].)"
-            f"{modeless_note(self.view)}"
+            f"{hints}{modeless_note(self.view)}"
         )
 
     def _check_second_order(self, view: GraphView) -> None:
@@ -362,19 +394,32 @@ class BackwardPass:
         for rec, _ in view.losses:
             if rec.layout_error is not None:
                 raise RuntimeError(rec.layout_error)
+            if rec.functional and self._batch_off_axis_0():
+                raise RuntimeError(
+                    f"backprism {names}: this backward pass runs through a batch_first=False "
+                    f"RNN and ends in a functional {type(rec.module).__name__[:-4]} loss, "
+                    "whose input's batch axis backprism cannot see. Compute the loss with an "
+                    f"extended module, lossfunc = backprism.extend(nn.{type(rec.module).__name__}"
+                    "()), or construct the RNN with batch_first=True"
+                )
         if view.outside_losses:
             raise RuntimeError(
                 f"backprism {names}: the objective of this backward pass has terms that no "
                 f"extended loss accounts for (they reach {view.outside_losses[0]} without "
                 "passing through an extended loss, e.g. a penalty on the model outputs), so its "
                 "curvature is not the GGN of the extended losses. Add such terms as an extended "
-                "loss module, or compute them in a separate backward pass"
+                "loss module, or compute them in a separate backward pass (functional "
+                "F.cross_entropy without label smoothing, F.nll_loss after log_softmax, "
+                "F.mse_loss and F.binary_cross_entropy_with_logits count as losses; a label-"
+                "smoothed cross-entropy needs extend(nn.CrossEntropyLoss(label_smoothing=...)))"
             )
         if not view.losses:
             raise RuntimeError(
-                f"backprism: {names} need the loss module to be extended too: use "
-                "lossfunc = backprism.extend(nn.CrossEntropyLoss()) (or MSELoss, ...) instead "
-                "of a functional loss"
+                f"backprism: {names} need a loss whose Hessian backprism knows: an extended "
+                "loss module, lossfunc = backprism.extend(nn.CrossEntropyLoss()) (or MSELoss, "
+                "...), or one of the functional losses it recognises (F.cross_entropy without "
+                "label smoothing, F.nll_loss after log_softmax, F.mse_loss, "
+                "F.binary_cross_entropy_with_logits)"
             )
         residual = [e for e in self.second if e.needs_residual]
         if residual:

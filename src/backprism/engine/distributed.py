@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 import weakref
 import zlib
 from dataclasses import dataclass, field
@@ -203,8 +204,44 @@ def _refuse_fsdp(roots: list[nn.Module]) -> None:
                 )
 
 
+#: backward nodes that end a loss reduced over its elements by ``.mean()`` / ``.sum()``
+_ROOT_REDUCTIONS = {
+    "MeanBackward0": "mean", "MeanBackward1": "mean", "SumBackward0": "sum", "SumBackward1": "sum"
+}
+#: roots whose reduction could not be read were warned about once
+_WARNED_UNKNOWN = [False]
+
+
+def _root_reduction(node: Any) -> str | None:
+    """The reduction a loss's own last node shows: a loss operation's saved ``reduction``
+    (``F.smooth_l1_loss``, ``F.huber_loss``, …) or ``.mean()`` / ``.sum()``; ``None`` if the
+    node shows none (a sum of terms, a scaled loss)."""
+    saved = getattr(node, "_saved_reduction", None)
+    if saved is not None:
+        return {1: "mean", 2: "sum"}.get(int(saved))
+    return _ROOT_REDUCTIONS.get(type(node).__name__)
+
+
 def _loss_reduction(bp: Any) -> str:
+    """The loss convention of the pass: its losses' reduction (extended or recognised
+    functional losses); without one, what the pass's start nodes show (``.mean()``,
+    ``.sum()``, a loss operation's own ``reduction``); otherwise ``"mean"``, with a warning
+    once, since a sum would need other per-sample weights."""
     reductions = {getattr(rec.module, "reduction", "mean") for rec in bp.loss_records}
+    if not reductions:
+        shown = {_root_reduction(node) for node in bp.view.starts}
+        if len(shown) == 1 and None not in shown:
+            return shown.pop()
+        if not _WARNED_UNKNOWN[0]:
+            _WARNED_UNKNOWN[0] = True
+            warnings.warn(
+                "backprism: this distributed backward pass ends in a loss whose reduction over "
+                "the samples backprism cannot see (no extended or recognised functional loss, "
+                "and the pass does not start from .mean() or .sum()); its results take it as a "
+                "mean over the samples. For a sum, use an extended loss module "
+                "(extend(nn.MSELoss(reduction='sum'))) or end the loss in .sum()",
+                stacklevel=3,
+            )
     if len(reductions) > 1:
         raise RuntimeError(
             "backprism: this distributed backward pass combines extended losses with "

@@ -15,7 +15,9 @@ at all, so that every refusal happens before anything — a result or ``.grad`` 
   and the node that uses it;
 * **extra terms**: a call output or parameter reached from the start of the pass without going
   through an extended loss means the objective has terms that no extended loss accounts for
-  (a penalty on the outputs); curvature is then undefined for the engine.
+  (a penalty on the outputs); curvature is then undefined for the engine. A functional loss
+  the engine recognises (:mod:`backprism.engine.loss_nodes`) counts as an extended loss: its
+  record is put on its node when this walk first reaches it.
 
 Identity across the walk is by node object, held for the length of the walk (torch may free a
 node's Python wrapper between forward and backward and reuse its ``id``; within one walk every
@@ -29,6 +31,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from backprism.engine.loss_nodes import loss_record
 from backprism.engine.state import CALLS, LOSS, ROOT, SITES, Call, LossRecord, RootRecord
 
 __all__ = ["GraphView", "analyse"]
@@ -58,6 +61,8 @@ class GraphView:
     #: reached nodes of ``torch.utils.checkpoint(..., use_reentrant=True)``: their region's
     #: parameters are not in this graph (the forward is recomputed inside their backward)
     reentrant: list[Any] = field(default_factory=list)
+    #: the nodes the pass starts from (the roots' ``grad_fn``)
+    starts: list[Any] = field(default_factory=list)
     #: every node reached (held, so ids stay unique while the view lives)
     nodes: dict[int, Any] = field(default_factory=dict)
 
@@ -102,6 +107,7 @@ def analyse(roots: list[Tensor]) -> GraphView:
     """Walk the graph of a backward pass that starts from ``roots`` (see module docstring)."""
     view = GraphView()
     starts = [r.grad_fn for r in roots if isinstance(r, Tensor) and r.grad_fn is not None]
+    view.starts = starts
     # phase 1: from the start down to the extended losses (not into them)
     outside: dict[int, Any] = {}
     frontier: list[Any] = []
@@ -112,6 +118,10 @@ def analyse(roots: list[Tensor]) -> GraphView:
             continue
         outside[id(fn)] = fn
         md = fn.metadata
+        if LOSS not in md:  # a functional loss (F.cross_entropy, a plain loss module)
+            rec = loss_record(fn)
+            if rec is not None:
+                md[LOSS] = rec
         if LOSS in md:
             frontier.append(fn)
             continue

@@ -220,9 +220,11 @@ class Kept:
 
 class LossRecord:
     """One call of an extended loss: its inputs (the differentiable ones not detached; they are
-    upstream of the loss output whose node holds this record)."""
+    upstream of the loss output whose node holds this record). ``functional``: read back from
+    the graph of a loss computed without an extended module
+    (:mod:`backprism.engine.loss_nodes`)."""
 
-    __slots__ = ("inputs", "layout_error", "module", "output_nr", "pass_")
+    __slots__ = ("functional", "inputs", "layout_error", "module", "output_nr", "pass_")
 
     def __init__(self, module: nn.Module, inputs: list[Any], output_nr: int = 0) -> None:
         self.module = module
@@ -232,6 +234,7 @@ class LossRecord:
         #: the loss output's index among its node's outputs
         self.output_nr = output_nr
         self.pass_: Any = None
+        self.functional = False
 
 
 class RootRecord:
