@@ -1,6 +1,7 @@
 """timm models built from small random-init configs (no downloads), float64, ``N = 3``, called as
 their documentation shows (``model(x)`` → logits): a ResNet (BatchNorm, residual 1×1-conv
-downsampling, max-pool), a ConvNeXt (depthwise 7×7 convs, timm's ``LayerNorm2d`` and
+downsampling, max-pool), a MobileNetV3 (depthwise convolutions, squeeze-and-excitation with
+hard-sigmoid gates, hard-swish), a ConvNeXt (depthwise 7×7 convs, timm's ``LayerNorm2d`` and
 channels-last ``LayerNorm``, the layer-scale ``gamma`` used directly in ``ConvNeXtBlock.forward``)
 and ViTs (``cls_token`` and ``pos_embed`` used directly in ``VisionTransformer``'s forward; one
 with ``LayerScale``, one without class token and with average pooling).
@@ -92,8 +93,14 @@ def _vit(**kw: Any) -> tuple[nn.Module, tuple[int, ...]]:
     return model, (3, 8, 8)
 
 
+def mobilenet() -> tuple[nn.Module, tuple[int, ...]]:
+    """MobileNetV3: depthwise convolutions, squeeze-and-excitation, hard-swish."""
+    return timm.create_model("mobilenetv3_small_050", num_classes=C), (3, 32, 32)
+
+
 MODELS = {
     "resnet": resnet,
+    "mobilenet": mobilenet,
     "convnext": convnext,
     "vit": _vit,
     "vit_layerscale": lambda: _vit(init_values=1e-1),
