@@ -404,23 +404,24 @@ class _SharedBias(nn.Module):
         return self.head(logits.softmax(-1) @ x).mean(1)
 
 
-class _Windows(nn.Module):
-    """Swin-style window partition: ``[N, T, d]`` folded into ``[N·T/2, 2, d]`` around a
-    Linear layer."""
+class _TimeMajor(nn.Module):
+    """A time-major fold ``[N, T, d] → [T·N, d]`` around a Linear layer: no split into
+    samples (``tests/engine/test_fold.py`` has the sample-major folds that work)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.pre = nn.Linear(4, 4)
         self.inner = nn.Linear(4, 4)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x: Tensor) -> Tensor:
         n, t, d = x.shape
-        w = self.inner(x.reshape(n * t // 2, 2, d)).reshape(n, t, d)
-        return self.head(w).mean(1)
+        h = self.pre(x).transpose(0, 1).reshape(t * n, d)
+        return self.head(self.inner(h).reshape(t, n, d).transpose(0, 1)).mean(1)
 
 
 @pytest.mark.parametrize(
-    ("model", "hint"), [(_SharedBias, "relative position bias"), (_Windows, "window partition")]
+    ("model", "hint"), [(_SharedBias, "relative position bias"), (_TimeMajor, "time-major")]
 )
 def test_batch_size_refusal_names_shared_tables_and_folded_batches(model, hint: str) -> None:
     """Calls of another batch size inside one forward: refused before anything is written,

@@ -34,6 +34,7 @@ extensions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import warnings
 from collections import Counter
@@ -47,6 +48,7 @@ from torch.autograd.graph import GradientEdge
 from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
+from backprism.engine.fold import FoldAnalysis, fold_sizes
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
@@ -260,9 +262,12 @@ class BackwardPass:
         if sizes:
             counts = Counter(c.batch_size for c in self.calls if c.params)
             self.n_samples = counts.most_common(1)[0][0]
+        if len(sizes) > 1 and exts:
+            sizes = self._fold_calls(sizes)
         if per_sample and len(sizes) > 1:
             self._check_batch_sizes(sizes, per_sample)
         mixing = None
+        folded = next((c for c in self.calls if c.fold > 1), None)
         for call in self.calls:
             call.check_unmodified()
             module = call.module
@@ -270,6 +275,12 @@ class BackwardPass:
                 call.training or module.running_mean is None
             ):  # normalised with the batch's statistics
                 mixing = call
+        if mixing is not None and folded is not None:
+            raise RuntimeError(
+                f"backprism: {mixing.name} in train mode mixes the samples of a batch and "
+                f"{folded.name} runs on a batch folded with another axis; whole-batch curvature "
+                "of such a pass is not supported. Call model.eval() for the backward pass"
+            )
         if mixing is not None and per_sample:
             undefined = [e for e in per_sample if not e.whole_batch]
             if undefined:
@@ -336,6 +347,68 @@ class BackwardPass:
                     "output, or construct the RNN with batch_first=True and batch-first inputs"
                 )
 
+    def _fold_calls(self, sizes: list[int]) -> list[int]:
+        """Calls whose batch is a sample-major fold of the samples with another axis
+        (:mod:`backprism.engine.fold`): with ``N`` the smallest batch size that explains every
+        call so, the calls get ``Call.fold`` and the pass has one batch size ``N``; otherwise
+        the sizes stay (and the batch-size check refuses them)."""
+        for call in self.calls:
+            call.fold = 1
+        for n in fold_sizes(sizes):
+            anchors = {
+                (id(e[0]), e[1])
+                for call, edges in self.calls.items()
+                if call.batch_size == n and not call.batch_axis
+                for e in edges
+                if e is not None
+            }
+            analysis = FoldAnalysis(n, anchors)
+            folds: dict[Call, int] = {}
+            for call in self.calls:
+                if not call.params or call.batch_size == n:
+                    continue
+                g = None
+                if not call.batch_axis:
+                    g = analysis.fold(call.input_edges, call.batch_size)
+                    if g is None and not call.input_edges:  # the model's input, reshaped
+                        g = _input_fold(call, self.roots, n)
+                if g is None:
+                    break
+                folds[call] = g
+            else:
+                for call, g in folds.items():
+                    call.fold = g
+                self.n_samples = n
+                self._check_folds(list(folds))
+                return [n]
+        return sizes
+
+    def _check_folds(self, folded: list[Call]) -> None:
+        """Refuse what folded calls cannot give (before anything is written)."""
+        if not folded:
+            return
+        call = folded[0]
+        where = (
+            f"{call.name} runs on a folded batch ({call.batch_size} = {call.fold}·"
+            f"{self.n_samples} rows, sample-major, e.g. Swin's windows)"
+        )
+        unsupported = [
+            e
+            for e in self.extensions
+            if getattr(e, "needs_residual", False) or getattr(e, "handles_loss", False)
+        ]
+        if unsupported:
+            raise RuntimeError(
+                f"backprism {_names(unsupported)}: {where}; these extensions do not support "
+                "such calls yet. DiagGGNExact/DiagGGNMC, KFAC/KFLR and the first-order "
+                "extensions do"
+            )
+        if self.create_graph and self.first:
+            raise RuntimeError(
+                f"backprism: {where}; differentiable first-order results "
+                "(backward(create_graph=True)) are not available for such calls"
+            )
+
     def _refuse_parametrized(self, params: list[nn.Parameter], exts: list[Extension]) -> None:
         """Refuse the originals of a parametrization among ``params`` (an error path only:
         names are looked up parameter by parameter). Their parametrized weight is computed
@@ -369,9 +442,12 @@ class BackwardPass:
         hints = ""
         if folded:
             hints += (
-                f" Calls with batch size {folded[0]} = {folded[0] // n}·{n} may fold another "
-                "axis into the batch (Swin's window partition, [N·windows, …]; a reshape(-1, …) "
-                "of [N, T, …]): backprism cannot split such a batch into samples."
+                f" Calls with batch size {folded[0]} = {folded[0] // n}·{n} fold another axis "
+                "into the batch, and backprism could not follow that fold to groups of rows "
+                "per sample (it follows reshapes, transposes, rolls, pads and row-wise "
+                "operations from the samples, as in Swin's window partition or "
+                "h.reshape(-1, d); a time-major [T·N, …] fold or an unknown operation on the "
+                "way has no such split)."
             )
         hints += (
             " A module called on an input without the batch axis and shared by all samples "
@@ -638,8 +714,9 @@ class BackwardPass:
         module = call.hook_module
         params = call.params
         if self.first and params and any(g is not None for g in grads):
-            rule = _Memo(get_rule(call.module))
             g = _with_column_axis(grads, call, self.create_graph)
+            rcall, base, g = self._rule_for(call, get_rule(call.module), g)
+            rule = _Memo(base)
             single, multi = {}, {}
             for name, p in params.items():
                 self.fired[id(p)] += 1
@@ -648,24 +725,24 @@ class BackwardPass:
                 names = params if ext.additive else single
                 if not names:
                     continue
-                out = ext.from_rule(rule, call, g, None)
+                out = ext.from_rule(rule, rcall, g, None)
                 for name in names:
                     value = _to_param_dtype(out[name], params[name])
                     if ext.needs_param_grad:
-                        fallback = _summed_fallback(rule, call, g, name)
+                        fallback = _summed_fallback(rule, rcall, g, name)
                         item = (ext, value, module, fallback)
                         self.partials.setdefault(id(params[name]), []).append(item)
                     else:
                         self.store(params[name], ext, value)
             if multi and any(not e.additive for e in self.first):
-                dense = rule.per_sample(call, g)
+                dense = rule.per_sample(rcall, g)
                 for name, p in multi.items():
                     d = _to_param_dtype(dense[name], p)
                     entry = self.dense.get(id(p))
                     if entry is not None:
                         entry[2] = entry[2] + d
                     else:
-                        self.dense[id(p)] = [p, call, d]
+                        self.dense[id(p)] = [p, rcall, d]
                     if self.fired[id(p)] >= self.param_count[id(p)]:
                         p_, c_, d_ = self.dense.pop(id(p))
                         self._finalize_dense(p_, c_, d_)
@@ -728,6 +805,29 @@ class BackwardPass:
                 call = self.module_call.get(id(module))
                 if call is not None:
                     self._maybe_run_hook(call)
+
+    def _rule_for(self, call: Call, base: Rule, g: Any) -> tuple[Call, Rule, Any]:
+        """The call, rule and columns the extensions compute with. For a call on a folded
+        batch (``Call.fold = k``, rows ``[k·N]`` sample-major): a rule that acts on the trailing
+        feature axes only (``moves_batch_axis``: Linear, Embedding, LayerNorm, RMSNorm) sees the
+        call regrouped to ``[N, k, …]`` — the ``k`` rows of a sample become positions of it,
+        closed forms and Kronecker factors unchanged; a rule that ``folds_rows`` (the generic
+        rule) gets the call with ``batch_size = N`` and ``fold = k`` and runs the module on a
+        sample's ``k`` rows at once; any other rule computes per row, and :class:`_Folded`
+        sums the rows of each sample (statistics from those sums)."""
+        if call.fold <= 1:
+            return call, base, g
+        n, k = self.n_samples, call.fold
+        if base.moves_batch_axis or base.folds_rows:
+            key = ("fold", id(call))
+            view = self.scratch.get(key)
+            if view is None:
+                view = _regrouped(call, n, k) if base.moves_batch_axis else (
+                    dataclasses.replace(call, batch_size=n, live=None)
+                )
+                self.scratch[key] = view
+            return view, base, (_regroup_columns(g, n, k) if base.moves_batch_axis else g)
+        return call, _Folded(base, n, k), g
 
     # -- second order ------------------------------------------------------------------------
     def loss_calls(self, record: LossRecord | None = None) -> list[tuple[Call, list[Any]]]:
@@ -873,7 +973,7 @@ class BackwardPass:
                         for j, x in enumerate(gs)
                     )
                 )
-                base = get_rule(call.module)
+                rcall, base, g = self._rule_for(call, get_rule(call.module), g)
                 rule = _Memo(_WholeBatch(base) if self.whole_batch else base)
                 params = call.params
                 single = {n: p for n, p in params.items() if count[id(p)] <= 1}
@@ -881,17 +981,17 @@ class BackwardPass:
                     names = params if ext.additive else single
                     if not names:
                         continue
-                    out = ext.from_rule(rule, call, g, w)
+                    out = ext.from_rule(rule, rcall, g, w)
                     for name in names:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
                 if multi and any(not e.additive for e in exts):
-                    ps = rule.per_sample(call, g)
+                    ps = rule.per_sample(rcall, g)
                     for name, p in multi.items():
                         if id(p) in dense:
                             dense[id(p)][2] = dense[id(p)][2] + ps[name]
                         else:
-                            dense[id(p)] = [p, call, ps[name]]
+                            dense[id(p)] = [p, rcall, ps[name]]
                 self.touched[id(call.hook_module)] = call.hook_module
             for p, call, d in dense.values():
                 for ext in exts:
@@ -912,6 +1012,81 @@ class _WholeBatch(Rule):
 
     def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
         return self.rule.summed(call, g)
+
+
+class _Folded(Rule):
+    """A rule seen through a call on a folded batch (``k·N`` rows, sample-major): per-sample,
+    per-column gradients are the rule's per-row ones summed over each sample's ``k`` rows,
+    ``[M, N, *p]``, and every statistic follows from them (Kronecker-factored extensions get
+    the exact diagonal factor, :meth:`Rule.kronecker_diagonal`)."""
+
+    def __init__(self, rule: Rule, n: int, k: int) -> None:
+        self.rule, self.n, self.k = rule, n, k
+        self.linear_in_params = rule.linear_in_params
+
+    def is_linear_in_params(self, call: Call) -> bool:
+        return self.rule.is_linear_in_params(call)
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return {
+            name: v.reshape(v.shape[0], self.n, self.k, *v.shape[2:]).sum(2)
+            for name, v in self.rule.per_sample(call, g).items()
+        }
+
+    def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return self.rule.summed(call, g)
+
+    def kronecker_form(self, call: Call) -> bool:
+        return False
+
+
+def _input_fold(call: Call, roots: list[Any], n: int) -> int | None:
+    """The fold ``k`` of a call whose first input is a model input of ``n`` samples viewed as
+    ``k·n`` rows (``self.fc(x.view(-1, d))``): the same memory, both contiguous, so the rows
+    split the samples in order (sample-major). ``None`` otherwise."""
+    x = next((a for a in call.args if isinstance(a, Tensor)), None)
+    if x is None or not x.dim() or x.shape[0] % n or not x.is_contiguous():
+        return None
+    for root in roots:
+        for a in root.args:
+            if (
+                isinstance(a, Tensor)
+                and a.dim()
+                and a.shape[0] == n
+                and a.numel() == x.numel()
+                and a.dtype == x.dtype
+                and a.is_contiguous()
+                and a.data_ptr() == x.data_ptr()
+            ):
+                return x.shape[0] // n
+    return None
+
+
+def _split_rows(x: Any, n: int, k: int, lead: int = 0) -> Any:
+    """``x`` with its axis ``lead`` of size ``k·n`` split into ``[n, k]``."""
+    if isinstance(x, Tensor) and x.dim() > lead and x.shape[lead] == n * k:
+        return x.reshape(*x.shape[:lead], n, k, *x.shape[lead + 1 :])
+    return x
+
+
+def _regrouped(call: Call, n: int, k: int) -> Call:
+    """``call`` with its ``k·n`` rows regrouped to ``[n, k, …]`` (inputs and output shapes)."""
+    return dataclasses.replace(
+        call,
+        args=tuple(_split_rows(a, n, k) for a in call.args),
+        kwargs={key: _split_rows(v, n, k) for key, v in call.kwargs.items()},
+        out_shapes=[torch.Size((n, k, *s[1:])) for s in call.out_shapes],
+        batch_size=n,
+        fold=1,
+        live=None,
+    )
+
+
+def _regroup_columns(g: Any, n: int, k: int) -> Any:
+    """Columns ``[M, k·n, …]`` regrouped to ``[M, n, k, …]``."""
+    if isinstance(g, tuple):
+        return tuple(_split_rows(x, n, k, lead=1) for x in g)
+    return _split_rows(g, n, k, lead=1)
 
 
 def _no_residual_check(bp: BackwardPass, exts: list[Any]) -> None:

@@ -59,6 +59,11 @@ class Rule:
     #: the batch on another axis (after a ``batch_first=False`` RNN) may be captured with that
     #: input moved batch-first (``Call.batch_axis``).
     moves_batch_axis: bool = False
+    #: whether the rule computes a call on a folded batch itself (``Call.fold = k`` with
+    #: ``batch_size`` the number of samples ``N`` and inputs of ``k·N`` rows, each sample's
+    #: ``k`` rows together): modules whose forward may regroup those rows (Swin's masked
+    #: window attention) need a sample's rows in one call. Other rules compute per row.
+    folds_rows: bool = False
 
     def inside(self, module: nn.Module, args: tuple, kwargs: dict) -> Inside:
         """What the forward of this call of ``module`` should do inside it (called before the

@@ -123,6 +123,9 @@ class Call:
             calls are done.
         inner: what the forward kept from inside the call at its rule's request
             (:meth:`~backprism.engine.rule.Rule.inside`), or ``None``.
+        fold: ``g > 1`` if the call's batch axis holds ``g·N`` rows in sample-major groups of
+            ``g`` (a batch folded with another axis, :mod:`backprism.engine.fold`), set by the
+            backward pass that found it.
         pass_: the backward pass processing this call right now (set and cleared by it).
     """
 
@@ -145,6 +148,7 @@ class Call:
     whole_batch: bool = False
     inner: Kept | None = None
     owner: nn.Module | None = None
+    fold: int = 1
     pass_: Any = None
 
     @property

@@ -338,6 +338,7 @@ class MultiheadAttentionRule(GenericRule):
     configurations take the generic ``torch.func`` path of :class:`GenericRule`."""
 
     linear_in_params = False
+    folds_rows = False  # (its closed forms compute per row; a folded batch sums rows)
 
     def __init__(self) -> None:
         super().__init__()

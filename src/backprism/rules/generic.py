@@ -177,10 +177,14 @@ def _check_inputs(module: nn.Module, named: list[tuple[str | None, Any]]) -> Non
             )
 
 
-def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int) -> _Spec:
-    """How the tensor ``x`` (argument ``name`` of ``module``) is split over the ``n`` samples."""
+def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int, fold: int = 1) -> _Spec:
+    """How the tensor ``x`` (argument ``name`` of ``module``) is split over the ``n`` samples
+    (on a folded batch, ``fold > 1``: the tensors of ``fold·n`` rows, ``fold`` per sample;
+    every other tensor is shared)."""
     if not isinstance(x, Tensor) or x.dim() == 0:
         return None
+    if fold > 1:
+        return ("rows", fold) if x.shape[0] == n * fold else None
     if isinstance(module, nn.RNNBase) and name == "input" and not module.batch_first:
         return ("axis", 1)  # [T, N, features]: the batch on axis 1
     if (
@@ -243,7 +247,7 @@ class _Inputs:
         self.specs: list[_Spec] = []
         for name, value in named:
             for leaf in tree_flatten(value)[0]:
-                self.specs.append(_leaf_spec(module, name, leaf, n))
+                self.specs.append(_leaf_spec(module, name, leaf, n, call.fold))
         if len(self.specs) != len(self.leaves):  # pragma: no cover - defensive
             raise RuntimeError(f"backprism: could not flatten the inputs of {_name(module)}")
         #: per-sample leaves with the batch on axis 0 (``[N, ...]``)
@@ -276,13 +280,40 @@ class _Inputs:
         return [b[i] for b in self.batched]
 
 
+def _sample_columns(g: Tensor, axis: int, n: int) -> Tensor:
+    """Columns ``[M, *out.shape]`` with the samples on axis 1: ``[M, N, *rest]``, or
+    ``[M, N, k, *rest]`` for the rows of a folded batch (:data:`ROWS`)."""
+    if axis == ROWS:
+        return g.reshape(g.shape[0], n, g.shape[1] // n, *g.shape[2:])
+    return g.movedim(axis + 1, 1)
+
+
+def _one_cotangent(c: Tensor, axis: int, lead: int) -> Tensor:
+    """One sample's columns in the layout of a one-sample output: the batch axis of size 1
+    restored (after ``lead`` leading axes), or a folded batch's ``k`` rows as they are."""
+    return c if axis == ROWS else c.unsqueeze(axis + lead)
+
+
 def _tensor_outputs(out: Any) -> list[Tensor]:
     return [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
 
 
-def _batch_axis(module: nn.Module, i: int, real: torch.Size, one: torch.Size, n: int) -> int:
-    """The axis of output ``i`` holding the batch: ``real`` has ``n`` where ``one`` has 1."""
-    if len(real) == len(one):
+#: the batch axis of an output on a folded batch: its ``fold·N`` rows on axis 0
+ROWS = -1
+
+
+def _batch_axis(
+    module: nn.Module, i: int, real: torch.Size, one: torch.Size, n: int, fold: int = 1
+) -> int:
+    """The axis of output ``i`` holding the batch: ``real`` has ``n`` where ``one`` has 1 (on
+    a folded batch: ``real`` has ``fold·n`` rows on axis 0 where ``one`` has ``fold``,
+    :data:`ROWS`)."""
+    if fold > 1:
+        if len(real) == len(one) and real[0] == n * fold and one[0] == fold and (
+            real[1:] == one[1:]
+        ):
+            return ROWS
+    elif len(real) == len(one):
         for a in range(len(real)):
             if (
                 real[a] == n
@@ -335,6 +366,8 @@ class GenericRule(Rule):
     """
 
     linear_in_params = False
+    #: a call on a folded batch runs the module on each sample's rows together
+    folds_rows = True
 
     def __init__(self) -> None:
         self._cache: tuple[weakref.ref, Any, weakref.ref, dict[str, Tensor]] | None = None
@@ -473,11 +506,12 @@ class GenericRule(Rule):
                 f"{len(gs)} on the batch; the generic rule needs the same output structure"
             )
         axes = [
-            _batch_axis(module, i, call.out_shapes[i], o.shape, n) for i, o in enumerate(one)
+            _batch_axis(module, i, call.out_shapes[i], o.shape, n, call.fold)
+            for i, o in enumerate(one)
         ]
         diff = [i for i, o in enumerate(one) if o.is_floating_point() or o.is_complex()]
-        # columns per output as [M, N, *rest] (sample axis 1)
-        cols = [gs[i].movedim(axes[i] + 1, 1) for i in diff]
+        # columns per output as [M, N, *rest] (sample axis 1; on a folded batch [M, N, k, …])
+        cols = [_sample_columns(gs[i], axes[i], n) for i in diff]
 
         budget = _memory_budget()
         per_col = n * (
@@ -487,7 +521,7 @@ class GenericRule(Rule):
 
         def one_sample(slices: list[Tensor], g_n: list[Tensor]) -> dict[str, Tensor]:
             args, kwargs = inputs.sample(slices)
-            cot = tuple(c.unsqueeze(axes[i] + 1) for c, i in zip(g_n, diff))
+            cot = tuple(_one_cotangent(c, axes[i], 1) for c, i in zip(g_n, diff))
 
             def f(params: dict[str, Tensor]) -> tuple[Tensor, ...]:
                 outs = run(params, args, kwargs)
@@ -618,7 +652,7 @@ class _Samples:
             outs = [outs[j] for j in self.diff]
         per_k = []
         for k in columns:
-            cot = [c[k, i].unsqueeze(self.axes[j]) for c, j in zip(self.cols, self.diff)]
+            cot = [_one_cotangent(c[k, i], self.axes[j], 0) for c, j in zip(self.cols, self.diff)]
             used = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
             if used:
                 grads = torch.autograd.grad(

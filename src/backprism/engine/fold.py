@@ -1,0 +1,303 @@
+"""Batches folded with another axis, read from the autograd graph.
+
+Models often fold the batch with another axis before a layer: Swin's window partition turns
+``[N, H, W, C]`` into ``[N·windows, ws², C]`` for its attention, hand-written code flattens
+``[N, T, d]`` to ``[N·T, d]`` before a Linear layer. Such a call has batch size ``g·N``. If the
+fold is *sample-major* — rows ``n·g … n·g + g − 1`` all belong to sample ``n`` — the call's
+per-sample quantities are exact sums over groups of ``g`` rows; if it is not (a time-major
+``[T·N, d]``), no split into samples exists and the pass is refused.
+
+:class:`FoldAnalysis` decides this from the graph alone. It follows the *batch status* of a
+tensor — ``(axis, g)``: the batch is on ``axis``, whose size is ``g·N`` in sample-major groups
+of ``g`` — from the outputs of calls of batch size ``N`` (status ``(0, 1)``) through the
+operations between them and the folded call's input, by the shapes autograd keeps for every
+edge (``Node._input_metadata``) and the arguments it saves:
+
+* **reshapes** (``view``, ``reshape``, ``flatten``, ``unsqueeze``, ``squeeze``) of the axes from
+  the batch axis on: row-major, so merging ``k`` rows into one keeps samples apart when ``k``
+  divides ``g`` (the status becomes ``g/k``), splitting each row in ``k`` gives ``g·k``;
+* **moves** (``permute``, ``transpose``, ``unbind``, ``select``, ``split``, ``slice``,
+  ``roll``, ``pad``, ``cat``, ``stack``) move the batch axis or leave it alone; touching it (a
+  roll over it, a partial slice of it) is unknown;
+* **row-wise operations** (elementwise arithmetic and activations, softmax and norms over
+  other axes, ``mm``/``addmm`` whose other operand is a parameter, ``bmm``, attention
+  kernels): every operand that reaches the batch axis must have the same status; operands of
+  size 1 there are broadcast.
+
+Anything else — an operation it does not know, a batch axis it cannot follow — is *unknown*,
+and the call keeps today's refusal (calls of different batch sizes). Operations that mix rows
+along the batch axis in ways shapes do not show (``x[perm]``) are unknown, not followed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["FoldAnalysis", "fold_sizes"]
+
+Status = tuple[int, int]  # (batch axis, fold factor g)
+
+#: reshapes: the output is the input in another row-major shape
+_RESHAPES = frozenset(
+    {"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
+     "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "_ReshapeAliasBackward0"}
+)
+#: operations whose output rows are the input rows, computed row by row (one or more operands
+#: of the output's shape, or broadcast against it)
+_ROW_WISE = frozenset(
+    {"CloneBackward0", "ToCopyBackward0", "AliasBackward0", "NativeDropoutBackward0",
+     "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "MulBackward0",
+     "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0", "ExpBackward0",
+     "LogBackward0", "PowBackward0", "PowBackward1", "SqrtBackward0", "RsqrtBackward0",
+     "TanhBackward0", "SigmoidBackward0", "GeluBackward0", "SiluBackward0", "ReluBackward0",
+     "ThresholdBackward0", "HardswishBackward0", "HardsigmoidBackward0", "EluBackward0",
+     "LeakyReluBackward0", "SoftplusBackward0", "MishBackward0", "WhereBackward0",
+     "MaskedFillBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
+     "ExpandBackward0", "BmmBackward0", "AbsBackward0", "ErfBackward0", "SinBackward0",
+     "CosBackward0", "ReciprocalBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+     "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
+     "ScaledDotProductCudnnAttentionBackward0", "MaximumBackward0", "MinimumBackward0"}
+)
+#: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
+_OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+#: nodes of parameter-only computations (a weight transposed for ``mm``)
+_PARAM_SHAPE_OPS = frozenset(
+    {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+     "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0", "ToCopyBackward0",
+     "CloneBackward0"}
+)
+
+
+def _shape(node: Any, nr: int) -> tuple[int, ...] | None:
+    try:
+        return tuple(node._input_metadata[nr].shape)
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+
+
+def _reshape(status: Status, inp: tuple[int, ...], out: tuple[int, ...]) -> Status | None:
+    """The status of ``out`` (a row-major reshape of ``inp``, whose batch is ``status``)."""
+    axis, g = status
+    # the axes before the batch axis must be unchanged
+    if len(out) <= axis or inp[:axis] != out[:axis]:
+        return None
+    size, new = inp[axis], out[axis]
+    if new == size:  # rows of the same length: the same rows
+        return (axis, g)
+    n = size // g
+    if new > size:  # each row split in k rows
+        if new % size:
+            return None
+        return (axis, g * (new // size))
+    if size % new:  # k rows merged into one
+        return None
+    k = size // new
+    if g % k:
+        return None
+    return (axis, g // k) if new >= n else None
+
+
+def _param_only(node: Any, depth: int = 0) -> bool:
+    """``node`` computes from parameters alone (a leaf, reached through reshapes)."""
+    if node is None or depth > 8:
+        return False
+    if getattr(node, "variable", None) is not None:
+        return True
+    if type(node).__name__ not in _PARAM_SHAPE_OPS:
+        return False
+    return all(_param_only(f, depth + 1) for f, _ in node.next_functions if f is not None) and all(
+        f is not None for f, _ in node.next_functions
+    )
+
+
+class FoldAnalysis:
+    """Batch statuses of the edges of one graph (module docstring).
+
+    Args:
+        n: the batch size ``N`` of the samples.
+        anchors: ``(id(node), output_nr)`` of outputs of calls of batch size ``N`` whose batch
+            is on axis 0 (status ``(0, 1)``).
+    """
+
+    def __init__(self, n: int, anchors: set[tuple[int, int]]) -> None:
+        self.n = n
+        self.anchors = anchors
+        self._memo: dict[tuple[int, int], Status | None] = {}
+        self._held: list[Any] = []  # nodes of memoised ids, held so that ids stay unique
+
+    def fold(self, edges: list[Any], batch_size: int) -> int | None:
+        """The fold factor ``g`` of a call whose input edges are ``edges`` (gradient edges)
+        and whose first input has batch size ``batch_size``, if its first differentiable
+        input is a sample-major fold with the batch on axis 0; else ``None``."""
+        for edge in edges:
+            node, nr = edge.node, edge.output_nr
+            if node is None:
+                continue
+            status = self.status(node, nr)
+            if status is not None and status[0] == 0 and status[1] * self.n == batch_size:
+                return status[1]
+            return None
+        return None
+
+    def status(self, node: Any, nr: int, depth: int = 0) -> Status | None:
+        key = (id(node), nr)
+        if key in self.anchors:
+            return (0, 1)
+        if key in self._memo:
+            return self._memo[key]
+        if depth > 400:
+            return None
+        self._memo[key] = None  # (a cycle cannot occur; this also bounds re-entry)
+        self._held.append(node)
+        try:
+            result = self._transfer(node, nr, depth)
+        except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
+            result = None
+        if result is not None:
+            shape = _shape(node, nr)
+            if shape is None or result[0] >= len(shape) or shape[result[0]] % self.n:
+                result = None
+        self._memo[key] = result
+        return result
+
+    # -- transfer functions --------------------------------------------------------------------
+    def _inputs(self, node: Any) -> list[tuple[Any, int]]:
+        return [(f, k) for f, k in node.next_functions]
+
+    def _in(self, node: Any, i: int, depth: int) -> tuple[Status | None, tuple[int, ...] | None]:
+        f, k = node.next_functions[i]
+        if f is None:
+            return None, None
+        return self.status(f, k, depth + 1), _shape(f, k)
+
+    def _transfer(self, node: Any, nr: int, depth: int) -> Status | None:
+        kind = type(node).__name__
+        out = _shape(node, nr)
+        if out is None or getattr(node, "variable", None) is not None:
+            return None
+        if kind in _RESHAPES:
+            status, inp = self._in(node, 0, depth)
+            return None if status is None or inp is None else _reshape(status, inp, out)
+        if kind == "PermuteBackward0":
+            status, _ = self._in(node, 0, depth)
+            if status is None:
+                return None
+            dims = [d % len(out) for d in node._saved_dims]
+            return (dims.index(status[0]), status[1])
+        if kind == "TransposeBackward0":
+            status, _ = self._in(node, 0, depth)
+            if status is None:
+                return None
+            d0, d1 = node._saved_dim0 % len(out), node._saved_dim1 % len(out)
+            axis = {d0: d1, d1: d0}.get(status[0], status[0])
+            return (axis, status[1])
+        if kind in ("UnbindBackward0", "SelectBackward0"):
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
+                return None
+            dim = node._saved_dim % len(inp)
+            if dim == status[0]:
+                return None
+            return (status[0] - (dim < status[0]), status[1])
+        if kind in ("SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"):
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
+                return None
+            dim = node._saved_dim % len(inp)
+            if dim == status[0] and out[dim] != inp[dim]:
+                return None
+            return status
+        if kind == "RollBackward0":
+            status, _ = self._in(node, 0, depth)
+            dims = [d % len(out) for d in node._saved_dims]
+            if status is None or not dims or status[0] in dims:
+                return None
+            return status
+        if kind == "ConstantPadNdBackward0":
+            status, _ = self._in(node, 0, depth)
+            if status is None:
+                return None
+            pad = list(node._saved_pad)
+            padded = {len(out) - 1 - i // 2 for i, p in enumerate(pad) if p}
+            return None if status[0] in padded else status
+        if kind in ("CatBackward0", "StackBackward0"):
+            return self._cat(node, out, depth, stack=kind == "StackBackward0")
+        if kind in ("MmBackward0", "AddmmBackward0"):
+            i = 0 if kind == "MmBackward0" else 1
+            status, _ = self._in(node, i, depth)
+            other = node.next_functions[i + 1][0]
+            if status is None or status[0] != 0 or not _param_only(other):
+                return None
+            return status
+        if kind == "NativeLayerNormBackward0":
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None or nr != 0:
+                return None
+            if status[0] >= len(inp) - len(node._saved_normalized_shape):
+                return None
+            return status
+        if kind in _OVER_AXIS:
+            status, _ = self._in(node, 0, depth)
+            if status is None or node._saved_dim % len(out) == status[0]:
+                return None
+            return status
+        if kind in _ROW_WISE:
+            return self._row_wise(node, out, depth)
+        return None
+
+    def _row_wise(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
+        """All operands that reach the batch axis share one status; the others are broadcast
+        there (absent or of size 1) or computed from parameters alone."""
+        operands = []
+        found: Status | None = None
+        for f, k in node.next_functions:
+            if f is None:  # a constant operand (not in the graph)
+                continue
+            inp = _shape(f, k)
+            if inp is None:
+                return None
+            shift = len(out) - len(inp)
+            status = self.status(f, k, depth + 1)
+            if status is not None:
+                status = (status[0] + shift, status[1])
+                if found is None:
+                    found = status
+                elif found != status:
+                    return None
+            else:
+                operands.append((f, inp, shift))
+        if found is None:
+            return None
+        axis = found[0]
+        for f, inp, shift in operands:
+            if axis >= shift and inp[axis - shift] != 1 and not _param_only(f):
+                return None
+        return found
+
+    def _cat(self, node: Any, out: tuple[int, ...], depth: int, stack: bool) -> Status | None:
+        dim = node._saved_dim % len(out)
+        found: Status | None = None
+        for f, k in node.next_functions:
+            if f is None:
+                return None
+            status = self.status(f, k, depth + 1)
+            if status is None:
+                return None
+            if found is None:
+                found = status
+            elif found != status:
+                return None
+        if found is None:
+            return None
+        axis = found[0] + (stack and dim <= found[0])
+        if not stack and dim == axis:
+            return None
+        return (axis, found[1])
+
+
+def fold_sizes(sizes: list[int]) -> list[int]:
+    """Candidate sample counts ``N`` for calls of batch sizes ``sizes``: the sizes that divide
+    every size, smallest first (not 1: a batch-1 call is a broadcast, not a sample)."""
+    g = math.gcd(*sizes)
+    return [s for s in sorted(set(sizes)) if g % s == 0 and s > 1]

@@ -1,0 +1,236 @@
+"""Calls on a batch folded with another axis (:mod:`backprism.engine.fold`).
+
+A layer called on ``[k·N, …]`` rows that are a sample-major fold of the samples (a hand-written
+``h.reshape(-1, d)`` before a Linear layer, Swin's window partition) gets the per-sample
+quantities of the samples — first order and curvature against dense float64 references
+(``torch.func``) — whether its rule regroups the rows (Linear, LayerNorm: closed forms) or runs
+the module on a sample's rows together (the generic rule, whose module may regroup the rows
+itself, as Swin's masked window attention does). A fold that is not sample-major (time-major,
+rows rolled or flipped across the batch) is refused before anything is written. Hypothesis
+draws the reshapes, transposes and rolls, and the sizes, including ``T = N``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.extensions import (
+    BatchDiagGGNExact,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
+from tests.common import assert_first_order, assert_nothing_written, gather
+from tests.reference import diag_blocks, ggn_blocks, per_sample_grads
+
+DT = torch.float64
+TOL = {"atol": 1e-10, "rtol": 1e-8}
+D, C = 3, 3
+
+
+class Folded(nn.Module):
+    """``pre`` on ``[N, A, B, D]``; ``fold`` turns it into rows ``[R, D]`` for ``inner`` (a
+    Linear layer and a LayerNorm), ``unfold`` back; a head on the mean over positions."""
+
+    def __init__(
+        self, fold: Callable[[Tensor], Tensor], unfold: Callable[[Tensor, tuple], Tensor]
+    ) -> None:
+        super().__init__()
+        self.pre = nn.Linear(D, D)
+        self.inner = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, C)
+        self.fold, self.unfold = fold, unfold
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.pre(x))
+        r = self.norm(torch.tanh(self.inner(self.fold(h))))
+        return self.head(self.unfold(r, h.shape).flatten(1, -2).mean(1))
+
+
+#: name → (fold, unfold, sample-major)
+PATTERNS: dict[str, tuple[Callable, Callable, bool]] = {
+    "flatten": (lambda h: h.reshape(-1, D), lambda r, s: r.reshape(s), True),
+    "merge_a": (
+        lambda h: h.reshape(-1, h.shape[2], D),
+        lambda r, s: r.reshape(s),
+        True,
+    ),
+    "transpose_then_flatten": (
+        lambda h: h.transpose(1, 2).reshape(-1, D),
+        lambda r, s: r.reshape(s[0], s[2], s[1], D).transpose(1, 2),
+        True,
+    ),
+    "roll_positions_then_flatten": (
+        lambda h: torch.roll(h, 1, 1).reshape(-1, D),
+        lambda r, s: r.reshape(s),
+        True,
+    ),
+    "time_major": (
+        lambda h: h.transpose(0, 1).reshape(-1, D),
+        lambda r, s: r.reshape(s[1], s[0], s[2], D).transpose(0, 1),
+        False,
+    ),
+    "rolled_across_samples": (
+        lambda h: torch.roll(h, 1, 0).reshape(-1, D),
+        lambda r, s: r.reshape(s),
+        False,
+    ),
+    "flipped_across_samples": (
+        lambda h: h.flip(0).reshape(-1, D),
+        lambda r, s: r.reshape(s),
+        False,
+    ),
+}
+
+
+def _setup(pattern: str, n: int, a: int, b: int, seed: int = 0):
+    fold, unfold, sample_major = PATTERNS[pattern]
+    torch.manual_seed(seed)
+    model = Folded(fold, unfold).to(DT)
+    x = torch.randn(n, a, b, D, dtype=DT)
+    y = torch.randint(0, C, (n,))
+    return model, x, y, sample_major
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    pattern=st.sampled_from(list(PATTERNS)),
+    n=st.integers(2, 4),
+    a=st.integers(1, 4),
+    b=st.integers(1, 3),
+)
+def test_folds_are_computed_or_refused(pattern: str, n: int, a: int, b: int) -> None:
+    """Sample-major folds give the definition's per-sample gradients; other folds are
+    refused before anything is written (never silently wrong, also where ``A = N``). With
+    ``A = B = 1`` nothing is folded: reordering whole samples (a roll or flip over the batch)
+    is an operation that mixes samples, outside this test (``docs/guide_engine.md``)."""
+    model, x, y, sample_major = _setup(pattern, n, a, b)
+    if not sample_major and a * b == 1:
+        return
+    lossfunc = nn.CrossEntropyLoss()
+    extend(model)
+    loss = lossfunc(model(x), y)
+    exts = (BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    if not sample_major:
+        with pytest.raises(RuntimeError, match="batch sizes"), collect(*exts):
+            loss.backward()
+        assert_nothing_written(model, grad_too=True)
+        return
+    ref = per_sample_grads(model, lossfunc, x, y)
+    with collect(*exts):
+        loss.backward()
+    assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("pattern", ["flatten", "transpose_then_flatten"])
+def test_exact_ggn_through_a_folded_batch(pattern: str) -> None:
+    model, x, y, _ = _setup(pattern, 3, 2, 2)
+    lossfunc = nn.CrossEntropyLoss()
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact()):
+        lossfunc(model(x), y).backward()
+    want = torch.diagonal(G.sum((0, 1)))
+    torch.testing.assert_close(gather(model, "diag_ggn_exact", 0), want, **TOL)
+    torch.testing.assert_close(gather(model, "diag_ggn_exact_batch", 1), diag_blocks(G), **TOL)
+    V = gather(model, "sqrt_ggn_exact", 2)
+    for i in range(x.shape[0]):
+        torch.testing.assert_close(V[:, i].T @ V[:, i], G[i, i], **TOL)
+
+
+class WindowScale(nn.Module):
+    """No closed-form rule (the generic rule): a parameter per window, applied by regrouping
+    its input rows ``[N·W, D]`` into ``[N, W, D]`` — rows of one call are not independent, so a
+    sample's ``W`` rows must run together (Swin's masked window attention does the same)."""
+
+    def __init__(self, windows: int) -> None:
+        super().__init__()
+        self.windows = windows
+        self.scale = nn.Parameter(torch.rand(windows, D) + 0.5)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        r = rows.view(-1, self.windows, D) * self.scale
+        return r.view(-1, D)
+
+
+class Windowed(nn.Module):
+    def __init__(self, windows: int) -> None:
+        super().__init__()
+        self.pre = nn.Linear(D, D)
+        self.win = WindowScale(windows)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, W, D]
+        n = x.shape[0]
+        h = torch.tanh(self.pre(x)).reshape(-1, D)
+        return self.head(torch.tanh(self.win(h)).reshape(n, -1, D).sum(1))
+
+
+@pytest.mark.filterwarnings("ignore:backprism. no closed-form rule")
+def test_generic_module_that_regroups_its_folded_rows() -> None:
+    torch.manual_seed(0)
+    model = Windowed(windows=3).to(DT)
+    x = torch.randn(4, 3, D, dtype=DT)
+    y = torch.randint(0, C, (4,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    model.zero_grad()
+    with collect(DiagGGNExact(), BatchDiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+    torch.testing.assert_close(gather(model, "diag_ggn_exact_batch", 1), diag_blocks(G), **TOL)
+
+
+def test_folded_batch_refuses_diag_hessian_clearly() -> None:
+    from backprism.extensions import DiagHessian
+
+    model, x, y, _ = _setup("flatten", 3, 2, 2)
+    extend(model)
+    loss = nn.CrossEntropyLoss()(model(x), y)
+    with pytest.raises(RuntimeError, match="folded batch"), collect(DiagHessian()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)
+
+
+def test_model_input_viewed_as_rows() -> None:
+    """``self.inner(x.view(-1, D))`` on the model's own input (no gradient edge to follow):
+    the same memory as the ``[N, T, D]`` input, so the rows are sample-major."""
+
+    class FirstLayerFolded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(D, D)
+            self.head = nn.Linear(D, C)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.inner(x.view(-1, D))).view(x.shape)
+            return self.head(h.mean(1))
+
+    torch.manual_seed(0)
+    model = FirstLayerFolded().to(DT)
+    x = torch.randn(3, 4, D, dtype=DT)
+    y = torch.randint(0, C, (3,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
