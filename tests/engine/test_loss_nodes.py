@@ -211,3 +211,51 @@ def test_a_regulariser_through_a_functional_loss_is_still_refused() -> None:
     with pytest.raises(RuntimeError, match="outside the forward"), collect(DiagGGNExact()):
         loss.backward()
     assert_nothing_written(model, grad_too=True)
+
+
+class Contrastive(nn.Module):
+    """Two views through one encoder, normalised; logits ``z1 @ z2.T / τ`` (InfoNCE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, 4))
+
+    def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
+        z1 = F.normalize(self.enc(x1), dim=1)
+        z2 = F.normalize(self.enc(x2), dim=1)
+        return z1 @ z2.T / 0.5
+
+
+@pytest.mark.parametrize("extended_loss", [False, True])
+def test_contrastive_logits_refuse_per_sample_and_give_whole_batch_curvature(
+    extended_loss: bool,
+) -> None:
+    """InfoNCE's logits compare every sample with every other: per-sample quantities do not
+    exist and are refused before anything is written; the whole batch's GGN diagonal (the
+    definition, ``torch.func`` over the two views) is computed."""
+    torch.manual_seed(0)
+    model = Contrastive().to(DT)
+    x1, x2 = torch.randn(N, D, dtype=DT), torch.randn(N, D, dtype=DT)
+    labels = torch.arange(N)
+    lossfunc = extend(nn.CrossEntropyLoss()) if extended_loss else F.cross_entropy
+    extend(model)
+    with pytest.raises(RuntimeError, match="compares samples"), collect(BatchGrad()):
+        lossfunc(model(x1, x2), labels).backward()
+    assert_nothing_written(model, grad_too=True)
+
+    from torch.func import functional_call, jacrev
+
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    logits = model(x1, x2).detach()
+
+    def out(p: dict) -> Tensor:
+        return functional_call(model, p, (x1, x2))
+
+    J = jacrev(out)(params)
+    H = torch.func.hessian(lambda z: F.cross_entropy(z, labels))(logits).reshape(N * N, N * N)
+    with collect(DiagGGNExact()):
+        lossfunc(model(x1, x2), labels).backward()
+    for k, p in model.named_parameters():
+        j = J[k].reshape(N * N, -1)
+        want = torch.einsum("oi,op,pi->i", j, H, j).reshape(p.shape)
+        torch.testing.assert_close(p.diag_ggn_exact, want, **TOL)

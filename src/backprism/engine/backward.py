@@ -48,7 +48,7 @@ from torch.autograd.graph import GradientEdge
 from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
-from backprism.engine.fold import FoldAnalysis, fold_sizes
+from backprism.engine.fold import FoldAnalysis, fold_sizes, sample_mixing
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
@@ -266,7 +266,10 @@ class BackwardPass:
             sizes = self._fold_calls(sizes)
         if per_sample and len(sizes) > 1:
             self._check_batch_sizes(sizes, per_sample)
-        mixing = None
+        mixing: str | None = None
+        way_out = (
+            "Call model.eval() for the backward pass, or replace BatchNorm by GroupNorm/LayerNorm"
+        )
         folded = next((c for c in self.calls if c.fold > 1), None)
         for call in self.calls:
             call.check_unmodified()
@@ -274,22 +277,26 @@ class BackwardPass:
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and (
                 call.training or module.running_mean is None
             ):  # normalised with the batch's statistics
-                mixing = call
+                mixing = f"{call.name} in train mode"
+        if mixing is None and per_sample:
+            mixing = self._mixing_loss()
+            way_out = (
+                "Per-sample quantities of a loss that compares samples (InfoNCE, CLIP) do not "
+                "exist; use .grad, or the whole batch's curvature"
+            )
         if mixing is not None and folded is not None:
             raise RuntimeError(
-                f"backprism: {mixing.name} in train mode mixes the samples of a batch and "
-                f"{folded.name} runs on a batch folded with another axis; whole-batch curvature "
-                "of such a pass is not supported. Call model.eval() for the backward pass"
+                f"backprism: {mixing} mixes the samples of a batch and {folded.name} runs on a "
+                "batch folded with another axis; whole-batch curvature of such a pass is not "
+                f"supported. {way_out}"
             )
         if mixing is not None and per_sample:
             undefined = [e for e in per_sample if not e.whole_batch]
             if undefined:
                 raise RuntimeError(
-                    f"backprism: {mixing.name} in train mode mixes the samples of a batch, so "
-                    f"per-sample quantities ({_names(undefined)}) are undefined (the whole "
-                    "batch's DiagGGNExact/DiagGGNMC/SqrtGGNExact/SqrtGGNMC are). Call "
-                    "model.eval() for the backward pass, or replace BatchNorm by "
-                    "GroupNorm/LayerNorm"
+                    f"backprism: {mixing} mixes the samples of a batch, so per-sample "
+                    f"quantities ({_names(undefined)}) are undefined (the whole batch's "
+                    f"DiagGGNExact/DiagGGNMC/SqrtGGNExact/SqrtGGNMC are). {way_out}"
                 )
             self.whole_batch = True
         if view.unattributed:
@@ -355,14 +362,7 @@ class BackwardPass:
         for call in self.calls:
             call.fold = 1
         for n in fold_sizes(sizes):
-            anchors = {
-                (id(e[0]), e[1])
-                for call, edges in self.calls.items()
-                if call.batch_size == n and not call.batch_axis
-                for e in edges
-                if e is not None
-            }
-            analysis = FoldAnalysis(n, anchors)
+            analysis = self._fold_analysis(n)
             folds: dict[Call, int] = {}
             for call in self.calls:
                 if not call.params or call.batch_size == n:
@@ -382,6 +382,28 @@ class BackwardPass:
                 self._check_folds(list(folds))
                 return [n]
         return sizes
+
+    def _fold_analysis(self, n: int) -> FoldAnalysis:
+        """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""
+        anchors = {
+            (id(e[0]), e[1])
+            for call, edges in self.calls.items()
+            if call.batch_size == n and not call.batch_axis and call.fold == 1
+            for e in edges
+            if e is not None
+        }
+        return FoldAnalysis(n, anchors)
+
+    def _mixing_loss(self) -> str | None:
+        """A product of per-sample tensors between the calls and a loss (the logits
+        ``z1 @ z2.T`` of a contrastive loss mix the samples), described, or ``None``."""
+        if not self.loss_records or not self.n_samples:
+            return None
+        tensors = [x for rec in self.loss_records for x in rec.inputs if isinstance(x, Tensor)]
+        found = sample_mixing(self._fold_analysis(self.n_samples), tensors)
+        if found is None:
+            return None
+        return f"{found} between the model's outputs and the loss"
 
     def _check_folds(self, folded: list[Call]) -> None:
         """Refuse what folded calls cannot give (before anything is written)."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["FoldAnalysis", "fold_sizes"]
+__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing"]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
@@ -54,13 +54,15 @@ _ROW_WISE = frozenset(
      "ThresholdBackward0", "HardswishBackward0", "HardsigmoidBackward0", "EluBackward0",
      "LeakyReluBackward0", "SoftplusBackward0", "MishBackward0", "WhereBackward0",
      "MaskedFillBackward0", "ClampBackward1", "ClampMinBackward0", "ClampMaxBackward0",
-     "ExpandBackward0", "BmmBackward0", "AbsBackward0", "ErfBackward0", "SinBackward0",
+     "ExpandBackward0", "AbsBackward0", "ErfBackward0", "SinBackward0",
      "CosBackward0", "ReciprocalBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
      "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
      "ScaledDotProductCudnnAttentionBackward0", "MaximumBackward0", "MinimumBackward0"}
 )
 #: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
 _OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+#: reductions over ``_saved_dim`` (with ``_saved_keepdim``)
+_REDUCTIONS = frozenset({"SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0"})
 #: nodes of parameter-only computations (a weight transposed for ``mm``)
 _PARAM_SHAPE_OPS = frozenset(
     {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
@@ -124,6 +126,9 @@ class FoldAnalysis:
         self.n = n
         self.anchors = anchors
         self._memo: dict[tuple[int, int], Status | None] = {}
+        #: the first product of two per-sample tensors found that mixes samples (a
+        #: contrastive loss's ``z1 @ z2.T``), described; ``None`` if none was met
+        self.mixing: str | None = None
         self._held: list[Any] = []  # nodes of memoised ids, held so that ids stay unique
 
     def fold(self, edges: list[Any], batch_size: int) -> int | None:
@@ -224,12 +229,26 @@ class FoldAnalysis:
         if kind in ("CatBackward0", "StackBackward0"):
             return self._cat(node, out, depth, stack=kind == "StackBackward0")
         if kind in ("MmBackward0", "AddmmBackward0"):
-            i = 0 if kind == "MmBackward0" else 1
-            status, _ = self._in(node, i, depth)
-            other = node.next_functions[i + 1][0]
-            if status is None or status[0] != 0 or not _param_only(other):
+            return self._mm(node, 0 if kind == "MmBackward0" else 1, depth)
+        if kind == "BmmBackward0":
+            first, a = self._in(node, 0, depth)
+            second, b = self._in(node, 1, depth)
+            if first is not None and first == second and first[0] == 0:
+                return first  # a batched product, sample by sample
+            if first is not None and second is not None:
+                self.mixing = f"a batched matrix product (bmm) of shapes {a} and {b}"
+            return None
+        if kind in _REDUCTIONS:
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
                 return None
-            return status
+            dims = node._saved_dim
+            dims = [d % len(inp) for d in (dims if dims is not None else range(len(inp)))]
+            if status[0] in dims or not dims:
+                return None
+            if node._saved_keepdim:
+                return status
+            return (status[0] - sum(d < status[0] for d in dims), status[1])
         if kind == "NativeLayerNormBackward0":
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None or nr != 0:
@@ -244,6 +263,24 @@ class FoldAnalysis:
             return status
         if kind in _ROW_WISE:
             return self._row_wise(node, out, depth)
+        return None
+
+    def _mm(self, node: Any, i: int, depth: int) -> Status | None:
+        """``A @ B`` (2-D): samples on ``A``'s rows or ``B``'s columns pass to the product's;
+        samples on the contracted axis, or on both operands, mix (row ``r`` of the product
+        depends on other samples)."""
+        a_node, b_node = node.next_functions[i][0], node.next_functions[i + 1][0]
+        sa, a = (None, None) if _param_only(a_node) else self._in(node, i, depth)
+        sb, b = (None, None) if _param_only(b_node) else self._in(node, i + 1, depth)
+        if sa is not None and sb is None and _param_only(b_node):
+            if sa[0] == 0:
+                return sa
+        elif sb is not None and sa is None and _param_only(a_node):
+            if sb[0] == 1:
+                return sb
+        elif sa is None or sb is None:
+            return None
+        self.mixing = f"a matrix product of shapes {a} and {b}"
         return None
 
     def _row_wise(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
@@ -301,3 +338,17 @@ def fold_sizes(sizes: list[int]) -> list[int]:
     every size, smallest first (not 1: a batch-1 call is a broadcast, not a sample)."""
     g = math.gcd(*sizes)
     return [s for s in sorted(set(sizes)) if g % s == 0 and s > 1]
+
+
+def sample_mixing(analysis: FoldAnalysis, tensors: list[Any]) -> str | None:
+    """Whether the computation of ``tensors`` (loss inputs) from the calls of batch ``N``
+    multiplies two per-sample tensors so that samples mix (the logits ``z1 @ z2.T`` of a
+    contrastive loss): the product, described, or ``None`` (none found; operations the
+    analysis does not know are not looked through)."""
+    for t in tensors:
+        fn = getattr(t, "grad_fn", None)
+        if fn is not None:
+            analysis.status(fn, t.output_nr)
+            if analysis.mixing is not None:
+                return analysis.mixing
+    return None
