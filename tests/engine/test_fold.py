@@ -234,3 +234,43 @@ def test_model_input_viewed_as_rows() -> None:
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lossfunc(model(x), y).backward()
     assert_first_order(model, ref, **TOL)
+
+
+def _status(n: int, make: Callable[[Tensor], Tensor]):
+    """The batch status :class:`FoldAnalysis` gives ``make(h)`` for ``h`` a per-sample
+    ``[n, 4, 6]`` tensor (the output of a call of batch ``n``)."""
+    from backprism.engine.fold import FoldAnalysis
+
+    w = torch.randn(6, requires_grad=True)
+    h = torch.randn(n, 4, 6) * w
+    out = make(h)
+    return FoldAnalysis(n, {(id(h.grad_fn), h.output_nr)}).status(out.grad_fn, out.output_nr)
+
+
+@pytest.mark.parametrize(
+    ("make", "want"),
+    [
+        (lambda h: h.reshape(-1, 6), (0, 4)),
+        (lambda h: h.reshape(-1, 2, 6).reshape(-1, 12), (0, 2)),
+        (lambda h: h.reshape(-1), (0, 24)),
+        (lambda h: h.transpose(1, 2).reshape(-1, 4), (0, 6)),
+        (lambda h: h.permute(1, 0, 2), (1, 1)),
+        (lambda h: h.permute(1, 0, 2).reshape(-1, 6), None),  # time-major
+        (lambda h: torch.cat([h, h], 0), None),  # samples repeated after one another
+        (lambda h: h.unsqueeze(0).expand(2, -1, -1, -1).reshape(-1, 4, 6), None),
+        (lambda h: h.unsqueeze(1).expand(-1, 2, -1, -1).reshape(-1, 4, 6), (0, 2)),
+        (lambda h: h[::2], None),  # a slice of the samples
+        (lambda h: h[:, ::2].reshape(-1, 6), (0, 2)),
+        (lambda h: torch.roll(h, 1, 0), None),
+        (lambda h: h.flip(0), None),
+        (lambda h: h.repeat(2, 1, 1), None),
+        (lambda h: h.softmax(0), None),
+        (lambda h: h.softmax(-1).sum(1), (0, 1)),
+        (lambda h: h.sum(0), None),
+        (lambda h: torch.nn.functional.pad(h, (1, 1)).reshape(-1, 8), (0, 4)),
+        (lambda h: torch.nn.functional.pad(h.transpose(0, 2), (1, 1)), None),
+    ],
+)
+def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:
+    """What the analysis follows, and what it must not take for a sample-major fold."""
+    assert _status(3, make) == want

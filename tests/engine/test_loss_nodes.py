@@ -259,3 +259,17 @@ def test_contrastive_logits_refuse_per_sample_and_give_whole_batch_curvature(
         j = J[k].reshape(N * N, -1)
         want = torch.einsum("oi,op,pi->i", j, H, j).reshape(p.shape)
         torch.testing.assert_close(p.diag_ggn_exact, want, **TOL)
+
+
+def test_log_softmax_over_the_batch_axis_is_not_taken_for_the_class_axis() -> None:
+    """``log_softmax(z, dim=-3)`` of ``[N, C, T]`` logits normalises over the samples; autograd
+    saves ``dim`` as an unsigned integer (``2**64 − 3``), which ``% 3`` reads as 1, the class
+    axis. Refused as not a cross-entropy (the saved dimension is read signed)."""
+    model, x, y, _ = _setup("cross_entropy_class_axis_1")
+    extend(model)
+    nll = extend(nn.NLLLoss())
+    loss = nll(F.log_softmax(model(x).transpose(1, 2), dim=-3), y)
+    with pytest.raises(ValueError, match="log_softmax over the class axis"), collect(
+        DiagGGNExact()
+    ):
+        loss.backward()

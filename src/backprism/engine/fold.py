@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing"]
+__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing", "saved_dim"]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
@@ -76,6 +76,15 @@ def _shape(node: Any, nr: int) -> tuple[int, ...] | None:
         return tuple(node._input_metadata[nr].shape)
     except (AttributeError, IndexError, RuntimeError):
         return None
+
+
+def saved_dim(d: Any, ndim: int) -> int:
+    """A saved dimension as an index in ``[0, ndim)`` (autograd saves negative ones as
+    unsigned 64-bit integers)."""
+    d = int(d)
+    if d >= 2**63:
+        d -= 2**64
+    return d % ndim
 
 
 def _reshape(status: Status, inp: tuple[int, ...], out: tuple[int, ...]) -> Status | None:
@@ -188,20 +197,20 @@ class FoldAnalysis:
             status, _ = self._in(node, 0, depth)
             if status is None:
                 return None
-            dims = [d % len(out) for d in node._saved_dims]
+            dims = [saved_dim(d, len(out)) for d in node._saved_dims]
             return (dims.index(status[0]), status[1])
         if kind == "TransposeBackward0":
             status, _ = self._in(node, 0, depth)
             if status is None:
                 return None
-            d0, d1 = node._saved_dim0 % len(out), node._saved_dim1 % len(out)
+            d0, d1 = saved_dim(node._saved_dim0, len(out)), saved_dim(node._saved_dim1, len(out))
             axis = {d0: d1, d1: d0}.get(status[0], status[0])
             return (axis, status[1])
         if kind in ("UnbindBackward0", "SelectBackward0"):
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None:
                 return None
-            dim = node._saved_dim % len(inp)
+            dim = saved_dim(node._saved_dim, len(inp))
             if dim == status[0]:
                 return None
             return (status[0] - (dim < status[0]), status[1])
@@ -209,13 +218,13 @@ class FoldAnalysis:
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None:
                 return None
-            dim = node._saved_dim % len(inp)
+            dim = saved_dim(node._saved_dim, len(inp))
             if dim == status[0] and out[dim] != inp[dim]:
                 return None
             return status
         if kind == "RollBackward0":
             status, _ = self._in(node, 0, depth)
-            dims = [d % len(out) for d in node._saved_dims]
+            dims = [saved_dim(d, len(out)) for d in node._saved_dims]
             if status is None or not dims or status[0] in dims:
                 return None
             return status
@@ -243,7 +252,7 @@ class FoldAnalysis:
             if status is None or inp is None:
                 return None
             dims = node._saved_dim
-            dims = [d % len(inp) for d in (dims if dims is not None else range(len(inp)))]
+            dims = [saved_dim(d, len(inp)) for d in (dims if dims is not None else range(len(inp)))]
             if status[0] in dims or not dims:
                 return None
             if node._saved_keepdim:
@@ -258,7 +267,7 @@ class FoldAnalysis:
             return status
         if kind in _OVER_AXIS:
             status, _ = self._in(node, 0, depth)
-            if status is None or node._saved_dim % len(out) == status[0]:
+            if status is None or saved_dim(node._saved_dim, len(out)) == status[0]:
                 return None
             return status
         if kind in _ROW_WISE:
@@ -313,7 +322,7 @@ class FoldAnalysis:
         return found
 
     def _cat(self, node: Any, out: tuple[int, ...], depth: int, stack: bool) -> Status | None:
-        dim = node._saved_dim % len(out)
+        dim = saved_dim(node._saved_dim, len(out))
         found: Status | None = None
         for f, k in node.next_functions:
             if f is None:

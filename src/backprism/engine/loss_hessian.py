@@ -104,6 +104,7 @@ import torch
 from torch import Tensor, nn
 
 from backprism.engine.columns import Columns
+from backprism.engine.fold import saved_dim
 
 __all__ = [
     "BACKPACK_DRAW",
@@ -408,8 +409,10 @@ def _nll(module: nn.NLLLoss, inputs: list[Any], mc: int | None, n_samples: int) 
     _refuse_target_grad(target, name)
     fn = lp.grad_fn
     dim = getattr(fn, "_saved_dim", None)
+    if dim is not None:  # (saved as an unsigned integer: -1 is 2**64 - 1)
+        dim = saved_dim(dim, max(lp.dim(), 1))
     if type(fn).__name__ != "LogSoftmaxBackward0" or dim is None or (
-        lp.dim() >= 2 and dim % lp.dim() != 1
+        lp.dim() >= 2 and dim != 1
     ):
         raise ValueError(
             f"backprism: the input of {name} must be the direct output of log_softmax over the "

@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from backprism.engine.fold import saved_dim
 from backprism.engine.state import CALLS, LossRecord
 
 __all__ = ["loss_record"]
@@ -86,7 +87,7 @@ def _nll(node: Any) -> LossRecord | None:
         # columns would enter before that call's output)
         return None
     lp: Tensor = fn._saved_result
-    if lp.dim() < 2 or int(fn._saved_dim) % lp.dim() != 1:
+    if lp.dim() < 2 or saved_dim(fn._saved_dim, lp.dim()) != 1:
         return None
     target: Tensor = node._saved_target
     if target.numel() != lp.numel() // lp.shape[1]:
