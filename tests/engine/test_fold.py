@@ -274,3 +274,48 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
 def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:
     """What the analysis follows, and what it must not take for a sample-major fold."""
     assert _status(3, make) == want
+
+
+class Mixing(nn.Module):
+    """``mix`` combines the samples between two Linear layers."""
+
+    def __init__(self, mix: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(D, 4), nn.Linear(4, C)
+        self.mix = mix
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.mix(self.l1(x))))
+
+
+@pytest.mark.parametrize(
+    "mix",
+    [
+        lambda h: h - h.mean(0, keepdim=True),  # centring over the batch
+        lambda h: h * h.softmax(0),  # a softmax over the samples
+        lambda h: torch.softmax(h @ h.T, -1) @ h,  # attention across the samples
+    ],
+    ids=["centring", "softmax_over_samples", "attention_across_samples"],
+)
+def test_mixing_inside_the_model(mix: Callable[[Tensor], Tensor]) -> None:
+    """Per-sample quantities refused before anything is written; the whole batch's GGN
+    diagonal (the definition: ``Jᵀ H J`` of the whole batch, ``torch.func``) computed."""
+    from torch.func import functional_call, hessian, jacrev
+
+    torch.manual_seed(0)
+    model = Mixing(mix).to(DT)
+    x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
+    lossfunc = nn.CrossEntropyLoss()
+    extend(model)
+    with pytest.raises(RuntimeError, match="mixes the samples"), collect(BatchGrad()):
+        lossfunc(model(x), y).backward()
+    assert_nothing_written(model, grad_too=True)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    J = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+    H = hessian(lambda z: lossfunc(z, y))(model(x).detach()).reshape(5 * C, 5 * C)
+    with collect(DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    for k, p in model.named_parameters():
+        j = J[k].reshape(5 * C, -1)
+        want = torch.einsum("oi,op,pi->i", j, H, j).reshape(p.shape)
+        torch.testing.assert_close(p.diag_ggn_exact, want, **TOL)

@@ -279,10 +279,11 @@ class BackwardPass:
             ):  # normalised with the batch's statistics
                 mixing = f"{call.name} in train mode"
         if mixing is None and per_sample:
-            mixing = self._mixing_loss()
+            mixing = self._mixing()
             way_out = (
-                "Per-sample quantities of a loss that compares samples (InfoNCE, CLIP) do not "
-                "exist; use .grad, or the whole batch's curvature"
+                "Per-sample quantities of a computation that combines samples (a loss that "
+                "compares them, InfoNCE or CLIP; a statistic over the batch) do not exist; use "
+                ".grad, or the whole batch's curvature"
             )
         if mixing is not None and folded is not None:
             raise RuntimeError(
@@ -361,6 +362,8 @@ class BackwardPass:
         the sizes stay (and the batch-size check refuses them)."""
         for call in self.calls:
             call.fold = 1
+        if self._batch_off_axis_0():  # a batch_first=False RNN: axis 0 is not the batch there
+            return sizes
         for n in fold_sizes(sizes):
             analysis = self._fold_analysis(n)
             folds: dict[Call, int] = {}
@@ -394,16 +397,29 @@ class BackwardPass:
         }
         return FoldAnalysis(n, anchors)
 
-    def _mixing_loss(self) -> str | None:
-        """A product of per-sample tensors between the calls and a loss (the logits
-        ``z1 @ z2.T`` of a contrastive loss mix the samples), described, or ``None``."""
-        if not self.loss_records or not self.n_samples:
+    def _mixing(self) -> str | None:
+        """An operation that mixes the samples between the calls of this pass, or between
+        them and a loss (:func:`~backprism.engine.fold.sample_mixing`: the logits
+        ``z1 @ z2.T`` of a contrastive loss, ``h - h.mean(0)``), described, or ``None``."""
+        if not self.n_samples or self._batch_off_axis_0():  # (axis 0 is not the batch there)
             return None
-        tensors = [x for rec in self.loss_records for x in rec.inputs if isinstance(x, Tensor)]
-        found = sample_mixing(self._fold_analysis(self.n_samples), tensors)
-        if found is None:
-            return None
-        return f"{found} between the model's outputs and the loss"
+        analysis = self._fold_analysis(self.n_samples)
+        losses = [
+            (x.grad_fn, x.output_nr)
+            for rec in self.loss_records
+            for x in rec.inputs
+            if isinstance(x, Tensor) and x.grad_fn is not None
+        ]
+        found = sample_mixing(analysis, losses)
+        if found is not None:
+            return f"{found} between the model's outputs and the loss"
+        for call in self.calls:
+            if call.params and call.input_edges and not call.batch_axis:
+                edge = call.input_edges[0]
+                found = sample_mixing(analysis, [(edge.node, edge.output_nr)])
+                if found is not None:
+                    return f"{found} before {call.name}"
+        return None
 
     def _check_folds(self, folded: list[Call]) -> None:
         """Refuse what folded calls cannot give (before anything is written)."""

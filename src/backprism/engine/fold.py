@@ -253,7 +253,10 @@ class FoldAnalysis:
                 return None
             dims = node._saved_dim
             dims = [saved_dim(d, len(inp)) for d in (dims if dims is not None else range(len(inp)))]
-            if status[0] in dims or not dims:
+            if status[0] in dims:
+                self.mixing = f"a reduction over the samples ({kind[:-9]} over dim {status[0]})"
+                return None
+            if not dims:
                 return None
             if node._saved_keepdim:
                 return status
@@ -267,7 +270,10 @@ class FoldAnalysis:
             return status
         if kind in _OVER_AXIS:
             status, _ = self._in(node, 0, depth)
-            if status is None or saved_dim(node._saved_dim, len(out)) == status[0]:
+            if status is None:
+                return None
+            if saved_dim(node._saved_dim, len(out)) == status[0]:
+                self.mixing = f"a {kind[:-9].lower()} over the samples"
                 return None
             return status
         if kind in _ROW_WISE:
@@ -349,15 +355,15 @@ def fold_sizes(sizes: list[int]) -> list[int]:
     return [s for s in sorted(set(sizes)) if g % s == 0 and s > 1]
 
 
-def sample_mixing(analysis: FoldAnalysis, tensors: list[Any]) -> str | None:
-    """Whether the computation of ``tensors`` (loss inputs) from the calls of batch ``N``
-    multiplies two per-sample tensors so that samples mix (the logits ``z1 @ z2.T`` of a
-    contrastive loss): the product, described, or ``None`` (none found; operations the
-    analysis does not know are not looked through)."""
-    for t in tensors:
-        fn = getattr(t, "grad_fn", None)
-        if fn is not None:
-            analysis.status(fn, t.output_nr)
+def sample_mixing(analysis: FoldAnalysis, edges: list[tuple[Any, int]]) -> str | None:
+    """Whether the computation of the tensors at ``edges`` (``(node, output_nr)``: loss
+    inputs, layers' inputs) from the calls of batch ``N`` mixes samples — a product of two
+    per-sample tensors (the logits ``z1 @ z2.T`` of a contrastive loss), a sum, mean or
+    softmax over the samples: the operation, described, or ``None`` (none found; operations
+    the analysis does not know are not looked through)."""
+    for node, nr in edges:
+        if node is not None:
+            analysis.status(node, nr)
             if analysis.mixing is not None:
                 return analysis.mixing
     return None
