@@ -270,3 +270,38 @@ def test_the_models_own_loss_with_labels(name: str):
     assert_first_order(Logits(model), ref_grads, **LOOSE)
     for k, p in _trainable(model):
         torch.testing.assert_close(p.diag_ggn_exact, ref[k], **LOOSE)
+
+
+def test_swin_windows_and_its_shared_bias_tables():
+    """Hugging Face's Swin: window attention on the batch folded with the windows
+    (``[N·windows, ws², C]``) gets the samples' first-order results and GGN diagonal; its
+    relative position bias tables come from a module whose forward takes no input (shared by
+    all samples): refused, naming the way out, and analysed without them once frozen."""
+    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
+
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=4, depths=[2, 1], num_heads=[1, 2],
+        window_size=4, num_labels=3,
+    )
+    model = Logits(_quiet(lambda: transformers.SwinForImageClassification(cfg))).to(DT).eval()
+    x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
+    ce = nn.CrossEntropyLoss()
+    extend(model)
+    with pytest.raises(RuntimeError, match="forward takes no input"), collect(BatchGrad()):
+        ce(model(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())
+    for k, p in model.named_parameters():
+        if "relative_position_bias_table" in k:
+            p.requires_grad_(False)
+    ref = per_sample_grads_loop(model, ce, x, y)
+    diag = batch_diag_ggn_loop(model, ce, x, y)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        ce(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    model.zero_grad()
+    with collect(DiagGGNExact()):
+        ce(model(x), y).backward()
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **TOL, msg=k)

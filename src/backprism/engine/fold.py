@@ -60,7 +60,7 @@ _ROW_WISE = frozenset(
      "ScaledDotProductCudnnAttentionBackward0", "MaximumBackward0", "MinimumBackward0"}
 )
 #: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
-_OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+_OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"})
 #: reductions over ``_saved_dim`` (with ``_saved_keepdim``)
 _REDUCTIONS = frozenset({"SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0"})
 #: nodes of parameter-only computations (a weight transposed for ``mm``)
@@ -122,6 +122,12 @@ def _param_only(node: Any, depth: int = 0) -> bool:
     )
 
 
+def _is_parameter_leaf(node: Any) -> bool:
+    from torch import nn
+
+    return isinstance(getattr(node, "variable", None), nn.Parameter)
+
+
 class FoldAnalysis:
     """Batch statuses of the edges of one graph (module docstring).
 
@@ -139,6 +145,7 @@ class FoldAnalysis:
         #: contrastive loss's ``z1 @ z2.T``), described; ``None`` if none was met
         self.mixing: str | None = None
         self._held: list[Any] = []  # nodes of memoised ids, held so that ids stay unique
+        self._free: dict[tuple[str, int], bool] = {}
 
     def fold(self, edges: list[Any], batch_size: int) -> int | None:
         """The fold factor ``g`` of a call whose input edges are ``edges`` (gradient edges)
@@ -298,6 +305,28 @@ class FoldAnalysis:
         self.mixing = f"a matrix product of shapes {a} and {b}"
         return None
 
+    def sample_free(self, node: Any, depth: int = 0) -> bool:
+        """``node`` computes from parameters and constants alone: its graph reaches no output
+        of a call of this pass's batch and no leaf other than a parameter (a bias table
+        indexed and added to a constant mask). Such an operand carries no sample's rows."""
+        key = ("free", id(node))
+        if key in self._free:
+            return self._free[key]
+        self._free[key] = False
+        if depth > 64:
+            return False
+        if getattr(node, "variable", None) is not None:
+            result = _is_parameter_leaf(node)
+        elif any((id(node), k) in self.anchors for k in range(len(node._input_metadata))):
+            result = False
+        else:
+            result = all(
+                f is None or self.sample_free(f, depth + 1) for f, _ in node.next_functions
+            )
+        self._free[key] = result
+        self._held.append(node)
+        return result
+
     def _row_wise(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
         """All operands that reach the batch axis share one status; the others are broadcast
         there (absent or of size 1) or computed from parameters alone."""
@@ -323,7 +352,9 @@ class FoldAnalysis:
             return None
         axis = found[0]
         for f, inp, shift in operands:
-            if axis >= shift and inp[axis - shift] != 1 and not _param_only(f):
+            if axis >= shift and inp[axis - shift] != 1 and not (
+                _param_only(f) or self.sample_free(f)
+            ):
                 return None
         return found
 
