@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from backprism.engine.state import CALLS
+
 __all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing", "saved_dim"]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
@@ -307,8 +309,8 @@ class FoldAnalysis:
 
     def sample_free(self, node: Any, depth: int = 0) -> bool:
         """``node`` computes from parameters and constants alone: its graph reaches no output
-        of a call of this pass's batch and no leaf other than a parameter (a bias table
-        indexed and added to a constant mask). Such an operand carries no sample's rows."""
+        of a layer's call and no leaf other than a parameter (a bias table indexed and added
+        to a constant mask). Such an operand carries no sample's rows."""
         key = ("free", id(node))
         if key in self._free:
             return self._free[key]
@@ -317,7 +319,9 @@ class FoldAnalysis:
             return False
         if getattr(node, "variable", None) is not None:
             result = _is_parameter_leaf(node)
-        elif any((id(node), k) in self.anchors for k in range(len(node._input_metadata))):
+        elif CALLS in node.metadata or any(
+            (id(node), k) in self.anchors for k in range(len(node._input_metadata))
+        ):  # the output of a layer's call: per-sample rows, whatever its inputs
             result = False
         else:
             result = all(
