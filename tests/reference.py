@@ -269,7 +269,8 @@ def per_sample_grads_replacing(model: nn.Module, loss_fn: nn.Module, x: Tensor, 
 
 
 def batch_diag_ggn_loop(model: nn.Module, loss_fn: nn.Module, x: Tensor, y: Tensor):
-    """``{name: [N, *p]}``: ``diag(Jₙᵀ (∂²L/∂fₙ²) Jₙ)`` from dense Jacobians and Hessians."""
+    """``{name: [N, *p]}``: ``diag(Jₙᵀ (∂²L/∂fₙ²) Jₙ)`` from dense Jacobians and Hessians
+    (outputs of any shape, flattened)."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
     rows = []
     with torch.no_grad():
@@ -284,6 +285,13 @@ def batch_diag_ggn_loop(model: nn.Module, loss_fn: nn.Module, x: Tensor, y: Tens
             return loss_fn(torch.cat([before, o[None], after]), y)
 
         jac = jacrev(f_n)(params)
-        hess = hessian(loss_n)(out[n])
-        rows.append({k: torch.einsum("c...,cd,d...->...", j, hess, j) for k, j in jac.items()})
+        o = out[n].numel()
+        hess = hessian(loss_n)(out[n]).reshape(o, o)
+        rows.append(
+            {
+                k: torch.einsum("c...,cd,d...->...", j.reshape(o, *p.shape), hess,
+                                j.reshape(o, *p.shape))
+                for (k, j), p in zip(jac.items(), params.values())
+            }
+        )
     return {k: torch.stack([r[k] for r in rows]) for k in params}

@@ -305,3 +305,52 @@ def test_swin_windows_and_its_shared_bias_tables():
     for k, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **TOL, msg=k)
+
+
+class _Seq2SeqLogits(nn.Module):
+    """T5 on one tensor ``[N, S + T]``: encoder ids (id 0 is padding, masked) then decoder
+    ids; ``.logits`` ``[N, T, V]``."""
+
+    def __init__(self, model: nn.Module, s: int) -> None:
+        super().__init__()
+        self.model, self.s = model, s
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, dec = x[:, : self.s], x[:, self.s :]
+        mask = (ids != 0).long()
+        return self.model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_t5_and_its_relative_position_bias(attention: str):
+    """Hugging Face's T5: the relative position bias, an ``Embedding`` of ``[T, T]`` bucket
+    indices shared by all samples (and by all layers of a stack), is split per sample where it
+    meets them (the scores, or SDPA's mask with the padding mask): first order and the exact
+    GGN diagonal of every parameter against loop references, with a padded encoder sample.
+    T5's layer norm computes its variance in float32, hence float32's precision."""
+    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
+
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, num_heads=2, d_model=8, d_kv=4, d_ff=16,
+        vocab_size=11, decoder_start_token_id=0, dropout_rate=0.0,
+        attn_implementation=attention,
+    )
+    model = _quiet(lambda: transformers.T5ForConditionalGeneration(cfg)).to(DT).eval()
+    model = _Seq2SeqLogits(model, 5)
+    x = torch.randint(1, 11, (N, 9))
+    x[1, 3:5] = 0  # padding in the second sample's encoder input
+    y = torch.randint(0, 11, (N, 4))
+    lossfunc = _loss("lm")
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
+    diag = batch_diag_ggn_loop(model, lossfunc, x, y)
+    ce = extend(nn.CrossEntropyLoss())
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        ce(model(x).transpose(1, 2), y).backward()
+    assert_first_order(model, ref, **LOOSE)
+    model.zero_grad()
+    with collect(DiagGGNExact()):
+        ce(model(x).transpose(1, 2), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **LOOSE, msg=k)

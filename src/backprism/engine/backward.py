@@ -254,6 +254,24 @@ class BackwardPass:
                 if call.layout_error is not None and call.params:
                     raise RuntimeError(call.layout_error)
             self._check_assumed_axes()
+        if view.unsplit and exts:
+            call = view.unsplit[0]
+            names = ", ".join(f"'{n}'" for n in call.params)
+            where = (
+                f"meets a tensor of higher rank or a larger axis 0 in '{call.unsplit}', so its "
+                "axis 0 is not the samples' and its gradient there has no per-sample split"
+                if call.unsplit is not None
+                else "is split per sample where it is broadcast over the samples, but it is "
+                "also used elsewhere, where its gradient has no per-sample split"
+            )
+            raise RuntimeError(
+                f"backprism: the output of {call.name} (called on an input without the "
+                f"samples, its output shared by all of them, like a relative position bias) "
+                f"{where}; {_names(exts)} cannot attribute its parameters ({names}). Let it "
+                "meet the samples only through broadcasting elementwise operations, an explicit "
+                "expand over the batch or attention masks, or freeze its parameters "
+                "(requires_grad_(False)) to analyse the rest"
+            )
         sizes = sorted({c.batch_size for c in self.calls if c.params})
         if 0 in sizes:
             raise ValueError(
@@ -498,10 +516,13 @@ class BackwardPass:
                 "way has no such split)."
             )
         hints += (
-            " A module called on an input without the batch axis and shared by all samples "
-            "(T5's relative position bias, an Embedding of [T, T] bucket indices) has no "
-            "per-sample split backprism can compute: freeze it (requires_grad_(False)) to "
-            "analyse the rest."
+            " A module called on an input without the batch axis, its output shared by all "
+            "samples (a relative position bias, an Embedding of [T, T] bucket indices), is "
+            "split per sample where that output, or views of it, meet the samples in a "
+            "broadcasting elementwise operation or as an attention mask, if its rule is "
+            "Linear, Embedding, a norm or the generic one; met otherwise (inside a matrix "
+            "product, after other operations) it has no per-sample split: freeze it "
+            "(requires_grad_(False)) to analyse the rest."
         )
         raise RuntimeError(
             f"backprism: the backward pass combines calls with batch sizes {shown} ({detail}), "

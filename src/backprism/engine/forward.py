@@ -41,6 +41,7 @@ from backprism.engine.state import (
     FORWARD_LISTENERS,
     LOSS,
     ROOT,
+    SHARED,
     Call,
     Kept,
     LossRecord,
@@ -403,6 +404,9 @@ def capture(
         if live is not None:
             live = (_batch_first_args(live[0], axis), live[1])
         batch_size = first.shape[axis]
+    # a call on inputs that need no gradient, its batch on axis 0: its output may be shared by
+    # all samples (engine.broadcast widens it where it meets them)
+    shareable = batch_size is None and not moved and len(outs) == 1 and bool(params)
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
     call = Call(
@@ -426,6 +430,8 @@ def capture(
     )
     if not attach(call, outs):
         return None
+    if shareable and not call.input_edges:
+        setattr(outs[0], SHARED, (call, None, None))
     frame = releasing_frame(params.values()) if call.owner is not None else None
     if frame is not None and frame[8] is not None:
         frame[8].append((call, [o.grad_fn for o in outs if o.grad_fn is not None]))

@@ -31,7 +31,6 @@ operation serves both.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,15 +47,14 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
-from backprism.engine.forward import attach, capture, keep_linear, releasing_frame
+from backprism.engine.broadcast import MEETS, after_operation, broadcast_calls
+from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
-    CALLS,
     FORWARD,
     FORWARD_LISTENERS,
     MODE_FREE,
     UNATTRIBUTED,
-    Call,
     active,
 )
 
@@ -746,10 +744,6 @@ def _closed_form(
 
 
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
-_BROADCASTING = frozenset(
-    {"add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__", "mul",
-     "__mul__", "__rmul__", "__imul__"}
-)
 
 
 def _expands_batch(name: str, src: Any, out: Tensor) -> bool:
@@ -761,112 +755,6 @@ def _expands_batch(name: str, src: Any, out: Tensor) -> bool:
     if src.dim() == out.dim():
         return src.shape[0] == 1 and src.shape[1:] == out.shape[1:]
     return src.dim() + 1 == out.dim() and src.shape == out.shape[1:]
-
-
-def _batch_one_call(t: Tensor) -> Call | None:
-    """The single-output call of batch size 1 that produced ``t``, if any."""
-    fn = t.grad_fn
-    if fn is None:
-        return None
-    for call, _, nr in fn.metadata.get(CALLS, ()):
-        if call.batch_size == 1 and len(call.out_shapes) == 1 and nr == t.output_nr:
-            return call
-    return None
-
-
-def _expand_arg(a: Any, n: int) -> Any:
-    if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == 1:
-        return a.expand(n, *a.shape[1:])
-    return a
-
-
-def _widened(call: Call, widen: Callable[[Any], Any], wide: Tensor) -> Call:
-    """The same call on its inputs widened to the batch by ``widen``, with output ``wide``."""
-    live = call.live
-    return dataclasses.replace(
-        call,
-        args=tuple(widen(x) for x in call.args),
-        kwargs={k: widen(v) for k, v in call.kwargs.items()},
-        out_shapes=[wide.shape],
-        batch_size=wide.shape[0],
-        pass_=None,
-        live=None
-        if live is None
-        else (tuple(widen(x) for x in live[0]), {k: widen(v) for k, v in live[1].items()}),
-    )
-
-
-def _broadcast_calls(args: tuple) -> tuple:
-    """Batch-1 calls broadcast over the samples by an elementwise op (position embeddings of
-    ``position_ids`` of shape ``[1, T]`` added to ``[N, T, d]`` token embeddings): the operand
-    is expanded to the batch explicitly, and its call is replaced by the same call on inputs
-    expanded to ``N`` whose output is the expanded tensor — so the per-sample gradient of its
-    parameters is each sample's slice after the broadcast."""
-    a, b = args
-    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not a.dim() or not b.dim():
-        return args
-    if a.dim() != b.dim():
-        return _lower_rank_calls(args)
-    n = max(a.shape[0], b.shape[0])
-    if n <= 1:
-        return args
-    new = list(args)
-    for i, t in enumerate(args):
-        if t.shape[0] != 1 or not t.requires_grad:
-            continue
-        call = _batch_one_call(t)
-        if call is None:
-            continue
-        wide = t.expand(n, *t.shape[1:])
-        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
-        if attach(expanded, [wide]):
-            call.superseded = True
-            new[i] = wide
-            FORWARD.acted += 1
-    return tuple(new)
-
-
-def _lower_rank_calls(args: tuple) -> tuple:
-    """A call's output of one rank less than the other operand of an elementwise op
-    (``tok_emb + self.wpe(torch.arange(T))``: ``[T, d]`` added to ``[N, T, d]``): broadcasting
-    aligns its axis 0 with the other's axis 1, so that axis is not the batch even where its
-    size happens to be ``N``. The call is replaced by the same call on inputs of batch size 1
-    expanded to ``N`` (as :func:`_broadcast_calls` does for ``[1, T]`` operands), whose output
-    is the operand expanded to ``[N, *shape]``."""
-    a, b = args
-    hi, lo_i = (a, 1) if a.dim() > b.dim() else (b, 0)
-    lo = args[lo_i]
-    if hi.dim() != lo.dim() + 1 or not lo.requires_grad or hi.shape[0] <= 1:
-        return args
-    fn = lo.grad_fn
-    if fn is None:
-        return args
-    call = next(
-        (
-            c for c, _, nr in fn.metadata.get(CALLS, ())
-            if nr == lo.output_nr and len(c.out_shapes) == 1 and c.batch_size == lo.shape[0]
-            and not getattr(c, "superseded", False) and not c.batch_axis
-        ),
-        None,
-    )
-    if call is None:
-        return args
-    n = hi.shape[0]
-
-    def widen(x: Any) -> Any:
-        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == call.batch_size:
-            return x.unsqueeze(0).expand(n, *x.shape)
-        return x
-
-    wide = lo.unsqueeze(0).expand(n, *lo.shape)
-    expanded = _widened(call, widen, wide)
-    if not attach(expanded, [wide]):
-        return args
-    call.superseded = True
-    FORWARD.acted += 1
-    new = list(args)
-    new[lo_i] = wide
-    return tuple(new)
 
 
 # -- the batch axis of activations computed from a batch_first=False RNN ------------------------
@@ -1079,8 +967,8 @@ class ForwardMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if args and id(args[0]) in FORWARD.view_ids and _mutates(name):
             _invalidate_view(args[0])
-        if len(args) == 2 and name in _BROADCASTING:
-            args = _broadcast_calls(args)
+        if name in MEETS:
+            args, kwargs = broadcast_calls(name, args, kwargs)
         stack = FORWARD.call_stack
         top = stack[-1] if stack else None
         replacement = None if top is None or top[5] is None else top[5].get(name)
@@ -1105,6 +993,7 @@ class ForwardMode(TorchFunctionMode):
             follow_batch_axis(name, args, kwargs, out)
         elif name in _AXIS_MOVES and stack:
             _mark_transposed(name, args, kwargs, out)
+        out = after_operation(name, func, args, kwargs, out)
         if isinstance(out, Tensor):
             if not out.requires_grad:
                 return out

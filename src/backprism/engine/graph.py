@@ -56,6 +56,11 @@ class GraphView:
     params: dict[int, tuple[nn.Parameter, Any]] = field(default_factory=dict)
     #: (parameter, consumer node) for parameter uses no claiming call's region contains
     unattributed: list[tuple[nn.Parameter, Any]] = field(default_factory=list)
+    #: calls whose output all samples share (:mod:`backprism.engine.broadcast`) that meet
+    #: the samples where they were not widened to the batch (``Call.unsplit``), or whose
+    #: superseded output is also used elsewhere: part of their gradient has no per-sample
+    #: split
+    unsplit: list[Call] = field(default_factory=list)
     #: calls or parameters reached from the start without passing an extended loss
     outside_losses: list[str] = field(default_factory=list)
     #: reached nodes of ``torch.utils.checkpoint(..., use_reentrant=True)``: their region's
@@ -142,6 +147,7 @@ def analyse(roots: list[Tensor]) -> GraphView:
     consumers: dict[int, list[Any]] = {}
     stack = list(starts)
     calls: dict[Call, list[Any]] = {}
+    shared: dict[tuple[int, int], Call] = {}  # (node id, output_nr) → superseded call
     while stack:
         fn = stack.pop()
         if id(fn) in nodes:
@@ -151,6 +157,7 @@ def analyse(roots: list[Tensor]) -> GraphView:
         if md:
             for call, index, nr in md.get(CALLS, ()):
                 if call.superseded:
+                    shared[(id(fn), nr)] = call
                     continue
                 edges = calls.setdefault(call, [None] * len(call.out_shapes))
                 edges[index] = (fn, nr)
@@ -177,6 +184,9 @@ def analyse(roots: list[Tensor]) -> GraphView:
             if id(f) not in nodes:
                 stack.append(f)
     view.calls = calls
+    view.unsplit = [c for c in calls if c.unsplit is not None]
+    if shared:
+        view.unsplit += _unsplit(nodes, calls, shared)
     if consumers:
         attributed: set[tuple[int, int]] = set()
         for call, edges in calls.items():
@@ -194,3 +204,25 @@ def analyse(roots: list[Tensor]) -> GraphView:
                 if (pid, id(node)) not in attributed:
                     view.unattributed.append((view.params[pid][0], node))
     return view
+
+
+def _unsplit(
+    nodes: dict[int, Any], calls: dict[Call, list[Any]], shared: dict[tuple[int, int], Call]
+) -> list[Call]:
+    """The superseded calls in ``shared`` whose output has more consumers in the graph than
+    widenings of it (each widening consumes the output once; see
+    :mod:`backprism.engine.broadcast`): the extra consumers' gradient reaches the call's
+    parameters without a per-sample split."""
+    uses = dict.fromkeys(shared, 0)
+    for fn in nodes.values():
+        for f, nr in fn.next_functions:
+            if f is not None and (id(f), nr) in uses:
+                uses[(id(f), nr)] += 1
+    widenings: dict[int, int] = {}
+    for call in calls:
+        if call.widened_from is not None:
+            widenings[id(call.widened_from)] = widenings.get(id(call.widened_from), 0) + 1
+    return [
+        call for key, call in shared.items() if uses[key] > widenings.get(id(call), 0)
+    ]
+

@@ -49,6 +49,7 @@ __all__ = [
     "LOSS",
     "MODE_FREE",
     "ROOT",
+    "SHARED",
     "SITES",
     "UNATTRIBUTED",
     "Call",
@@ -74,6 +75,11 @@ UNATTRIBUTED = "backprism.unattributed"
 #: tensor attribute: the batch axis of an activation whose batch is not on axis 0 (the outputs
 #: of a ``batch_first=False`` RNN, and what is computed from them), ``-1`` if unknown
 AXIS = "_backprism_batch_axis"
+#: tensor attribute: ``(call, origin, replay)`` for the output of a call on inputs that need no
+#: gradient (``origin`` ``None``: the tensor itself) and what is computed from it alone by view
+#: and elementwise operations with constants (``replay(origin) == tensor``), see
+#: :mod:`backprism.engine.broadcast`
+SHARED = "_backprism_shared"
 
 
 def sequence_first(module: nn.Module) -> bool:
@@ -110,8 +116,12 @@ class Call:
             layout), not followed from a ``batch_first=False`` RNN.
         layout_error: why the call's input has no batch on axis 0 (it comes from a
             ``batch_first=False`` RNN): per-sample quantities and curvature refuse the call.
-        superseded: replaced by a call expanded to the batch (a batch-1 call whose output was
-            broadcast over the samples, see :mod:`backprism.engine.functional`); ignored.
+        superseded: replaced by a call widened to the batch (a call whose output all samples
+            share, broadcast over them, see :mod:`backprism.engine.broadcast`); ignored.
+        widened_from: for such a widened call, the call it replaces.
+        unsplit: for a call on inputs that need no gradient, the operation in which its
+            output met a tensor of higher rank or of a larger axis 0 other than by widening
+            (its axis 0 is not the samples'; the backward pass refuses it).
         whole_batch: set while a backward pass treats the batch as one sample (BatchNorm in
             train mode mixes the samples; only whole-batch curvature is defined): rules may
             then use batch statistics (see ``BackwardPass.whole_batch``).
@@ -150,6 +160,8 @@ class Call:
     owner: nn.Module | None = None
     fold: int = 1
     pass_: Any = None
+    widened_from: Call | None = None
+    unsplit: str | None = None
 
     @property
     def hook_module(self) -> nn.Module:

@@ -1,0 +1,225 @@
+"""Calls whose output all samples share, widened over the batch where they meet it
+(:mod:`backprism.engine.broadcast`).
+
+A relative position bias — an ``Embedding`` (or a module without a closed-form rule) called on
+``[T, T]`` bucket indices, without the batch axis — reshaped like T5's
+(``.permute(2, 0, 1).unsqueeze(0)``, or one head selected), passed through ``torch.where`` with a
+causal mask (a constant, followed) or a per-sample padding mask (where it meets the samples),
+and added to every layer's per-sample scores or given to ``scaled_dot_product_attention`` as
+its mask: every parameter's per-sample gradients and the GGN diagonal and square root against
+dense float64 ``torch.func`` references. Used also where it was not widened: refused before
+anything is written. Hypothesis draws the layout, the kernel, the sizes (``T = N`` included)
+and the number of layers sharing one bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from backprism import collect, extend
+from backprism.extensions import (
+    BatchDiagGGNExact,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SqrtGGNExact,
+    SumGradSquared,
+    Variance,
+)
+from tests.common import assert_first_order, assert_nothing_written, gather
+from tests.reference import diag_blocks, ggn_blocks, per_sample_grads
+
+DT = torch.float64
+TOL = {"atol": 1e-10, "rtol": 1e-8}
+D, H, C = 4, 2, 3
+LAYOUTS = ("select", "t5", "t5_padding", "t5_causal", "t5_expanded")
+
+
+class Table(nn.Module):
+    """A bias table without a closed-form rule (the generic rule): ``w[buckets] * s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, H))
+        self.s = nn.Parameter(torch.rand(H) + 0.5)
+
+    def forward(self, buckets: Tensor) -> Tensor:
+        return self.w[buckets] * self.s
+
+
+class SharedBias(nn.Module):
+    """``layers`` attention-like layers whose scores get one relative position bias computed
+    once from ``[T, T]`` bucket indices (no batch axis), laid out by ``layout``; ``kernel``
+    ``"add"`` adds it to the scores, ``"sdpa"`` passes it as the attention mask."""
+
+    def __init__(self, layout: str, kernel: str, layers: int, table: str) -> None:
+        super().__init__()
+        self.layout, self.kernel = layout, kernel
+        self.bias = nn.Embedding(3, H) if table == "embedding" else Table()
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(layers))
+        self.head = nn.Linear(D, C)
+
+    def position_bias(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        pos = torch.arange(t)
+        buckets = (pos[None, :] - pos[:, None]).clamp(-1, 1) + 1  # [T, T]
+        values = self.bias(buckets)  # [T, T, H]
+        if self.layout == "select":
+            return values[..., 0]  # [T, T]: one head, broadcast by rank
+        pb = values.permute([2, 0, 1]).unsqueeze(0)  # [1, H, T, T], as T5's compute_bias
+        if self.layout == "t5_padding":  # per-sample keys masked: meets the samples here
+            keep = (x[:, None, None, :, 0] > -0.5).expand(n, 1, t, t)
+            return torch.where(keep, pb, -1e4)
+        if self.layout == "t5_expanded":  # over the samples explicitly
+            return pb.expand(n, -1, -1, -1)
+        if self.layout == "t5_causal":  # a constant mask: followed, meets them later
+            causal = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+            return torch.where(causal, pb, -1e4).contiguous()
+        return pb
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x, self.position_bias(x))
+
+    def layers(self, x: Tensor, pb: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(n, t, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+            if self.kernel == "sdpa":  # (the CPU flash kernel has no gradient for a mask)
+                with sdpa_kernel(SDPBackend.MATH):
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=pb)
+            else:
+                o = ((q @ k.transpose(-1, -2)) / (D // H) ** 0.5 + pb).softmax(-1) @ v
+            x = x + torch.tanh(o.transpose(1, 2).reshape(n, t, D))
+        return self.head(x.mean(1))
+
+
+def _setup(layout: str, kernel: str, layers: int, table: str, n: int, t: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = SharedBias(layout, kernel, layers, table).to(DT)
+    x = torch.randn(n, t, D, dtype=DT)
+    x[0, :, 0] = -1.0  # sample 0's keys all masked by "t5_padding": its softmax is uniform
+    x[0, 0, 0] = 1.0
+    return model, x, torch.randint(0, C, (n,))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    kernel=st.sampled_from(["add", "sdpa"]),
+    layers=st.integers(1, 2),
+    table=st.sampled_from(["embedding", "generic"]),
+    n=st.integers(2, 4),
+    t=st.integers(1, 4),
+)
+def test_shared_bias_first_order(
+    layout: str, kernel: str, layers: int, table: str, n: int, t: int
+) -> None:
+    """Every parameter's per-sample gradients, their norms, second moment and variance equal
+    the definition's (``Σₙ grad_batch = .grad`` included), the shared table's too."""
+    model, x, y = _setup(layout, kernel, layers, table, n, t)
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_shared_bias_exact_ggn(layout: str) -> None:
+    """The GGN diagonal, per-sample diagonal and square root, the shared table's included."""
+    model, x, y = _setup(layout, "add", 2, "embedding", 3, 3)
+    lossfunc = nn.CrossEntropyLoss()
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact()):
+        lossfunc(model(x), y).backward()
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+    torch.testing.assert_close(gather(model, "diag_ggn_exact_batch", 1), diag_blocks(G), **TOL)
+    V = gather(model, "sqrt_ggn_exact", 2)
+    for i in range(x.shape[0]):
+        torch.testing.assert_close(V[:, i].T @ V[:, i], G[i, i], **TOL)
+
+
+class AlsoUsedElsewhere(SharedBias):
+    """The bias split per sample where it meets the scores, and also added (summed) to the
+    output, where its gradient is every sample's at once."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        pb = self.position_bias(x)
+        return self.layers(x, pb) + pb.sum()
+
+
+def test_a_shared_output_also_used_unsplit_is_refused() -> None:
+    model, x, y = _setup("t5", "add", 1, "embedding", 3, 4)
+    model.__class__ = AlsoUsedElsewhere
+    extend(model)
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="also used elsewhere"), collect(BatchGrad()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)
+
+
+class MatrixProduct(nn.Module):
+    """A shared table meeting the samples inside a matrix product: no split is built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Embedding(3, 1)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.shape[1]
+        pos = torch.arange(t)
+        table = self.bias((pos[None, :] - pos[:, None]).clamp(-1, 1) + 1)[..., 0]
+        return self.head((table @ x).mean(1))
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_a_shared_table_met_otherwise_is_refused_with_the_way_out(n: int) -> None:
+    """Also where its leading size ``T`` equals ``N``, so no batch sizes differ (split along
+    ``T`` before, silently)."""
+    torch.manual_seed(0)
+    model = extend(MatrixProduct().to(DT))
+    x, y = torch.randn(n, 5, D, dtype=DT), torch.randint(0, C, (n,))
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match=r"'matmul'.*freeze its"), collect(BatchGrad()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)
+
+
+class PositionsTwice(nn.Module):
+    """Position embeddings of ``[1, T]`` positions added to the tokens in two places: each
+    addition widens the call again (the second used to be dropped, silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Linear(D, D)
+        self.pos = nn.Embedding(6, D)
+        self.mid = nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self.pos(torch.arange(x.shape[1])[None])  # [1, T, D]
+        h = torch.tanh(self.tok(x) + p)
+        return self.head((self.mid(h) * p).mean(1))
+
+
+def test_a_batch_one_call_broadcast_twice() -> None:
+    torch.manual_seed(0)
+    model = PositionsTwice().to(DT)
+    x, y = torch.randn(3, 5, D, dtype=DT), torch.randint(0, C, (3,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
