@@ -223,3 +223,81 @@ def test_a_batch_one_call_broadcast_twice() -> None:
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lossfunc(model(x), y).backward()
     assert_first_order(model, ref, **TOL)
+
+
+class GridEncoding(nn.Module):
+    """XCiT's positional encoding: a convolution (batch size 1, its own rule) on a
+    ``[1, 2, H, W]`` coordinate grid without the samples, through an activation, copied over
+    the batch by ``repeat(N, 1, 1, 1)`` or ``expand(N, -1, -1, -1)`` and added to the
+    samples' features."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.pos = nn.Conv2d(2, 4, 1)
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, _, h, w = x.shape
+        axes = (torch.linspace(-1, 1, h, dtype=x.dtype), torch.linspace(-1, 1, w, dtype=x.dtype))
+        grid = torch.stack(torch.meshgrid(*axes, indexing="ij"))[None]  # [1, 2, H, W]
+        pos = torch.tanh(self.pos(grid))
+        pos = pos.repeat(n, 1, 1, 1) if self.how == "repeat" else pos.expand(n, -1, -1, -1)
+        return self.head((self.stem(x) + pos).mean((2, 3)))
+
+
+@pytest.mark.parametrize("how", ["repeat", "expand"])
+def test_a_batch_one_convolution_copied_over_the_batch(how: str) -> None:
+    torch.manual_seed(0)
+    model = GridEncoding(how).to(DT)
+    x, y = torch.randn(3, 3, 4, 5, dtype=DT), torch.randint(0, C, (3,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+
+
+class CoordinateMlp(nn.Module):
+    """timm's ``RelPosMlp``: a two-layer MLP on a buffer of relative coordinates
+    ``[T, T, 2]`` (the same for every sample), its output ``[T, T, H]`` laid out as
+    ``[1, H, T, T]`` and added to the scores. A value computed by two modules in a row is not
+    widened: refused, also where ``T = N`` (split along ``T`` before, silently)."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        pos = torch.arange(t, dtype=DT)
+        rel = pos[:, None] - pos[None, :]
+        self.register_buffer("coords", torch.stack([rel, rel.abs()], -1))  # [T, T, 2]
+        self.fc1, self.fc2 = nn.Linear(2, 4), nn.Linear(4, H)
+        self.qk = nn.Linear(D, 2 * D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        bias = self.fc2(F.gelu(self.fc1(self.coords))).permute(2, 0, 1).unsqueeze(0)
+        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q @ k.transpose(-1, -2) + bias).softmax(-1)  # [N, H, T, T]
+        return self.head((attn.mean(1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_shared_value_of_two_modules_is_refused(n: int) -> None:
+    torch.manual_seed(0)
+    model = extend(CoordinateMlp(4).to(DT))
+    x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="only as the input of Linear"), collect(BatchGrad()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)
+    model.fc1.requires_grad_(False)  # the second module alone: widened where it meets them
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        F.cross_entropy(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)

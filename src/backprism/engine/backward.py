@@ -257,13 +257,23 @@ class BackwardPass:
         if view.unsplit and exts:
             call = view.unsplit[0]
             names = ", ".join(f"'{n}'" for n in call.params)
-            where = (
-                f"meets a tensor of higher rank or a larger axis 0 in '{call.unsplit}', so its "
-                "axis 0 is not the samples' and its gradient there has no per-sample split"
-                if call.unsplit is not None
-                else "is split per sample where it is broadcast over the samples, but it is "
-                "also used elsewhere, where its gradient has no per-sample split"
-            )
+            if call.unsplit is not None and call.unsplit.startswith("the input of "):
+                where = (
+                    f"reaches the samples only as {call.unsplit}, which is widened over them "
+                    "where it meets them; backprism widens a shared value computed by one "
+                    "module only, so its gradient has no per-sample split"
+                )
+            elif call.unsplit is not None:
+                where = (
+                    f"meets a tensor of higher rank or a larger axis 0 in '{call.unsplit}', so "
+                    "its axis 0 is not the samples' and its gradient there has no per-sample "
+                    "split"
+                )
+            else:
+                where = (
+                    "is split per sample where it is broadcast over the samples, but it is also "
+                    "used elsewhere, where its gradient has no per-sample split"
+                )
             raise RuntimeError(
                 f"backprism: the output of {call.name} (called on an input without the "
                 f"samples, its output shared by all of them, like a relative position bias) "

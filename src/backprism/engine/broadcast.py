@@ -41,9 +41,9 @@ from torch.func import vmap
 
 from backprism.engine.forward import attach
 from backprism.engine.rule import get_rule
-from backprism.engine.state import CALLS, FORWARD, SHARED, Call
+from backprism.engine.state import CALLS, FORWARD, FREE, SHARED, Call
 
-__all__ = ["MEETS", "after_operation", "broadcast_calls"]
+__all__ = ["MEETS", "after_operation", "broadcast_calls", "mark_free"]
 
 #: elementwise operations that broadcast their tensor operands against each other
 _ELEMENTWISE = frozenset(
@@ -61,6 +61,9 @@ MEETS = _ELEMENTWISE | _ATTENTION
 #: of one tensor, and elementwise operations with constants that do not broadcast it
 FOLLOWS = _ELEMENTWISE | frozenset(
     {
+        "relu", "gelu", "silu", "tanh", "sigmoid", "exp", "log", "neg", "abs", "sqrt", "rsqrt",
+        "sin", "cos", "softplus", "leaky_relu", "elu", "clamp", "pow", "__pow__", "pad",
+        "repeat", "tile",
         "t", "T", "mT", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
         "expand", "expand_as", "flatten", "unflatten", "view_as", "reshape_as", "__getitem__",
         "to", "type", "float", "double", "half", "bfloat16", "contiguous", "clone", "narrow",
@@ -81,6 +84,55 @@ def _batch_one_call(t: Tensor) -> Call | None:
 
 
 _EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+_OVER_BATCH = _EXPANDS | {"repeat"}
+
+
+def _over_batch(name: str, src: Tensor, args: tuple, out: Tensor) -> bool:
+    """Whether ``out = src.expand(...)`` / ``src.repeat(...)`` copies a new or size-1 axis 0
+    of ``src`` ``out.shape[0]`` times (over the samples), its other axes as they were."""
+    if src.dim() > out.dim() or (src.dim() == out.dim() and src.shape[0] != 1):
+        return False
+    if name == "repeat":
+        reps = args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
+        return len(tuple(reps)) == out.dim() and all(r == 1 for r in tuple(reps)[1:])
+    return True
+
+
+#: factory functions: their results are the same for every sample
+_FACTORIES = frozenset(
+    {"arange", "range", "zeros", "ones", "full", "empty", "linspace", "logspace", "eye",
+     "tensor", "as_tensor", "tril_indices", "triu_indices"}
+)
+
+
+def mark_free(name: str, args: tuple, kwargs: dict, out: Any) -> None:
+    """Mark ``out`` :data:`~backprism.engine.state.FREE` if it is the same for every sample:
+    a factory function's result, or an operation's whose tensor operands all are (a copy of
+    a size-1 axis 0 over the batch by ``expand``/``repeat`` makes it per-sample); it keeps the
+    calls its operands were computed by."""
+    calls: dict[int, Call] = {}
+    if name not in _FACTORIES:
+        tensors = 0
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, Tensor):
+                    src = getattr(t, FREE, None)
+                    if src is None:  # (the common case: a per-sample operand, at once)
+                        return
+                    tensors += 1
+                    for c in src:
+                        calls[id(c)] = c
+        if not tensors:
+            return
+        if (
+            name in _OVER_BATCH and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1
+            and _over_batch(name, args[0], args, out)
+        ):
+            return
+    value = tuple(calls.values())
+    for o in out if isinstance(out, (list, tuple)) else (out,):
+        if isinstance(o, Tensor):
+            setattr(o, FREE, value)
 
 
 def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -90,13 +142,18 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
     output meets a tensor of higher rank, or of a larger axis 0, in any other way (its axis 0
     is then not the samples'); returns ``out`` or its widened copies."""
     if name in FOLLOWS:
-        if name in _EXPANDS and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
+        if name in _OVER_BATCH and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
             src = args[0] if args else None
-            if isinstance(src, Tensor) and src.requires_grad and hasattr(src, SHARED):
-                # shared.expand(N, ...): over the samples, explicitly
+            info = getattr(src, SHARED, None) if isinstance(src, Tensor) else None
+            if info is not None and src.requires_grad and _over_batch(name, src, args, out):
+                # shared.expand(N, ...), shared.repeat(N, 1, ...): over the samples explicitly
                 wide = _widen_shared(src, out.dim(), out.shape[0])
                 if wide is not None:
                     return wide.expand(out.shape)
+                if info[0].unsplit is None:
+                    info[0].unsplit = name
+                    FORWARD.acted += 1
+                return out
         follow_shared(name, func, args, kwargs, out)
     if len(args) > 1 and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
         rank, n = out.dim(), out.shape[0]
@@ -259,23 +316,42 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
     aligned = (1,) * (rank - t.dim()) + tuple(t.shape)
     if aligned[0] != 1 or call.batch_axis:
         return None
-    rule = get_rule(call.module)
-    # rules that act on trailing feature axes, and the generic rule (which runs each sample's
-    # call on its inputs as they are), take a call widened by a new leading axis
-    if not (rule.moves_batch_axis or rule.folds_rows):
-        return None
     if origin is None:
         origin = t
+    if call.batch_size == 1 and origin.dim() and origin.shape[0] == 1:
+        # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
+        # expanded along their axis 0, as for any batch, which every rule takes
+        wide = origin.expand(n, *origin.shape[1:])
+        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
 
-    def widen(x: Any, n: int = n) -> Any:
-        return x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, Tensor) else x
+        def per_sample(o: Tensor, replay: Any = replay) -> Tensor:
+            return replay(o.unsqueeze(0))
 
-    wide = widen(origin)
-    if not attach(_widened(call, widen, wide), [wide]):
+    else:
+        rule = get_rule(call.module)
+        # rules that act on trailing feature axes, and the generic rule (which runs each
+        # sample's call on its inputs as they are), take a call widened by a new leading axis
+        if not (rule.moves_batch_axis or rule.folds_rows):
+            return None
+
+        def widen(x: Any, n: int = n) -> Any:
+            return x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, Tensor) else x
+
+        wide = widen(origin)
+        expanded = _widened(call, widen, wide)
+        per_sample = replay
+    if not attach(expanded, [wide]):
         return None
     call.superseded = True
     FORWARD.acted += 1
-    copies = wide if replay is None else vmap(replay)(wide)
+    live = call.live[0] if call.live is not None else call.args
+    for a in live:
+        # calls its inputs were computed by: their outputs reach the samples only through
+        # this call, along axes that are not the samples' (a shared value of two modules)
+        for upstream in getattr(a, FREE, None) or ():
+            if upstream.unsplit is None:
+                upstream.unsplit = f"the input of {call.name}"
+    copies = wide if replay is None else vmap(per_sample)(wide)
     return copies.reshape(n, *aligned[1:])
 
 

@@ -16,7 +16,7 @@ from backprism.engine.forward import (
 )
 from backprism.engine.residual import ACTIVATION_TYPES, activation_forward_hook
 from backprism.engine.rule import Rule, get_rule
-from backprism.engine.state import MODE_FREE
+from backprism.engine.state import FREE, MODE_FREE
 
 __all__ = ["extend"]
 
@@ -85,4 +85,7 @@ def extend(module: nn.Module) -> nn.Module:
         if p.requires_grad:
             p._backprism_hooked = True  # type: ignore[attr-defined]
             functional.PARAM_IDS.add(id(p))
+        setattr(p, FREE, ())  # the same for every sample (engine.broadcast)
+    for b in module.buffers():
+        setattr(b, FREE, ())
     return module

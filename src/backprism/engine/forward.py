@@ -39,6 +39,7 @@ from backprism.engine.state import (
     CALLS,
     FORWARD,
     FORWARD_LISTENERS,
+    FREE,
     LOSS,
     ROOT,
     SHARED,
@@ -407,6 +408,8 @@ def capture(
     # a call on inputs that need no gradient, its batch on axis 0: its output may be shared by
     # all samples (engine.broadcast widens it where it meets them)
     shareable = batch_size is None and not moved and len(outs) == 1 and bool(params)
+    sources = [getattr(a, FREE, None) for a in arg_tensors]
+    free = bool(sources) and None not in sources
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
     call = Call(
@@ -430,8 +433,16 @@ def capture(
     )
     if not attach(call, outs):
         return None
-    if shareable and not call.input_edges:
+    if shareable and call.owner is None and (free or not call.input_edges):
+        # (a functional use of a released parameter is not: its release may be undone)
         setattr(outs[0], SHARED, (call, None, None))
+    if free:
+        # the same for every sample: computed by this call and those its inputs came from
+        upstream = {id(c): c for src in sources for c in src}
+        for o in outs:
+            setattr(o, FREE, (call, *upstream.values()))
+        if params:
+            FORWARD.acted += 1  # (a model with such a call keeps the forward mode, which widens)
     frame = releasing_frame(params.values()) if call.owner is not None else None
     if frame is not None and frame[8] is not None:
         frame[8].append((call, [o.grad_fn for o in outs if o.grad_fn is not None]))

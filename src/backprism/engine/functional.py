@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
-from backprism.engine.broadcast import MEETS, after_operation, broadcast_calls
+from backprism.engine.broadcast import MEETS, after_operation, broadcast_calls, mark_free
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
@@ -112,7 +112,7 @@ def _is_owned(p: nn.Parameter) -> bool:
         return True  # the common case: a leaf module (Linear, Conv, a norm) using its own
     if any(frame[2] and pid in frame[2] for frame in stack):
         return False  # released by a call to be attributed where it enters (Inside.release)
-    for module, ran, *_ in stack:
+    for module, ran, *_ in reversed(stack):  # innermost first: the root's table is the largest
         subs = _owners(module).get(pid)
         if subs is not None and (id(module) in subs or not subs <= ran):
             return True
@@ -989,6 +989,7 @@ class ForwardMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        mark_free(name, args, kwargs, out)
         if FORWARD.layouts:  # activations with the batch off axis 0 exist in this forward
             follow_batch_axis(name, args, kwargs, out)
         elif name in _AXIS_MOVES and stack:

@@ -46,6 +46,7 @@ __all__ = [
     "CALLS",
     "FORWARD",
     "FORWARD_LISTENERS",
+    "FREE",
     "LOSS",
     "MODE_FREE",
     "ROOT",
@@ -80,6 +81,12 @@ AXIS = "_backprism_batch_axis"
 #: and elementwise operations with constants (``replay(origin) == tensor``), see
 #: :mod:`backprism.engine.broadcast`
 SHARED = "_backprism_shared"
+#: tensor attribute on a tensor known to be the same for every sample — a parameter or buffer of
+#: an extended model, the result of a factory function (``torch.arange``), of an operation of
+#: the forward mode or a call whose tensor operands all are (a copy of a size-1 axis 0 over the
+#: batch, ``expand``/``repeat``, makes it per-sample): the tuple of the calls it was computed
+#: by, see :mod:`backprism.engine.broadcast`
+FREE = "_backprism_free"
 
 
 def sequence_first(module: nn.Module) -> bool:
