@@ -276,7 +276,8 @@ def test_swin_windows_and_its_shared_bias_tables():
     """Hugging Face's Swin: window attention on the batch folded with the windows
     (``[N·windows, ws², C]``) gets the samples' first-order results and GGN diagonal; its
     relative position bias tables come from a module whose forward takes no input (shared by
-    all samples): refused, naming the way out, and analysed without them once frozen."""
+    all samples), broadcast over the windows' rows: refused, naming the way out, and analysed
+    without them once frozen."""
     from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
 
     torch.manual_seed(0)
@@ -288,7 +289,9 @@ def test_swin_windows_and_its_shared_bias_tables():
     x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
     ce = nn.CrossEntropyLoss()
     extend(model)
-    with pytest.raises(RuntimeError, match="forward takes no input"), collect(BatchGrad()):
+    with pytest.raises(RuntimeError, match="SwinRelativePositionBias, shared by all"), collect(
+        BatchGrad()
+    ):
         ce(model(x), y).backward()
     assert all(p.grad is None for p in model.parameters())
     for k, p in model.named_parameters():
@@ -354,3 +357,33 @@ def test_t5_and_its_relative_position_bias(attention: str):
         ce(model(x).transpose(1, 2), y).backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **LOOSE, msg=k)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_beit_and_its_relative_position_bias(shared: bool):
+    """Hugging Face's BEiT: the relative position bias tables come from a module called without
+    tensor inputs (one per layer, or one shared by all layers), added to every sample's
+    attention scores: widened over the batch there, first order and the exact GGN diagonal of
+    every parameter against loop references (refused for every extension before)."""
+    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
+
+    torch.manual_seed(0)
+    cfg = transformers.BeitConfig(
+        image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, num_labels=3, use_relative_position_bias=not shared,
+        use_shared_relative_position_bias=shared,
+    )
+    model = Logits(_quiet(lambda: transformers.BeitForImageClassification(cfg))).to(DT).eval()
+    x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
+    ce = nn.CrossEntropyLoss()
+    ref = per_sample_grads_loop(model, ce, x, y)
+    diag = batch_diag_ggn_loop(model, ce, x, y)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        ce(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    model.zero_grad()
+    with collect(DiagGGNExact()):
+        ce(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **TOL, msg=k)

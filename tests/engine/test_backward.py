@@ -329,13 +329,15 @@ def test_parameter_gradient_hook_warns_once() -> None:
             lf(model(X), y).backward()
 
 
+@pytest.mark.parametrize("n", [6, 5])
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
-def test_parametrized_layer_is_refused_with_what_to_do(kind: str) -> None:
+def test_parametrized_layer_is_refused_with_what_to_do(kind: str, n: int) -> None:
     """``weight_norm``, ``spectral_norm``, ``orthogonal`` (torch.nn.utils.parametrize) compute
     the layer's weight from its originals outside every rule: refused, naming the
     parametrization and the way out (spectral_norm's power iteration, a product with a
-    vector of another length, is not taken for a second batch); with the originals frozen the
-    rest of the model is analysed."""
+    vector of another length, is not taken for a second batch; the parametrization's module,
+    called without tensor inputs, is not taken for a shared table, also where the weight's
+    5 rows equal N); with the originals frozen the rest of the model is analysed."""
     from torch.nn.utils import parametrizations
 
     from backprism.extensions import BatchGrad
@@ -346,7 +348,7 @@ def test_parametrized_layer_is_refused_with_what_to_do(kind: str) -> None:
         getattr(parametrizations, kind)(nn.Linear(4, 5).double()), nn.Tanh(), nn.Linear(5, 3)
     ).double()
     lf = nn.CrossEntropyLoss()
-    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    X, y = torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
     extend(model), extend(lf)
     with pytest.raises(RuntimeError, match="parametrization"), collect(BatchGrad()):
         lf(model(X), y).backward()

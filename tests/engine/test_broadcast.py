@@ -301,3 +301,71 @@ def test_a_shared_value_of_two_modules_is_refused(n: int) -> None:
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         F.cross_entropy(model(x), y).backward()
     assert_first_order(model, ref, **TOL)
+
+
+class BiasTable(nn.Module):
+    """A relative position bias table read by a module called without tensor inputs (Hugging
+    Face's BEiT): ``table[index]`` laid out as ``[H, T, T]``."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * t - 1, H) * 0.5)
+        pos = torch.arange(t)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + t - 1).reshape(-1))
+
+    def forward(self, t: int) -> Tensor:
+        return self.table[self.index].view(t, t, H).permute(2, 0, 1)
+
+
+class WithTable(nn.Module):
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.rel = BiasTable(t)
+        self.qk = nn.Linear(D, 2 * D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q @ k.transpose(-1, -2) + self.rel(t).unsqueeze(0)).softmax(-1)
+        return self.head((attn.mean(1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_module_called_without_tensor_inputs(n: int) -> None:
+    """Its output is widened where it meets the samples (the generic rule pulls each sample's
+    gradient back through the module's one output), also where ``T = N``."""
+    torch.manual_seed(0)
+    model = WithTable(4).to(DT)
+    x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+
+
+class TableInProduct(WithTable):
+    """The table of a module without tensor inputs met inside a matrix product: not split."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q @ k.transpose(-1, -2)).softmax(-1) @ self.rel(t)  # [N, H, T, T]
+        return self.head((attn.mean(1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_module_without_tensor_inputs_met_otherwise_is_refused(n: int) -> None:
+    torch.manual_seed(0)
+    model = extend(TableInProduct(4).to(DT))
+    x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="without any tensor input"), collect(BatchGrad()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)

@@ -54,6 +54,7 @@ from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import (
+    NO_INPUT,
     UNATTRIBUTED,
     Call,
     LossRecord,
@@ -257,7 +258,13 @@ class BackwardPass:
         if view.unsplit and exts:
             call = view.unsplit[0]
             names = ", ".join(f"'{n}'" for n in call.params)
-            if call.unsplit is not None and call.unsplit.startswith("the input of "):
+            if call.unsplit == NO_INPUT:
+                where = (
+                    "is computed without any tensor input, so it is the same for every sample, "
+                    "and it does not meet the samples where backprism splits it (a broadcasting "
+                    "elementwise operation, expand or repeat over the batch, an attention mask)"
+                )
+            elif call.unsplit is not None and call.unsplit.startswith("the input of "):
                 where = (
                     f"reaches the samples only as {call.unsplit}, which is widened over them "
                     "where it meets them; backprism widens a shared value computed by one "
@@ -524,6 +531,16 @@ class BackwardPass:
                 "operations from the samples, as in Swin's window partition or "
                 "h.reshape(-1, d); a time-major [T·N, …] fold or an unknown operation on the "
                 "way has no such split)."
+            )
+        widened = sorted(
+            {c.name for c in self.calls if c.widened_from is not None and c.batch_size != n}
+        )
+        if widened:
+            hints += (
+                f" The output of {', '.join(widened)}, shared by all samples, was widened over "
+                "the rows of a tensor it was broadcast against, and those rows are not the "
+                "samples (a batch folded with windows, as in Hugging Face's Swin): freeze its "
+                "parameters (requires_grad_(False)) to analyse the rest."
             )
         hints += (
             " A module called on an input without the batch axis, its output shared by all "

@@ -41,6 +41,7 @@ from backprism.engine.state import (
     FORWARD_LISTENERS,
     FREE,
     LOSS,
+    NO_INPUT,
     ROOT,
     SHARED,
     Call,
@@ -124,6 +125,7 @@ def _record_root(
 
 
 _NONE: frozenset[int] = frozenset()
+_PARAMETRIZATIONS = (torch.nn.utils.parametrize.ParametrizationList,)
 
 
 def _new_frame(module: nn.Module) -> list[Any]:
@@ -342,20 +344,22 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         call_args = tuple(tree_map(_detach, a) for a in args)
         call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
-    if not arg_tensors:
-        return
     released = frame[2]
     if frame[10]:
         undo_release(frame)
         released = _NONE
     params = call_params(module, ran, released)
+    if not arg_tensors and (not params or isinstance(module, _PARAMETRIZATIONS)):
+        return  # (a parametrization's originals are refused by name, engine.backward)
+    # (a call without tensor inputs, a relative position bias table's module in Hugging Face's
+    # BEiT: its output is the same for every sample, widened where it meets them)
     kept: Kept | None = frame[4]
     if kept is not None:
         ptrs = [_data_ptr(o) for o in outs]
         # (no storage: a torch.func transform's tensors; the rule then recomputes)
         kept.outs = [] if None in ptrs else [(p, o.stride()) for p, o in zip(ptrs, outs)]
-    first = arg_tensors[0]
-    if sequence_first(module) and first.dim() == 3:
+    first = arg_tensors[0] if arg_tensors else outs[0]
+    if arg_tensors and sequence_first(module) and first.dim() == 3:
         # [T, N, features]: the batch on axis 1, in the outputs too (RNN: output, h_n, c_n;
         # attention: the output — its averaged weights [N, L, S] keep it on axis 0)
         if getattr(first, AXIS, None) is None:
@@ -409,7 +413,10 @@ def capture(
     # all samples (engine.broadcast widens it where it meets them)
     shareable = batch_size is None and not moved and len(outs) == 1 and bool(params)
     sources = [getattr(a, FREE, None) for a in arg_tensors]
-    free = bool(sources) and None not in sources
+    # (also a call without tensor inputs; not a parameter expanded over the batch, whose call
+    # is given its batch size)
+    free = batch_size is None and None not in sources
+    no_input = not arg_tensors and batch_size is None
     if batch_size is None:
         batch_size = first.shape[0] if first.dim() > 0 else 1
     call = Call(
@@ -436,6 +443,10 @@ def capture(
     if shareable and call.owner is None and (free or not call.input_edges):
         # (a functional use of a released parameter is not: its release may be undone)
         setattr(outs[0], SHARED, (call, None, None))
+    if no_input:
+        # computed without any tensor input: per-sample only where widened over the samples
+        # (engine.broadcast); a call left as it is is refused by the backward pass
+        call.unsplit = NO_INPUT
     if free:
         # the same for every sample: computed by this call and those its inputs came from
         upstream = {id(c): c for src in sources for c in src}

@@ -1072,7 +1072,9 @@ def _enter(root: nn.Module) -> None:
         # learn from a forward with the model's own (extended) parameters only, not one
         # through torch.func.functional_call's stand-ins
         learn = known is _UNSEEN and all(
-            id(p) in PARAM_IDS for p in root.parameters() if p.requires_grad
+            getattr(p, "_backprism_hooked", False)  # (ids of dropped parameters get reused)
+            for p in root.parameters()
+            if p.requires_grad
         )
     math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
     mode = ForwardMode(record, math)

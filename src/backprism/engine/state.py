@@ -49,6 +49,7 @@ __all__ = [
     "FREE",
     "LOSS",
     "MODE_FREE",
+    "NO_INPUT",
     "ROOT",
     "SHARED",
     "SITES",
@@ -87,6 +88,8 @@ SHARED = "_backprism_shared"
 #: batch, ``expand``/``repeat``, makes it per-sample): the tuple of the calls it was computed
 #: by, see :mod:`backprism.engine.broadcast`
 FREE = "_backprism_free"
+#: ``Call.unsplit`` of a call without tensor inputs until it is widened over the samples
+NO_INPUT = "no tensor input"
 
 
 def sequence_first(module: nn.Module) -> bool:

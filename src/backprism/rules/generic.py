@@ -482,13 +482,6 @@ class GenericRule(Rule):
                 memo[id(v)] = v.detach().clone()
             fixed[k] = memo[id(v)]
 
-        inputs = _Inputs(call)
-        if not inputs.batched:
-            raise RuntimeError(
-                f"backprism: no input of {_name(module)} has the batch size {n} on its batch "
-                "axis; the generic rule cannot tell the samples apart"
-            )
-
         def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
             values = dict(fixed)
             for name, first in aliases.items():
@@ -496,6 +489,21 @@ class GenericRule(Rule):
             with suspended():
                 out = functional_call(module, values, args, kwargs, tie_weights=False)
             return _tensor_outputs(out)
+
+        if not any(isinstance(t, Tensor) for t in tree_flatten((call.args, call.kwargs))[0]):
+            out = _without_inputs(run, primals, call, gs, m, n)
+            return {
+                name: out[seen[id(p)]] if seen[id(p)] == name else torch.zeros_like(
+                    out[seen[id(p)]]
+                )
+                for name, p in call.params.items()
+            }
+        inputs = _Inputs(call)
+        if not inputs.batched:
+            raise RuntimeError(
+                f"backprism: no input of {_name(module)} has the batch size {n} on its batch "
+                "axis; the generic rule cannot tell the samples apart"
+            )
 
         # output layout from a one-sample forward
         with torch.no_grad():
@@ -579,6 +587,32 @@ class GenericRule(Rule):
             v = out[first]
             result[name] = v if first == name else torch.zeros_like(v)
         return result
+
+
+def _without_inputs(
+    run: Callable[[dict[str, Tensor], tuple, dict], list[Tensor]],
+    primals: dict[str, Tensor],
+    call: Call,
+    gs: list[Tensor],
+    m: int,
+    n: int,
+) -> dict[str, Tensor]:
+    r"""``Vₘₙ`` of a call without tensor inputs (the module of a relative position bias table,
+    Hugging Face's BEiT), widened over the batch where its output met the samples
+    (:mod:`backprism.engine.broadcast`): every sample's output is the module's one output
+    ``s(θ)``, so ``Vₘₙ = (∂s/∂θ)ᵀ gₘₙ``, one ``vmap``-ped pull-back over the ``M·N`` columns
+    (their scaling is ``g``'s)."""
+    one = run(primals, call.args, call.kwargs)
+    diff = [i for i, o in enumerate(one) if o.is_floating_point() or o.is_complex()]
+
+    def f(params: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        outs = run(params, call.args, call.kwargs)
+        return tuple(outs[i] for i in diff)
+
+    _, pullback = vjp(f, primals)
+    cols = [gs[i].reshape(m * n, *one[i].shape).to(one[i].dtype) for i in diff]
+    flat = vmap(lambda *c: pullback(c)[0])(*cols)
+    return {k: v.reshape(m, n, *v.shape[1:]) for k, v in flat.items()}
 
 
 @dataclass
