@@ -331,35 +331,65 @@ def test_parameter_gradient_hook_warns_once() -> None:
 
 @pytest.mark.parametrize("n", [6, 5])
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
-def test_parametrized_layer_is_refused_with_what_to_do(kind: str, n: int) -> None:
-    """``weight_norm``, ``spectral_norm``, ``orthogonal`` (torch.nn.utils.parametrize) compute
-    the layer's weight from its originals outside every rule: refused, naming the
-    parametrization and the way out (spectral_norm's power iteration, a product with a
-    vector of another length, is not taken for a second batch; the parametrization's module,
-    called without tensor inputs, is not taken for a shared table, also where the weight's
-    5 rows equal N); with the originals frozen the rest of the model is analysed."""
+def test_parametrized_layer(kind: str, n: int) -> None:
+    """``weight_norm``, ``spectral_norm``, ``orthogonal`` (torch.nn.utils.parametrize): the
+    originals' per-sample gradients are the parametrization's pull-back of the layer's, also
+    where the weight's 5 rows equal N; first order and the GGN diagonal against ``torch.func``
+    (``spectral_norm`` in eval mode, where the reference's forwards leave its power iteration
+    alone); DiagHessian refuses the nonlinear parametrization before anything is written."""
     from torch.nn.utils import parametrizations
 
-    from backprism.extensions import BatchGrad
-    from tests.reference import per_sample_grads
+    from backprism.extensions import (
+        BatchGrad,
+        BatchL2Grad,
+        DiagGGNExact,
+        DiagHessian,
+        SumGradSquared,
+        Variance,
+    )
+    from tests.common import assert_first_order
+    from tests.reference import diag_ggn, per_sample_grads
 
     torch.manual_seed(0)
-    model = nn.Sequential(
-        getattr(parametrizations, kind)(nn.Linear(4, 5).double()), nn.Tanh(), nn.Linear(5, 3)
-    ).double()
+    layer = nn.Linear(4, 5, bias=kind != "orthogonal").double()
+    model = nn.Sequential(getattr(parametrizations, kind)(layer), nn.Tanh(), nn.Linear(5, 3))
+    model = model.double()
+    if kind == "spectral_norm":
+        model.eval()
     lf = nn.CrossEntropyLoss()
     X, y = torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
+    ref, diag = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
     extend(model), extend(lf)
-    with pytest.raises(RuntimeError, match="parametrization"), collect(BatchGrad()):
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
         lf(model(X), y).backward()
-    for p in model[0].parametrizations.parameters():
-        p.requires_grad_(False)
+    assert_first_order(model, ref, rtol=1e-8, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k], rtol=1e-8, atol=1e-12)
     model.zero_grad()
-    with collect(BatchGrad()):
+    with pytest.raises(RuntimeError, match="nonlinearly"), collect(DiagHessian()):
         lf(model(X), y).backward()
-    head = nn.Sequential(nn.Identity(), nn.Identity(), model[2])
-    ref = per_sample_grads(head, lf, torch.tanh(model[0](X)).detach(), y)
-    torch.testing.assert_close(model[2].weight.grad_batch, ref["2.weight"])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_weight_normed_convolution() -> None:
+    """Wav2Vec2's positional convolution: ``weight_norm`` over a grouped ``Conv1d``'s kernel
+    axis (``dim=2``); first order and the GGN diagonal against ``torch.func``."""
+    from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+    from tests.common import assert_first_order
+    from tests.reference import diag_ggn, per_sample_grads
+
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3, groups=2), dim=2)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(16, 3)).double()
+    lf = nn.CrossEntropyLoss()
+    X, y = torch.randn(3, 4, 6, dtype=torch.float64), torch.randint(0, 3, (3,))
+    ref, diag = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
+    extend(model), extend(lf)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lf(model(X), y).backward()
+    assert_first_order(model, ref, rtol=1e-8, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k], rtol=1e-8, atol=1e-12)
 
 
 def test_parameter_frozen_between_forward_and_backward() -> None:

@@ -52,6 +52,7 @@ from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.fold import FoldAnalysis, fold_sizes, sample_mixing
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
+from backprism.engine.parametrized import Parametrized, parametrized
 from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import (
     NO_INPUT,
@@ -494,9 +495,9 @@ class BackwardPass:
 
     def _refuse_parametrized(self, params: list[nn.Parameter], exts: list[Extension]) -> None:
         """Refuse the originals of a parametrization among ``params`` (an error path only:
-        names are looked up parameter by parameter). Their parametrized weight is computed
-        from them before it meets the samples (spectral_norm's power iteration even shows as
-        calls of another batch size), so the refusal names the parametrization."""
+        names are looked up parameter by parameter) that no layer's call claims: their
+        parametrized weight is used outside the layer (a layer's own parametrized weights are
+        attributed, engine.parametrized), so the refusal names the parametrization."""
         for p in params:
             name = self._param_name(p)
             if ".parametrizations." in name or "'parametrizations." in name:
@@ -511,9 +512,6 @@ class BackwardPass:
                 )
 
     def _check_batch_sizes(self, sizes: list[int], exts: list[Extension]) -> None:
-        self._refuse_parametrized(
-            list({id(p): p for c in self.calls for p in c.params.values()}.values()), exts
-        )
         shown = " and ".join(str(s) for s in sizes)
         by_size: dict[int, list[str]] = {}
         for c in self.calls:
@@ -808,7 +806,7 @@ class BackwardPass:
             if not call.params:
                 continue
             rule = get_rule(call.module)
-            if not rule.differentiable or call.live is None:
+            if not rule.differentiable or call.live is None or parametrized(call):
                 names = _names(self.first)
                 raise RuntimeError(
                     f"backprism {names}: backward(create_graph=True) asks for results that are "
@@ -924,6 +922,9 @@ class BackwardPass:
         rule) gets the call with ``batch_size = N`` and ``fold = k`` and runs the module on a
         sample's ``k`` rows at once; any other rule computes per row, and :class:`_Folded`
         sums the rows of each sample (statistics from those sums)."""
+        tensors = parametrized(call)
+        if tensors:  # a parametrized weight: the originals' gradients pulled back from it
+            base = Parametrized(base, tensors)
         if call.fold <= 1:
             return call, base, g
         n, k = self.n_samples, call.fold

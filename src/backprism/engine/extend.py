@@ -4,6 +4,7 @@ loss module."""
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from backprism.engine import functional  # (importing it registers the forward mode)
 from backprism.engine.forward import (
@@ -29,7 +30,10 @@ def _is_batchnorm(module: nn.Module) -> bool:
 
 
 def _owns_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
+    """Parameters of its own, or a parametrized weight (its originals live in a child)."""
+    return any(True for _ in module.parameters(recurse=False)) or parametrize.is_parametrized(
+        module
+    )
 
 
 def _decides_inside(module: nn.Module) -> bool:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
+from backprism.engine.parametrized import originals
 from backprism.engine.rule import get_rule
 from backprism.engine.state import (
     AXIS,
@@ -349,6 +350,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         undo_release(frame)
         released = _NONE
     params = call_params(module, ran, released)
+    if arg_tensors:  # a layer's parametrized weight: its originals (engine.parametrized)
+        params.update((k, p) for k, p in originals(module).items() if id(p) not in released)
     if not arg_tensors and (not params or isinstance(module, _PARAMETRIZATIONS)):
         return  # (a parametrization's originals are refused by name, engine.backward)
     # (a call without tensor inputs, a relative position bias table's module in Hugging Face's

@@ -70,6 +70,7 @@ from torch import Tensor, nn
 from backprism.engine import backward as _backward
 from backprism.engine.columns import Columns
 from backprism.engine.graph import _upstream
+from backprism.engine.parametrized import parametrized
 from backprism.engine.rule import get_rule
 from backprism.engine.state import AXIS, FORWARD, SITES, active
 
@@ -638,7 +639,7 @@ def check_linear_in_params(call: Any, exts: list) -> None:
             "and the Hessian residual terms would be missing. Run the forward pass inside the "
             f"collect() that holds {names}, or outside any collect()."
         )
-    if not get_rule(call.module).is_linear_in_params(call):
+    if parametrized(call) or not get_rule(call.module).is_linear_in_params(call):
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "
