@@ -431,3 +431,44 @@ def test_bert_for_masked_lm_tied_bias() -> None:
         with collect(*(e() for e in FIRST_ORDER)):
             loss(model(ids), y).backward()
     _check_first_order(model, ref)
+
+
+class _FoldedOutput(nn.Module):
+    """WavLM's attention: besides its output it returns a per-sample value with the batch
+    folded into another axis, ``[N·H, T]``, which later layers use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(2, 4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x[:, None] * self.scale  # [N, H, T]
+        return h.sum(1), h.reshape(-1, h.shape[-1])
+
+
+class _UsesFolded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _FoldedOutput()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, folded = self.inner(x)
+        return self.head(out + folded.view(x.shape[0], -1, 4).mean(1))
+
+
+def test_an_output_with_the_batch_folded_is_refused_before_the_pass() -> None:
+    """The generic rule cannot split an output with no axis of the batch's size: refused
+    before anything is written (it failed mid-pass before, after autograd had written part of
+    ``.grad``)."""
+    from backprism.extensions import BatchGrad
+
+    torch.manual_seed(0)
+    model = extend(_UsesFolded().double())
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the generic rule's notice)
+        loss = nn.functional.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="no axis of the batch's size 3"), collect(BatchGrad()):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -303,6 +303,13 @@ class BackwardPass:
             sizes = self._fold_calls(sizes)
         if per_sample and len(sizes) > 1:
             self._check_batch_sizes(sizes, per_sample)
+        if exts and sizes:
+            for call in self.calls:
+                if not call.params:
+                    continue
+                reason = get_rule(call.module).refusal(call, self.n_samples)
+                if reason is not None:
+                    raise RuntimeError(reason)
         mixing: str | None = None
         way_out = (
             "Call model.eval() for the backward pass, or replace BatchNorm by GroupNorm/LayerNorm"

@@ -149,7 +149,9 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
                 # shared.expand(N, ...), shared.repeat(N, 1, ...): over the samples explicitly
                 wide = _widen_shared(src, out.dim(), out.shape[0])
                 if wide is not None:
-                    return wide.expand(out.shape)
+                    # (repeat copies: its result is contiguous, viewable as the caller expects)
+                    wide = wide.expand(out.shape)
+                    return wide.contiguous() if name == "repeat" else wide
                 if info[0].unsplit is None:
                     info[0].unsplit = name
                     FORWARD.acted += 1

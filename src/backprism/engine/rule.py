@@ -80,6 +80,12 @@ class Rule:
         """:attr:`linear_in_params` for one call (rules whose calls differ override it)."""
         return self.linear_in_params
 
+    def refusal(self, call: Call, n: int) -> str | None:
+        """Why this rule cannot compute ``call`` in a pass of ``n`` samples, or ``None``;
+        asked before anything is written (rules that find out only while computing say so
+        here)."""
+        return None
+
     def builds_per_sample(self, call: Call) -> bool:
         """Whether the statistics of ``call`` may build per-sample, per-column gradients
         ``[N, *p]`` (the engine sizes column chunks by it); rules with closed forms say no."""

@@ -441,6 +441,25 @@ class GenericRule(Rule):
         self._store(call, g, result)
         return result
 
+    def refusal(self, call: Call, n: int) -> str | None:
+        """Every tensor output must carry the batch on one axis (:func:`_batch_axis`): an
+        output with no axis of size ``n`` (WavLM's attention returns its position bias with
+        the batch folded into the heads, ``[N·H, T, T]``) is refused before the pass."""
+        if call.fold > 1 or call.batch_size != n:
+            return None
+        if any(isinstance(a, nn.utils.rnn.PackedSequence) for a in call.args):
+            return None  # (refused by its own check, naming PackedSequence)
+        for i, shape in enumerate(call.out_shapes):
+            if len(shape) and n not in tuple(shape):
+                return (
+                    f"backprism: output {i} of {_name(call.module)} has shape {tuple(shape)}, "
+                    f"with no axis of the batch's size {n} (the batch folded with another axis "
+                    "inside the module); the generic rule runs the module per sample and cannot "
+                    "split that output. Register a Rule for the module type, or freeze its "
+                    "parameters (requires_grad_(False)) to analyse the rest"
+                )
+        return None
+
     def _compute(self, call: Call, g: Any) -> dict[str, Tensor]:
         module, n = call.module, call.batch_size
         _check_randomness(module, call.training)
