@@ -13,6 +13,7 @@ parameters and the loss)."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -278,8 +279,6 @@ def test_swin_windows_and_its_shared_bias_tables():
     relative position bias tables come from a module whose forward takes no input (shared by
     all samples), broadcast over the windows' rows: refused, naming the way out, and analysed
     without them once frozen."""
-    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
-
     torch.manual_seed(0)
     cfg = transformers.SwinConfig(
         image_size=16, patch_size=2, embed_dim=4, depths=[2, 1], num_heads=[1, 2],
@@ -297,17 +296,7 @@ def test_swin_windows_and_its_shared_bias_tables():
     for k, p in model.named_parameters():
         if "relative_position_bias_table" in k:
             p.requires_grad_(False)
-    ref = per_sample_grads_loop(model, ce, x, y)
-    diag = batch_diag_ggn_loop(model, ce, x, y)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-        ce(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
-    model.zero_grad()
-    with collect(DiagGGNExact()):
-        ce(model(x), y).backward()
-    for k, p in model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **TOL, msg=k)
+    _against_loops(model, ce, x, y, TOL)
 
 
 class _Seq2SeqLogits(nn.Module):
@@ -365,7 +354,6 @@ def test_beit_and_its_relative_position_bias(shared: bool):
     tensor inputs (one per layer, or one shared by all layers), added to every sample's
     attention scores: widened over the batch there, first order and the exact GGN diagonal of
     every parameter against loop references (refused for every extension before)."""
-    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
 
     torch.manual_seed(0)
     cfg = transformers.BeitConfig(
@@ -375,15 +363,22 @@ def test_beit_and_its_relative_position_bias(shared: bool):
     )
     model = Logits(_quiet(lambda: transformers.BeitForImageClassification(cfg))).to(DT).eval()
     x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
-    ce = nn.CrossEntropyLoss()
-    ref = per_sample_grads_loop(model, ce, x, y)
-    diag = batch_diag_ggn_loop(model, ce, x, y)
-    extend(model)
+    _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL)
+
+
+def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: dict) -> None:
+    """First order and the exact GGN diagonal of the extended ``model``'s trainable parameters
+    against loop references (per-sample ``functional_call``s, dense Jacobians and Hessians)."""
+    from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
+
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
+    diag = batch_diag_ggn_loop(model, lossfunc, x, y)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-        ce(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **tol)
     model.zero_grad()
     with collect(DiagGGNExact()):
-        ce(model(x), y).backward()
+        lossfunc(model(x), y).backward()
     for k, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **TOL, msg=k)
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **tol, msg=k)

@@ -108,6 +108,35 @@ def _setup(layout: str, kernel: str, layers: int, table: str, n: int, t: int, se
     return model, x, torch.randint(0, C, (n,))
 
 
+def _qk_scores(qk: nn.Linear, x: Tensor) -> Tensor:
+    """Per-head scores ``q kᵀ`` ``[N, H, T, T]`` of a packed ``[q, k]`` projection."""
+    n, t, _ = x.shape
+    q, k = qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+    return q @ k.transpose(-1, -2)
+
+
+def _refused(model: nn.Module, x: Tensor, match: str) -> None:
+    """``model``'s pass on ``x`` is refused (``match``) before anything is written."""
+    loss = F.cross_entropy(model(x), torch.randint(0, C, (x.shape[0],)))
+    with pytest.raises(RuntimeError, match=match), collect(BatchGrad()):
+        loss.backward()
+    assert_nothing_written(model, grad_too=True)
+
+
+def _first_order_and_ggn(model: nn.Module, x: Tensor, y: Tensor) -> None:
+    """First order and the GGN diagonal of ``model`` (not yet extended) against ``torch.func``."""
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     layout=st.sampled_from(LAYOUTS),
@@ -189,11 +218,7 @@ def test_a_shared_table_met_otherwise_is_refused_with_the_way_out(n: int) -> Non
     ``T`` before, silently)."""
     torch.manual_seed(0)
     model = extend(MatrixProduct().to(DT))
-    x, y = torch.randn(n, 5, D, dtype=DT), torch.randint(0, C, (n,))
-    loss = F.cross_entropy(model(x), y)
-    with pytest.raises(RuntimeError, match=r"'matmul'.*freeze its"), collect(BatchGrad()):
-        loss.backward()
-    assert_nothing_written(model, grad_too=True)
+    _refused(model, torch.randn(n, 5, D, dtype=DT), r"'matmul'.*freeze its")
 
 
 class PositionsTwice(nn.Module):
@@ -252,16 +277,7 @@ def test_a_batch_one_convolution_copied_over_the_batch(how: str) -> None:
     torch.manual_seed(0)
     model = GridEncoding(how).to(DT)
     x, y = torch.randn(3, 3, 4, 5, dtype=DT), torch.randint(0, C, (3,))
-    lossfunc = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lossfunc, x, y)
-    G = ggn_blocks(model, lossfunc, x, y)[0]
-    extend(model)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-        lossfunc(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
-    torch.testing.assert_close(
-        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
-    )
+    _first_order_and_ggn(model, x, y)
 
 
 class CoordinateMlp(nn.Module):
@@ -280,10 +296,8 @@ class CoordinateMlp(nn.Module):
         self.head = nn.Linear(D, C)
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
         bias = self.fc2(F.gelu(self.fc1(self.coords))).permute(2, 0, 1).unsqueeze(0)
-        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = (q @ k.transpose(-1, -2) + bias).softmax(-1)  # [N, H, T, T]
+        attn = (_qk_scores(self.qk, x) + bias).softmax(-1)  # [N, H, T, T]
         return self.head((attn.mean(1) @ x).mean(1))
 
 
@@ -292,10 +306,7 @@ def test_a_shared_value_of_two_modules_is_refused(n: int) -> None:
     torch.manual_seed(0)
     model = extend(CoordinateMlp(4).to(DT))
     x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
-    loss = F.cross_entropy(model(x), y)
-    with pytest.raises(RuntimeError, match="only as the input of Linear"), collect(BatchGrad()):
-        loss.backward()
-    assert_nothing_written(model, grad_too=True)
+    _refused(model, x, "only as the input of Linear")
     model.fc1.requires_grad_(False)  # the second module alone: widened where it meets them
     ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
@@ -325,9 +336,7 @@ class WithTable(nn.Module):
         self.head = nn.Linear(D, C)
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
-        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = (q @ k.transpose(-1, -2) + self.rel(t).unsqueeze(0)).softmax(-1)
+        attn = (_qk_scores(self.qk, x) + self.rel(x.shape[1]).unsqueeze(0)).softmax(-1)
         return self.head((attn.mean(1) @ x).mean(1))
 
 
@@ -338,25 +347,14 @@ def test_a_module_called_without_tensor_inputs(n: int) -> None:
     torch.manual_seed(0)
     model = WithTable(4).to(DT)
     x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
-    lossfunc = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lossfunc, x, y)
-    G = ggn_blocks(model, lossfunc, x, y)[0]
-    extend(model)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-        lossfunc(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
-    torch.testing.assert_close(
-        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
-    )
+    _first_order_and_ggn(model, x, y)
 
 
 class TableInProduct(WithTable):
     """The table of a module without tensor inputs met inside a matrix product: not split."""
 
     def forward(self, x: Tensor) -> Tensor:
-        n, t, _ = x.shape
-        q, k = self.qk(x).view(n, t, 2, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = (q @ k.transpose(-1, -2)).softmax(-1) @ self.rel(t)  # [N, H, T, T]
+        attn = _qk_scores(self.qk, x).softmax(-1) @ self.rel(x.shape[1])  # [N, H, T, T]
         return self.head((attn.mean(1) @ x).mean(1))
 
 
@@ -364,8 +362,4 @@ class TableInProduct(WithTable):
 def test_a_module_without_tensor_inputs_met_otherwise_is_refused(n: int) -> None:
     torch.manual_seed(0)
     model = extend(TableInProduct(4).to(DT))
-    x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
-    loss = F.cross_entropy(model(x), y)
-    with pytest.raises(RuntimeError, match="without any tensor input"), collect(BatchGrad()):
-        loss.backward()
-    assert_nothing_written(model, grad_too=True)
+    _refused(model, torch.randn(n, 4, D, dtype=DT), "without any tensor input")
