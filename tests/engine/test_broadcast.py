@@ -363,3 +363,25 @@ def test_a_module_without_tensor_inputs_met_otherwise_is_refused(n: int) -> None
     torch.manual_seed(0)
     model = extend(TableInProduct(4).to(DT))
     _refused(model, torch.randn(n, 4, D, dtype=DT), "without any tensor input")
+
+
+class ProjectedPositions(nn.Module):
+    """Position embeddings of ``torch.arange(T)`` through a Linear layer, added to the tokens:
+    a shared value of two modules in a row, its lower rank widened at the addition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.proj = nn.Embedding(5, D), nn.Linear(D, D)
+        self.tok, self.head = nn.Linear(3, D), nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pos = self.proj(self.pos(torch.arange(x.shape[1])))  # [T, D]
+        return self.head(torch.tanh(self.tok(x) + pos).mean(1))
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_projected_positions_are_refused(n: int) -> None:
+    """Also where ``T = N`` (the embedding was split along ``T`` before, silently)."""
+    torch.manual_seed(0)
+    model = extend(ProjectedPositions().to(DT))
+    _refused(model, torch.randn(n, 5, 3, dtype=DT), "only as the input of Linear")

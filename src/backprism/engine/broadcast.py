@@ -41,9 +41,9 @@ from torch.func import vmap
 
 from backprism.engine.forward import attach
 from backprism.engine.rule import get_rule
-from backprism.engine.state import CALLS, FORWARD, FREE, SHARED, Call
+from backprism.engine.state import FORWARD, FREE, SHARED, Call
 
-__all__ = ["MEETS", "after_operation", "broadcast_calls", "mark_free"]
+__all__ = ["EXPANDS", "MEETS", "after_operation", "broadcast_calls"]
 
 #: elementwise operations that broadcast their tensor operands against each other
 _ELEMENTWISE = frozenset(
@@ -72,19 +72,9 @@ FOLLOWS = _ELEMENTWISE | frozenset(
 )
 
 
-def _batch_one_call(t: Tensor) -> Call | None:
-    """The single-output call of batch size 1 that produced ``t``, if any."""
-    fn = t.grad_fn
-    if fn is None:
-        return None
-    for call, _, nr in fn.metadata.get(CALLS, ()):
-        if call.batch_size == 1 and len(call.out_shapes) == 1 and nr == t.output_nr:
-            return call
-    return None
-
-
-_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
-_OVER_BATCH = _EXPANDS | {"repeat"}
+#: operations that copy size-1 or new axes of a tensor
+EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
+_OVER_BATCH = EXPANDS | {"repeat"}
 
 
 def _over_batch(name: str, src: Tensor, args: tuple, out: Tensor) -> bool:
@@ -140,7 +130,9 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
     follows shared calls' outputs through views and elementwise operations with constants
     (:func:`follow_shared`), widens one expanded over the batch, and marks a shared call whose
     output meets a tensor of higher rank, or of a larger axis 0, in any other way (its axis 0
-    is then not the samples'); returns ``out`` or its widened copies."""
+    is then not the samples'); marks ``out`` if it is the same for every sample
+    (:func:`mark_free`); returns ``out`` or its widened copies."""
+    mark_free(name, args, kwargs, out)
     if name in FOLLOWS:
         if name in _OVER_BATCH and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
             src = args[0] if args else None
@@ -240,10 +232,6 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     replaced by its explicit copies per sample (see the module docstring)."""
     if name in _ATTENTION:
         return _attention_mask(args, kwargs)
-    if len(args) == 2:
-        new = _two_operands(args)
-        if new is not args:
-            return new, kwargs
     tensors = [a for a in args if isinstance(a, Tensor)]
     if len(tensors) < 2:
         return args, kwargs
@@ -278,33 +266,6 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if len(args) > 3:
         return (*args[:3], wide, *args[4:]), kwargs
     return args, kwargs | {"attn_mask": wide}
-
-
-def _two_operands(args: tuple) -> tuple:
-    """``a ∘ b`` with ``a`` or ``b`` the output of a call of batch size 1 (``[1, T, d]``) or of
-    one rank less (``[T, d]`` added to ``[N, T, d]``) widened to the batch."""
-    a, b = args
-    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or not a.dim() or not b.dim():
-        return args
-    if a.dim() != b.dim():
-        return _lower_rank_calls(args)
-    n = max(a.shape[0], b.shape[0])
-    if n <= 1:
-        return args
-    new = list(args)
-    for i, t in enumerate(args):
-        if t.shape[0] != 1 or not t.requires_grad:
-            continue
-        call = _batch_one_call(t)
-        if call is None:
-            continue
-        wide = t.expand(n, *t.shape[1:])
-        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
-        if attach(expanded, [wide]):
-            call.superseded = True
-            new[i] = wide
-            FORWARD.acted += 1
-    return tuple(new) if new[0] is not a or new[1] is not b else args
 
 
 def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
@@ -355,46 +316,3 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
                 upstream.unsplit = f"the input of {call.name}"
     copies = wide if replay is None else vmap(per_sample)(wide)
     return copies.reshape(n, *aligned[1:])
-
-
-def _lower_rank_calls(args: tuple) -> tuple:
-    """A call's output of one rank less than the other operand of an elementwise op
-    (``tok_emb + self.wpe(torch.arange(T))``: ``[T, d]`` added to ``[N, T, d]``): broadcasting
-    aligns its axis 0 with the other's axis 1, so that axis is not the batch even where its
-    size happens to be ``N``. The call is replaced by the same call on inputs of batch size 1
-    expanded to ``N`` (as :func:`broadcast_calls` does for ``[1, T]`` operands), whose output
-    is the operand expanded to ``[N, *shape]``."""
-    a, b = args
-    hi, lo_i = (a, 1) if a.dim() > b.dim() else (b, 0)
-    lo = args[lo_i]
-    if hi.dim() != lo.dim() + 1 or not lo.requires_grad or hi.shape[0] <= 1:
-        return args
-    fn = lo.grad_fn
-    if fn is None:
-        return args
-    call = next(
-        (
-            c for c, _, nr in fn.metadata.get(CALLS, ())
-            if nr == lo.output_nr and len(c.out_shapes) == 1 and c.batch_size == lo.shape[0]
-            and not c.batch_axis and c.widened_from is None
-        ),
-        None,
-    )
-    if call is None:
-        return args
-    n = hi.shape[0]
-
-    def widen(x: Any) -> Any:
-        if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == call.batch_size:
-            return x.unsqueeze(0).expand(n, *x.shape)
-        return x
-
-    wide = lo.unsqueeze(0).expand(n, *lo.shape)
-    expanded = _widened(call, widen, wide)
-    if not attach(expanded, [wide]):
-        return args
-    call.superseded = True
-    FORWARD.acted += 1
-    new = list(args)
-    new[lo_i] = wide
-    return tuple(new)

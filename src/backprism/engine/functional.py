@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
-from backprism.engine.broadcast import MEETS, after_operation, broadcast_calls, mark_free
+from backprism.engine.broadcast import EXPANDS, MEETS, after_operation, broadcast_calls
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
@@ -743,14 +743,11 @@ def _closed_form(
     return False
 
 
-_EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
-
-
 def _expands_batch(name: str, src: Any, out: Tensor) -> bool:
     """``src`` (batch axis of size 1) expanded to ``out`` with a larger leading axis, the rest
     unchanged (``cls.expand(N, -1, -1)``), or given a new leading axis
     (``g.expand(N, d)``)."""
-    if name not in _EXPANDS or not isinstance(src, Tensor) or out.dim() < 1 or out.shape[0] < 2:
+    if name not in EXPANDS or not isinstance(src, Tensor) or out.dim() < 1 or out.shape[0] < 2:
         return False
     if src.dim() == out.dim():
         return src.shape[0] == 1 and src.shape[1:] == out.shape[1:]
@@ -989,7 +986,6 @@ class ForwardMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        mark_free(name, args, kwargs, out)
         if FORWARD.layouts:  # activations with the batch off axis 0 exist in this forward
             follow_batch_axis(name, args, kwargs, out)
         elif name in _AXIS_MOVES and stack:
