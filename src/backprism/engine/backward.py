@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import threading
 import warnings
 from collections import Counter
@@ -358,17 +357,8 @@ class BackwardPass:
                     "its own (e.g. (x * a) * b instead of x * (a * b)), or freeze the "
                     "parameter (requires_grad_(False)) to analyse the rest"
                 )
-            owner = self._inputless_owner(p)
-            if owner is not None:
-                raise RuntimeError(
-                    f"backprism: the parameter {name} belongs to {type(owner).__name__}, whose "
-                    "forward takes no input: what it computes (a relative position bias table, "
-                    "as in Hugging Face's Swin) is shared by all samples and broadcast over "
-                    f"them later, so {_names(exts)} have no per-sample split of its use. "
-                    "Freeze it (requires_grad_(False)) to analyse the rest of the model"
-                )
             raise RuntimeError(
-                f"backprism: the parameter {self._param_name(p)} is used by "
+                f"backprism: the parameter {name} is used by "
                 f"{_node_name(node)} outside the forward of every extended module that owns it "
                 "(for example in code after the model's forward, or in a term added to the loss)"
                 f"; {_names(exts)} would miss that use. Move the use into the forward of the "
@@ -601,19 +591,6 @@ class BackwardPass:
         residual = [e for e in self.second if e.needs_residual]
         if residual:
             RESIDUAL_CHECK[0](self, residual)
-
-    def _inputless_owner(self, p: nn.Parameter) -> nn.Module | None:
-        """The module owning ``p`` directly if its ``forward`` takes no argument (an error
-        path only)."""
-        for root in self.roots:
-            for module in root.module.modules():
-                if any(q is p for q in module._parameters.values()):
-                    try:
-                        params = inspect.signature(module.forward).parameters
-                    except (TypeError, ValueError):
-                        return None
-                    return module if not params else None
-        return None
 
     def _param_name(self, p: nn.Parameter) -> str:
         for root in self.roots:

@@ -14,13 +14,16 @@ pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.func import vjp, vmap
+from torch.utils._pytree import tree_map
 
-__all__ = ["Columns", "backprop_columns"]
+__all__ = ["Columns", "backprop_columns", "pull_back"]
 
 
 class Columns:
@@ -137,3 +140,23 @@ def backprop_columns(
     for start in range(0, columns.num, chunk):
         cols = columns.chunk(start, start + chunk)
         yield start, _grad(origins, outputs, cols)
+
+
+def pull_back(
+    f: Callable[..., tuple[Tensor, ...]], primals: tuple[Any, ...], cols: tuple[Tensor, ...]
+) -> tuple[Any, ...]:
+    r"""``(∂f/∂θ)ᵀ c`` for the columns ``c`` of the outputs of ``f(*primals)`` (a tuple;
+    ``cols[i]`` is ``[K, *outputᵢ.shape]``): one vector-Jacobian product of ``f`` at
+    ``primals``, ``vmap``-ped over the ``K`` columns (one column at a time where an operation
+    has no batching rule). One result per primal, its leaves with the leading ``K`` axis."""
+    with warnings.catch_warnings():
+        # (torch's notice that an operation falls back to a slow batching loop)
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        _, pull = vjp(f, *primals)
+        try:
+            return vmap(pull)(cols)
+        except (RuntimeError, NotImplementedError) as err:
+            if "vmap" not in str(err) and "batch" not in str(err).lower():
+                raise
+    rows = [pull(tuple(c[k] for c in cols)) for k in range(cols[0].shape[0])]
+    return tree_map(lambda *leaves: torch.stack(leaves), *rows)

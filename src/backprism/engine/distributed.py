@@ -83,6 +83,7 @@ import torch
 from torch import Tensor, nn
 
 from backprism.engine.extension import CatPart, Extension, GlobalBatch, SumPart
+from backprism.engine.loss_nodes import saved_reduction
 from backprism.engine.state import FORWARD_LISTENERS
 
 __all__ = [
@@ -216,10 +217,7 @@ def _root_reduction(node: Any) -> str | None:
     """The reduction a loss's own last node shows: a loss operation's saved ``reduction``
     (``F.smooth_l1_loss``, ``F.huber_loss``, …) or ``.mean()`` / ``.sum()``; ``None`` if the
     node shows none (a sum of terms, a scaled loss)."""
-    saved = getattr(node, "_saved_reduction", None)
-    if saved is not None:
-        return {1: "mean", 2: "sum"}.get(int(saved))
-    return _ROOT_REDUCTIONS.get(type(node).__name__)
+    return saved_reduction(node) or _ROOT_REDUCTIONS.get(type(node).__name__)
 
 
 def _loss_reduction(bp: Any) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 
 from backprism.engine.state import CALLS
 
-__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing", "saved_dim"]
+__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing", "saved_dim", "saved_int"]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
@@ -80,13 +80,16 @@ def _shape(node: Any, nr: int) -> tuple[int, ...] | None:
         return None
 
 
+def saved_int(v: Any) -> int:
+    """An integer autograd saved for a backward node, signed (it saves negative ones as
+    unsigned 64-bit integers: ``-1`` as ``2**64 - 1``)."""
+    v = int(v)
+    return v - 2**64 if v >= 2**63 else v
+
+
 def saved_dim(d: Any, ndim: int) -> int:
-    """A saved dimension as an index in ``[0, ndim)`` (autograd saves negative ones as
-    unsigned 64-bit integers)."""
-    d = int(d)
-    if d >= 2**63:
-        d -= 2**64
-    return d % ndim
+    """A saved dimension as an index in ``[0, ndim)``."""
+    return saved_int(d) % ndim
 
 
 def _reshape(status: Status, inp: tuple[int, ...], out: tuple[int, ...]) -> Status | None:

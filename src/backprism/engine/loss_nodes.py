@@ -36,10 +36,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from backprism.engine.fold import saved_dim
+from backprism.engine.fold import saved_dim, saved_int
 from backprism.engine.state import CALLS, LossRecord
 
-__all__ = ["loss_record"]
+__all__ = ["loss_record", "saved_reduction"]
 
 #: ``at::Reduction``: 0 none, 1 mean, 2 sum
 _REDUCTIONS = {1: "mean", 2: "sum"}
@@ -65,8 +65,11 @@ def loss_record(node: Any) -> LossRecord | None:
     return None
 
 
-def _reduction(node: Any) -> str | None:
-    return _REDUCTIONS.get(int(node._saved_reduction))
+def saved_reduction(node: Any) -> str | None:
+    """The ``reduction`` a loss operation's backward node saved, ``"mean"`` or ``"sum"``;
+    ``None`` for ``"none"`` or a node without one."""
+    saved = getattr(node, "_saved_reduction", None)
+    return None if saved is None else _REDUCTIONS.get(int(saved))
 
 
 def _record(module: nn.Module, inputs: list[Any]) -> LossRecord:
@@ -76,7 +79,7 @@ def _record(module: nn.Module, inputs: list[Any]) -> LossRecord:
 
 
 def _nll(node: Any) -> LossRecord | None:
-    reduction = _reduction(node)
+    reduction = saved_reduction(node)
     if reduction is None:
         return None
     fn = node.next_functions[0][0]
@@ -93,16 +96,14 @@ def _nll(node: Any) -> LossRecord | None:
     if target.numel() != lp.numel() // lp.shape[1]:
         return None
     target = target.reshape(lp.shape[0], *lp.shape[2:])
-    ignore = int(node._saved_ignore_index)
-    if ignore >= 2**63:  # saved as an unsigned 64-bit integer
-        ignore -= 2**64
+    ignore = saved_int(node._saved_ignore_index)
     weight = node._saved_weight
     module = nn.NLLLoss(weight=weight, ignore_index=ignore, reduction=reduction)
     return _record(module, [lp, target])
 
 
 def _elementwise(node: Any, loss: type[nn.Module]) -> LossRecord | None:
-    reduction = _reduction(node)
+    reduction = saved_reduction(node)
     if reduction is None:
         return None
     x: Tensor = node._saved_self

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import functional_call
 from torch.nn.utils import parametrize
 
+from backprism.engine.columns import pull_back
 from backprism.engine.rule import Rule
 from backprism.engine.state import Call, suspended
 
@@ -39,11 +39,13 @@ _PREFIX = "parametrizations."
 
 def originals(module: nn.Module) -> dict[str, nn.Parameter]:
     """The trainable originals of ``module``'s parametrizations, by name relative to it
-    (``"parametrizations.weight.original0"``), or ``{}``."""
-    if not parametrize.is_parametrized(module):
+    (``"parametrizations.weight.original0"``), or ``{}`` (one dictionary lookup for the
+    others: this runs for every module call of an extended forward)."""
+    plists = module._modules.get("parametrizations")
+    if not isinstance(plists, nn.ModuleDict):
         return {}
     found: dict[str, nn.Parameter] = {}
-    for tensor, plist in module.parametrizations.items():
+    for tensor, plist in plists.items():
         for k, p in plist._parameters.items():
             if p is not None and p.requires_grad:
                 found[f"{_PREFIX}{tensor}.{k}"] = p
@@ -61,13 +63,13 @@ def parametrized(call: Call) -> dict[str, list[str]]:
 
 
 @contextlib.contextmanager
-def _replaying(module: nn.Module) -> Iterator[None]:
-    """Read the parametrized tensors once (cached), in eval mode, without the forward hooks."""
-    plists = module.parametrizations
+def _replaying(plists: nn.Module) -> Iterator[None]:
+    """Run the parametrizations ``plists`` again: in eval mode (``spectral_norm``'s power
+    iteration stays as the forward left it), without the forward hooks."""
     modes = [m.training for m in plists.modules()]
     plists.eval()
     try:
-        with suspended(), parametrize.cached(), torch.no_grad():
+        with suspended():
             yield
     finally:
         for m, mode in zip(plists.modules(), modes):
@@ -91,7 +93,8 @@ class Parametrized(Rule):
 
     def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
         module = call.module
-        with _replaying(module):
+        with _replaying(module.parametrizations), parametrize.cached(), torch.no_grad():
+            # (each parametrized tensor read once)
             # the layer's call with its parametrized tensors in place of their originals (rules
             # read which parameters to compute from ``call.params``)
             params = {k: p for k, p in call.params.items() if not k.startswith(_PREFIX)}
@@ -119,24 +122,11 @@ def _pull_back(
     keys = [name.rsplit(".", 1)[1] for name in names]
     values = tuple(plist._parameters[k].detach() for k in keys)
 
-    def weight(*vals: Tensor) -> Tensor:
-        return functional_call(plist, dict(zip(keys, vals)), ())
+    def weight(*vals: Tensor) -> tuple[Tensor]:
+        return (functional_call(plist, dict(zip(keys, vals)), ()),)
 
     m, n = v.shape[:2]
-    flat = v.reshape(m * n, *v.shape[2:])
-    modes = [s.training for s in plist.modules()]
-    plist.eval()
-    try:
-        with suspended(), warnings.catch_warnings():
-            # (torch's notice that a parametrization op has no batching rule: this pull-back's)
-            warnings.filterwarnings("ignore", message="There is a performance drop")
-            _, pull = vjp(weight, *values)
-            try:
-                cols = vmap(pull)(flat.to(values[0].dtype))
-            except (RuntimeError, NotImplementedError):  # no batching rule: one column at a time
-                rows = [pull(c) for c in flat.to(values[0].dtype)]
-                cols = tuple(torch.stack([r[i] for r in rows]) for i in range(len(values)))
-    finally:
-        for s, mode in zip(plist.modules(), modes):
-            s.training = mode
+    flat = v.reshape(m * n, *v.shape[2:]).to(values[0].dtype)
+    with _replaying(plist):
+        cols = pull_back(weight, values, (flat,))
     return {name: c.reshape(m, n, *c.shape[1:]) for name, c in zip(names, cols)}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from backprism.engine.state import Call, Inside
 
@@ -259,16 +260,12 @@ def get_rule(module: nn.Module) -> Rule:
     """The rule for ``module``: registered by exact type (a layer with parametrized weights,
     whose class ``torch.nn.utils.parametrize`` replaced by a subclass adding the parametrized
     properties, by its original class), else the generic ``torch.func`` rule."""
-    cls = type(module)
-    rule = _REGISTRY.get(cls)
+    rule = _REGISTRY.get(type(module))
     if rule is not None:
         return rule
-    if getattr(module, "parametrizations", None) is not None and cls.__name__.startswith(
-        "Parametrized"
-    ):
-        rule = _REGISTRY.get(cls.__bases__[0])
-        if rule is not None:
-            return rule
+    rule = _REGISTRY.get(parametrize.type_before_parametrizations(module))
+    if rule is not None:
+        return rule
     if not _GENERIC:  # backprism.rules installs it; a bare engine has no fallback
         raise NotImplementedError(f"no rule for {type(module).__name__}")
     return _GENERIC[0]

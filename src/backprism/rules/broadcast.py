@@ -14,8 +14,8 @@ come from the :class:`~backprism.engine.rule.Rule` defaults (the parameter is sm
 from __future__ import annotations
 
 from torch import Tensor
-from torch.func import vjp, vmap
 
+from backprism.engine.columns import pull_back
 from backprism.engine.functional import ParamBroadcast
 from backprism.engine.rule import Call, Rule, register_rule
 
@@ -26,7 +26,6 @@ class BroadcastRule(Rule):
         module = call.module
         p = module._parameters["p0"].detach()
         m, n = g.shape[0], g.shape[1]
-        _, pull = vjp(lambda q: module.source(q)[0], p)
         flat = g.reshape(m * n, *g.shape[2:]).to(p.dtype)
-        out = vmap(lambda c: pull(c)[0])(flat)
+        (out,) = pull_back(lambda q: (module.source(q)[0],), (p,), (flat,))
         return {"p0": out.reshape(m, n, *p.shape)}

@@ -79,6 +79,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from backprism.engine.backward import current_pass
+from backprism.engine.columns import pull_back
 from backprism.engine.rule import Call, Rule, get_rule, has_rule, set_generic_rule
 from backprism.engine.state import Inside, suspended
 
@@ -628,9 +629,8 @@ def _without_inputs(
         outs = run(params, call.args, call.kwargs)
         return tuple(outs[i] for i in diff)
 
-    _, pullback = vjp(f, primals)
-    cols = [gs[i].reshape(m * n, *one[i].shape).to(one[i].dtype) for i in diff]
-    flat = vmap(lambda *c: pullback(c)[0])(*cols)
+    cols = tuple(gs[i].reshape(m * n, *one[i].shape).to(one[i].dtype) for i in diff)
+    (flat,) = pull_back(f, (primals,), cols)
     return {k: v.reshape(m, n, *v.shape[1:]) for k, v in flat.items()}
 
 
