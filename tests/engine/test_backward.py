@@ -329,6 +329,21 @@ def test_parameter_gradient_hook_warns_once() -> None:
             lf(model(X), y).backward()
 
 
+def _first_order_and_diag_ggn(model: nn.Module, lf: nn.Module, X: Tensor, y: Tensor) -> None:
+    """First order and the GGN diagonal of ``model`` (not yet extended) against ``torch.func``."""
+    from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+    from tests.common import assert_first_order
+    from tests.reference import diag_ggn, per_sample_grads
+
+    ref, diag = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
+    extend(model), extend(lf)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        lf(model(X), y).backward()
+    assert_first_order(model, ref, rtol=1e-8, atol=1e-12)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k], rtol=1e-8, atol=1e-12)
+
+
 @pytest.mark.parametrize("n", [6, 5])
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
 def test_parametrized_layer(kind: str, n: int) -> None:
@@ -339,16 +354,7 @@ def test_parametrized_layer(kind: str, n: int) -> None:
     alone); DiagHessian refuses the nonlinear parametrization before anything is written."""
     from torch.nn.utils import parametrizations
 
-    from backprism.extensions import (
-        BatchGrad,
-        BatchL2Grad,
-        DiagGGNExact,
-        DiagHessian,
-        SumGradSquared,
-        Variance,
-    )
-    from tests.common import assert_first_order
-    from tests.reference import diag_ggn, per_sample_grads
+    from backprism.extensions import DiagHessian
 
     torch.manual_seed(0)
     layer = nn.Linear(4, 5, bias=kind != "orthogonal").double()
@@ -358,13 +364,7 @@ def test_parametrized_layer(kind: str, n: int) -> None:
         model.eval()
     lf = nn.CrossEntropyLoss()
     X, y = torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))
-    ref, diag = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
-    extend(model), extend(lf)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-        lf(model(X), y).backward()
-    assert_first_order(model, ref, rtol=1e-8, atol=1e-12)
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, diag[k], rtol=1e-8, atol=1e-12)
+    _first_order_and_diag_ggn(model, lf, X, y)
     model.zero_grad()
     with pytest.raises(RuntimeError, match="nonlinearly"), collect(DiagHessian()):
         lf(model(X), y).backward()
@@ -374,22 +374,12 @@ def test_parametrized_layer(kind: str, n: int) -> None:
 def test_weight_normed_convolution() -> None:
     """Wav2Vec2's positional convolution: ``weight_norm`` over a grouped ``Conv1d``'s kernel
     axis (``dim=2``); first order and the GGN diagonal against ``torch.func``."""
-    from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
-    from tests.common import assert_first_order
-    from tests.reference import diag_ggn, per_sample_grads
-
     torch.manual_seed(0)
     conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3, groups=2), dim=2)
     model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(16, 3)).double()
     lf = nn.CrossEntropyLoss()
     X, y = torch.randn(3, 4, 6, dtype=torch.float64), torch.randint(0, 3, (3,))
-    ref, diag = per_sample_grads(model, lf, X, y), diag_ggn(model, lf, X, y)
-    extend(model), extend(lf)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-        lf(model(X), y).backward()
-    assert_first_order(model, ref, rtol=1e-8, atol=1e-12)
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, diag[k], rtol=1e-8, atol=1e-12)
+    _first_order_and_diag_ggn(model, lf, X, y)
 
 
 def test_parameter_frozen_between_forward_and_backward() -> None:
