@@ -366,6 +366,34 @@ def test_beit_and_its_relative_position_bias(shared: bool):
     _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL)
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_deberta_and_its_relative_embeddings(version: str):
+    """Hugging Face's DeBERTa (v2, the code of DeBERTa-v3; and v1): disentangled attention
+    projects relative embeddings (an ``Embedding``'s weight through a LayerNorm, then every
+    layer's key and query projections, shared by all samples) and meets the samples in batched
+    matrix products with the per-sample queries and keys (v2 repeats them over the batch folded
+    with the heads; v1 scales them in place): each projection is run again on every sample's
+    copy, first order and the exact GGN diagonal of every parameter against loop references
+    (refused before). v1's LayerNorm normalises in float32, hence float32's precision."""
+    torch.manual_seed(0)
+    common = dict(
+        num_hidden_layers=2, num_attention_heads=2, hidden_size=8, intermediate_size=16,
+        vocab_size=13, max_position_embeddings=16, num_labels=3, relative_attention=True,
+        pos_att_type=["c2p", "p2c"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    if version == "v2":
+        cfg = transformers.DebertaV2Config(
+            **common, share_att_key=True, norm_rel_ebd="layer_norm", position_buckets=4
+        )
+        make = transformers.DebertaV2ForSequenceClassification
+    else:
+        cfg = transformers.DebertaConfig(**common)
+        make = transformers.DebertaForSequenceClassification
+    model = Logits(_quiet(lambda: make(cfg))).to(DT).eval()
+    x, y = torch.randint(3, 13, (N, 6)), torch.randint(0, 3, (N,))
+    _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL if version == "v2" else LOOSE)
+
+
 def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: dict) -> None:
     """First order and the exact GGN diagonal of the extended ``model``'s trainable parameters
     against loop references (per-sample ``functional_call``s, dense Jacobians and Hessians)."""

@@ -198,7 +198,9 @@ def test_a_shared_output_also_used_unsplit_is_refused() -> None:
 
 
 class MatrixProduct(nn.Module):
-    """A shared table meeting the samples inside a matrix product: no split is built."""
+    """A shared table ``[T, T]`` meeting the samples inside a matrix product, ``table @ x``:
+    matmul broadcasts it over the batch axis of ``x`` like an elementwise operation, so it is
+    widened there."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,12 +215,11 @@ class MatrixProduct(nn.Module):
 
 
 @pytest.mark.parametrize("n", [2, 5])
-def test_a_shared_table_met_otherwise_is_refused_with_the_way_out(n: int) -> None:
-    """Also where its leading size ``T`` equals ``N``, so no batch sizes differ (split along
-    ``T`` before, silently)."""
+def test_a_shared_table_in_a_matrix_product(n: int) -> None:
+    """Also where its leading size ``T`` equals ``N`` (split along ``T`` once, silently)."""
     torch.manual_seed(0)
-    model = extend(MatrixProduct().to(DT))
-    _refused(model, torch.randn(n, 5, D, dtype=DT), r"'matmul'.*freeze its")
+    model = MatrixProduct().to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 5, D, dtype=DT), torch.randint(0, C, (n,)))
 
 
 class PositionsTwice(nn.Module):
@@ -283,8 +284,7 @@ def test_a_batch_one_convolution_copied_over_the_batch(how: str) -> None:
 class CoordinateMlp(nn.Module):
     """timm's ``RelPosMlp``: a two-layer MLP on a buffer of relative coordinates
     ``[T, T, 2]`` (the same for every sample), its output ``[T, T, H]`` laid out as
-    ``[1, H, T, T]`` and added to the scores. A value computed by two modules in a row is not
-    widened: refused, also where ``T = N`` (split along ``T`` before, silently)."""
+    ``[1, H, T, T]`` and added to the scores."""
 
     def __init__(self, t: int) -> None:
         super().__init__()
@@ -302,16 +302,12 @@ class CoordinateMlp(nn.Module):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_a_shared_value_of_two_modules_is_refused(n: int) -> None:
+def test_a_shared_value_of_two_modules(n: int) -> None:
+    """The second module is run again on each sample's copy of its input, which widens the
+    first one in turn; also where ``T = N`` (split along ``T`` once, silently)."""
     torch.manual_seed(0)
-    model = extend(CoordinateMlp(4).to(DT))
-    x, y = torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,))
-    _refused(model, x, "only as the input of Linear")
-    model.fc1.requires_grad_(False)  # the second module alone: widened where it meets them
-    ref = per_sample_grads(model, nn.CrossEntropyLoss(), x, y)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-        F.cross_entropy(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
+    model = CoordinateMlp(4).to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
 
 
 class BiasTable(nn.Module):
@@ -351,7 +347,7 @@ def test_a_module_called_without_tensor_inputs(n: int) -> None:
 
 
 class TableInProduct(WithTable):
-    """The table of a module without tensor inputs met inside a matrix product: not split."""
+    """The table of a module without tensor inputs met inside a matrix product."""
 
     def forward(self, x: Tensor) -> Tensor:
         attn = _qk_scores(self.qk, x).softmax(-1) @ self.rel(x.shape[1])  # [N, H, T, T]
@@ -359,10 +355,10 @@ class TableInProduct(WithTable):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_a_module_without_tensor_inputs_met_otherwise_is_refused(n: int) -> None:
+def test_a_module_without_tensor_inputs_in_a_matrix_product(n: int) -> None:
     torch.manual_seed(0)
-    model = extend(TableInProduct(4).to(DT))
-    _refused(model, torch.randn(n, 4, D, dtype=DT), "without any tensor input")
+    model = TableInProduct(4).to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
 
 
 class ProjectedPositions(nn.Module):
@@ -380,8 +376,141 @@ class ProjectedPositions(nn.Module):
 
 
 @pytest.mark.parametrize("n", [3, 5])
-def test_projected_positions_are_refused(n: int) -> None:
-    """Also where ``T = N`` (the embedding was split along ``T`` before, silently)."""
+def test_projected_positions(n: int) -> None:
+    """Also where ``T = N`` (the embedding was split along ``T`` once, silently)."""
     torch.manual_seed(0)
-    model = extend(ProjectedPositions().to(DT))
-    _refused(model, torch.randn(n, 5, 3, dtype=DT), "only as the input of Linear")
+    model = ProjectedPositions().to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 5, 3, dtype=DT), torch.randint(0, C, (n,)))
+
+
+class Gate(nn.Module):
+    """A leaf module without a closed-form rule (the generic one), with keyword arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(H))
+
+    def forward(self, x: Tensor, power: int = 1, shift: Tensor | None = None) -> Tensor:
+        return torch.tanh(x * self.w**power) + (0 if shift is None else shift)
+
+
+class GatedTable(nn.Module):
+    """A relative position bias through the generic rule's module: run again per sample
+    under ``vmap`` (its keyword arguments as they were)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias, self.gate = nn.Embedding(7, H), Gate()
+        self.qk, self.head = nn.Linear(D, 2 * D), nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pos = torch.arange(x.shape[1])
+        b = self.gate(self.bias(pos[:, None] - pos[None, :] + 3), power=2, shift=None)
+        attn = (_qk_scores(self.qk, x) + b.permute(2, 0, 1).unsqueeze(0)).softmax(-1)
+        return self.head((attn.mean(1) @ x).mean(1))
+
+
+@pytest.mark.filterwarnings("ignore::backprism.rules.generic.GenericRuleWarning")
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_shared_value_through_a_module_of_the_generic_rule(n: int) -> None:
+    torch.manual_seed(0)
+    model = GatedTable().to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
+
+
+class RelativeEmbeddings(nn.Module):
+    """DeBERTa's disentangled attention: relative embeddings (an ``Embedding``'s weight used
+    as a tensor) through a LayerNorm, a slice, dropout of its own (the same mask for every
+    sample) and the key projection, laid out ``[H, 2S, d]`` and repeated over the batch folded
+    with the heads (``repeat(N, 1, 1)`` to ``[N·H, 2S, d]``), in a batched matrix product with
+    the per-sample queries, then gathered at each pair's relative position; the position
+    queries are scaled in place (``/=``). ``mask``: the dropout mask to use instead of drawing
+    one (the reference's)."""
+
+    def __init__(self, s: int = 3, p: float = 0.0) -> None:
+        super().__init__()
+        self.s, self.p, self.mask = s, p, None
+        self.tok, self.rel = nn.Linear(3, D), nn.Embedding(2 * s + 2, D)
+        self.ln, self.q, self.k = nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+        self.head = nn.Linear(D, C)
+
+    def heads(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        return x.view(n, t, H, D // H).permute(0, 2, 1, 3).contiguous().view(-1, t, D // H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        h = self.tok(x)
+        q = self.heads(self.q(h))  # [N·H, T, d]
+        rel = self.ln(self.rel.weight)
+        if self.mask is not None:
+            rel = rel * self.mask
+        elif self.p:
+            rel = F.dropout(rel, self.p, self.training)
+            self.drawn = (rel / self.ln(self.rel.weight)).detach()
+        rel = rel[1 : 2 * self.s + 1].unsqueeze(0)
+        pk = self.heads(self.k(rel)).repeat(q.shape[0] // H, 1, 1)  # [N·H, 2S, d]
+        pq = self.heads(self.q(rel)).view(1, H, 2 * self.s, D // H)
+        pq /= 2.0
+        pos = torch.arange(t)
+        index = (pos[:, None] - pos[None, :]).clamp(-self.s, self.s - 1) + self.s
+        c2p = torch.gather(torch.bmm(q, pk.transpose(-1, -2)), -1, index.expand(n * H, t, t))
+        keys = self.heads(h).view(n, H, t, D // H)
+        p2c = torch.gather(keys @ pq.transpose(-1, -2), -1, index.expand(n, H, t, t))
+        attn = (c2p.view(n, H, t, t) + p2c.transpose(-1, -2)).softmax(-1).mean(1)
+        return self.head((attn @ h).mean(1))
+
+
+@pytest.mark.parametrize("n", [3, 6])
+def test_relative_embeddings_through_two_modules(n: int) -> None:
+    """First order and the GGN diagonal against ``torch.func``, also where ``N = 2S`` (the
+    number of relative positions) and ``N = T``."""
+    torch.manual_seed(0)
+    model = RelativeEmbeddings().to(DT)
+    _first_order_and_ggn(model, torch.randn(n, 6, 3, dtype=DT), torch.randint(0, C, (n,)))
+
+
+def test_dropout_of_a_shared_table() -> None:
+    """In train mode the shared dropout mask is drawn once and replayed on every sample's copy:
+    first order against the reference with the mask it drew."""
+    torch.manual_seed(0)
+    model = extend(RelativeEmbeddings(p=0.5).to(DT).train())
+    x, y = torch.randn(4, 5, 3, dtype=DT), torch.randint(0, C, (4,))
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        F.cross_entropy(model(x), y).backward()
+    assert (model.drawn == 0).any() and (model.drawn == 2).any()
+    reference = RelativeEmbeddings(p=0.5).to(DT)
+    reference.load_state_dict(model.state_dict())
+    reference.mask = model.drawn
+    assert_first_order(model, per_sample_grads(reference, nn.CrossEntropyLoss(), x, y), **TOL)
+
+
+class UnfollowedTable(nn.Module):
+    """A relative position bias reaching the scores through an operation backprism does not
+    follow (``cumsum``) or modified in place by one (``clamp_``): refused, also where ``T = N``
+    (``cumsum`` was split along ``T`` there, silently)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.bias, self.qk, self.head = nn.Embedding(7, H), nn.Linear(D, 2 * D), nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pos = torch.arange(x.shape[1])
+        b = self.bias(pos[:, None] - pos[None, :] + 3)  # [T, T, H]
+        if self.how == "cumsum":
+            b = b.cumsum(0)
+        else:
+            b = b.clone()
+            b.clamp_(-0.1, 0.1)
+        attn = (_qk_scores(self.qk, x) + b.permute(2, 0, 1).unsqueeze(0)).softmax(-1)
+        return self.head((attn.mean(1) @ x).mean(1))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("how", ["cumsum", "clamp_"])
+def test_a_table_through_an_unfollowed_operation_is_refused(how: str, n: int) -> None:
+    torch.manual_seed(0)
+    model = extend(UnfollowedTable(how).to(DT))
+    match = "neither it nor what backprism follows" if how == "cumsum" else "in place by 'clamp_'"
+    _refused(model, torch.randn(n, 4, D, dtype=DT), match)

@@ -56,6 +56,7 @@ from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import (
     NO_INPUT,
     UNATTRIBUTED,
+    UNMET,
     Call,
     LossRecord,
     forget_mode_free,
@@ -258,24 +259,23 @@ class BackwardPass:
         if view.unsplit and exts:
             call = view.unsplit[0]
             names = ", ".join(f"'{n}'" for n in call.params)
+            met = (
+                "where backprism splits it (a broadcasting elementwise operation or matrix "
+                "product, expand or repeat over the batch, an attention mask)"
+            )
             if call.unsplit == NO_INPUT:
                 where = (
                     "is computed without any tensor input, so it is the same for every sample, "
-                    "and it does not meet the samples where backprism splits it (a broadcasting "
-                    "elementwise operation, expand or repeat over the batch, an attention mask)"
+                    f"and it does not meet the samples {met}"
                 )
-            elif call.unsplit is not None and call.unsplit.startswith("the input of "):
+            elif call.unsplit == UNMET:
                 where = (
-                    f"reaches the samples only as {call.unsplit}, which is widened over them "
-                    "where it meets them; backprism widens a shared value computed by one "
-                    "module only, so its gradient has no per-sample split"
+                    "is the same for every sample, and neither it nor what backprism follows "
+                    "of it (views, activations, elementwise operations with constants, layers "
+                    f"on it) meets the samples {met}"
                 )
             elif call.unsplit is not None:
-                where = (
-                    f"meets a tensor of higher rank or a larger axis 0 in '{call.unsplit}', so "
-                    "its axis 0 is not the samples' and its gradient there has no per-sample "
-                    "split"
-                )
+                where = call.unsplit
             else:
                 where = (
                     "is split per sample where it is broadcast over the samples, but it is also "

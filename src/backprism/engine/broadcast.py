@@ -24,10 +24,26 @@ whose output *is* that copy (:func:`broadcast_calls`):
   (Linear, Embedding, LayerNorm, RMSNorm) and the generic ``torch.func`` rule compute exactly;
   other rules are not widened (the batch-size check then refuses the pass, naming the cause).
 
+A matrix product broadcasts the batch axes of its operands (all but the last two) the same way
+(``table @ x``, DeBERTa-v1's ``q @ pos_key.transpose(-1, -2)``), and ``repeat(N, 1, ...)`` of an
+axis 0 of size ``H > 1`` copies the operand over a batch folded sample-major with that axis
+(DeBERTa-v2's ``[N·H, 2S, d]``): both are widened like the elementwise case.
+
+A call whose inputs need a gradient — they are computed by other shared calls (an MLP on
+relative coordinates, position embeddings through a Linear layer) or are parameters used as
+tensors (DeBERTa's relative embeddings through a LayerNorm) — cannot be widened by expanding
+its output, since the gradient reaching its inputs would still be every sample's at once. It is
+run again on its inputs' copies per sample (:func:`_recomputed`): each input computed by a
+shared call is widened in turn (the same function, recursively), a parameter is copied over the
+batch and recorded as a :class:`ParamBroadcast`, anything else is expanded.
+
 The original call is marked ``superseded`` (ignored by the backward pass). Each widening
 consumes the call's output exactly once in the autograd graph; the graph check
 (:func:`backprism.engine.graph.analyse`) refuses a pass in which the output is also used
-elsewhere, where its gradient would reach the parameters without being split per sample.
+elsewhere, where its gradient would reach the parameters without being split per sample. A
+call on inputs that are the same for every sample is refused unless it is widened
+(:data:`~backprism.engine.state.UNMET`): a shared value that reaches the samples through an
+operation that is not followed (``cumsum``) would otherwise be split along its own axis 0.
 """
 
 from __future__ import annotations
@@ -36,27 +52,56 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import vmap
+from torch.utils._pytree import tree_map
 
-from backprism.engine.forward import attach
+from backprism.engine.forward import attach, capture
 from backprism.engine.rule import get_rule
-from backprism.engine.state import FORWARD, FREE, SHARED, Call
+from backprism.engine.state import FORWARD, FREE, SHARED, UNMET, VIEW, Call, suspended
 
-__all__ = ["EXPANDS", "MEETS", "after_operation", "broadcast_calls"]
+__all__ = [
+    "DROPOUT",
+    "EXPANDS",
+    "MEETS",
+    "ParamBroadcast",
+    "after_operation",
+    "before_in_place",
+    "broadcast_calls",
+    "dropout_mask",
+]
+
+class ParamBroadcast(nn.Module):
+    """Stand-in for a parameter (or a view of one) of batch size 1 expanded over the samples
+    (``self.cls_token.expand(N, -1, -1)``): every sample's slice is ``source(p)[0]``, so sample
+    ``n``'s gradient is the pull-back of the output gradient's slice ``n`` through
+    ``source``. Its rule is registered in :mod:`backprism.rules.broadcast`."""
+
+    def __init__(self, p: nn.Parameter, source: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self._parameters["p0"] = p
+        self.source = source
+        self._backprism_name = "a parameter broadcast over the batch"
+
 
 #: elementwise operations that broadcast their tensor operands against each other
 _ELEMENTWISE = frozenset(
     {
         "add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__",
         "mul", "__mul__", "__rmul__", "__imul__", "div", "__truediv__", "__rtruediv__",
-        "__itruediv__", "true_divide", "where",
+        "__itruediv__", "true_divide", "where", "add_", "sub_", "mul_", "div_",
     }
 )
-_IN_PLACE = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__"})
+_IN_PLACE = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_"}
+)
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
+#: matrix products, which broadcast the batch axes (all but the last two) of their operands
+_MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__"})
 #: operations where a shared tensor may meet the samples (:func:`broadcast_calls`)
-MEETS = _ELEMENTWISE | _ATTENTION
+MEETS = _ELEMENTWISE | _ATTENTION | _MATMUL
 #: operations followed from a shared call's output (:func:`follow_shared`): views and copies
 #: of one tensor, and elementwise operations with constants that do not broadcast it
 FOLLOWS = _ELEMENTWISE | frozenset(
@@ -86,6 +131,35 @@ def _over_batch(name: str, src: Tensor, args: tuple, out: Tensor) -> bool:
         reps = args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
         return len(tuple(reps)) == out.dim() and all(r == 1 for r in tuple(reps)[1:])
     return True
+
+
+def _unsplit(call: Call, where: str) -> None:
+    """Mark ``call``, a shared call, as met by the samples where its output has no per-sample
+    split (``where``: how, a phrase for the refusal of the backward pass), unless a more
+    specific reason is already there."""
+    if call.unsplit is None or call.unsplit == UNMET:
+        call.unsplit = where
+        FORWARD.acted += 1
+
+
+def _meets(name: str) -> str:
+    return (
+        f"meets a tensor of higher rank or a larger axis 0 in '{name}', so its axis 0 is not "
+        "the samples' and its gradient there has no per-sample split"
+    )
+
+
+def _folded_repeat(name: str, src: Any, args: tuple, out: Tensor) -> int:
+    """``r`` if ``out = src.repeat(r, 1, ...)`` repeats an axis 0 of size ``> 1`` (``r``
+    copies of ``src`` in a row along it), else 0."""
+    if name != "repeat" or not isinstance(src, Tensor) or src.dim() != out.dim():
+        return 0
+    if src.dim() == 0 or src.shape[0] <= 1:
+        return 0
+    reps = tuple(args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:])
+    if len(reps) != out.dim() or any(r != 1 for r in reps[1:]) or reps[0] <= 1:
+        return 0
+    return int(reps[0])
 
 
 #: factory functions: their results are the same for every sample
@@ -144,9 +218,17 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
                     # (repeat copies: its result is contiguous, viewable as the caller expects)
                     wide = wide.expand(out.shape)
                     return wide.contiguous() if name == "repeat" else wide
-                if info[0].unsplit is None:
-                    info[0].unsplit = name
-                    FORWARD.acted += 1
+                _unsplit(info[0], _meets(name))
+                return out
+            r = _folded_repeat(name, src, args, out)
+            if info is not None and src.requires_grad and r and hasattr(src, FREE):
+                # shared.repeat(N, 1, ...) of an axis 0 of size H > 1: N copies in a row, the
+                # batch folded sample-major with that axis (DeBERTa's [N·heads, 2S, d]
+                # relative position projections)
+                wide = _widen_shared(src, src.dim() + 1, r)
+                if wide is not None:
+                    return wide.reshape(out.shape)
+                _unsplit(info[0], _meets(name))
                 return out
         follow_shared(name, func, args, kwargs, out)
     if len(args) > 1 and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
@@ -157,10 +239,39 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
             for a in tensors:
                 if a.dim() < rank or a.shape[0] == 1:
                     info = getattr(a, SHARED, None)
-                    if info is not None and a.requires_grad and info[0].unsplit is None:
-                        info[0].unsplit = name
-                        FORWARD.acted += 1
+                    if info is not None and a.requires_grad:
+                        _unsplit(info[0], _meets(name))
     return out
+
+
+#: in-place operations followed on a shared tensor (others make it unsplit)
+_FOLLOWED_IN_PLACE = _IN_PLACE
+
+
+def before_in_place(name: str, t: Tensor) -> None:
+    """``t``, computed from a shared call's output, is about to be modified in place by
+    ``name`` (DeBERTa's ``pos_query_layer /= scale``): if it is the same for every sample, its
+    origin is kept as it is now (a copy in the graph), so that each sample's copy replays the
+    operation on the value before it; an in-place operation that is not followed leaves ``t``
+    without a per-sample split (refused)."""
+    info = getattr(t, SHARED, None)
+    if info is None:
+        return
+    call, origin, before = info
+    if getattr(t, FREE, None) is None:
+        # a call's on inputs without a gradient, not known to be the same for every sample
+        # (the model's first layer on the data): not followed further
+        delattr(t, SHARED)
+        return
+    if name not in _FOLLOWED_IN_PLACE:
+        delattr(t, SHARED)
+        _unsplit(
+            call,
+            f"is modified in place by '{name}', which backprism does not replay on each "
+            "sample's copy, so its gradient has no per-sample split",
+        )
+        return
+    setattr(t, SHARED, (call, (t if origin is None else origin).clone(), before))
 
 
 def follow_shared(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
@@ -192,14 +303,43 @@ def follow_shared(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> 
     call, origin, before = info
     if origin is None:
         origin = src
+    in_place = out is src  # (its value before: origin, see before_in_place)
 
     def replay(x: Tensor, before=before, func=func, args=args, kwargs=kwargs, pos=pos) -> Tensor:
         x = x if before is None else before(x)
+        if in_place:
+            x = x.clone()  # (each sample's copy, written into)
         if isinstance(pos, int):
             return func(*args[:pos], x, *args[pos + 1 :], **kwargs)
         return func(*args, **(kwargs | {pos: x}))
 
     setattr(out, SHARED, (call, origin, replay))
+
+
+#: dropout on a shared tensor gets an explicit mask (:func:`dropout_mask`)
+DROPOUT = frozenset({"dropout"})
+
+
+def dropout_mask(args: tuple, kwargs: dict) -> Tensor | None:
+    """For ``F.dropout(x, p, training)`` on a shared tensor ``x`` (DeBERTa's dropout of its
+    relative embeddings, the same mask for every sample): the scaled mask ``m / (1 - p)``,
+    ``m ~ Bernoulli(1 - p)``, that the forward mode multiplies ``x`` with instead, so that the
+    product is followed like any elementwise operation with a constant and replayed on each
+    sample's copy with the same mask; ``None`` otherwise (dropout runs as it is). The mask is
+    drawn with ``torch.bernoulli``: the same distribution as the built-in kernel's, not the
+    same numbers from the random state."""
+    names = ("input", "p", "training", "inplace")
+    bound = dict(zip(names, args)) | kwargs
+    x = bound.get("input")
+    p = float(bound.get("p", 0.5))
+    if not isinstance(x, Tensor) or getattr(x, SHARED, None) is None or not x.requires_grad:
+        return None
+    if not bound.get("training", True) or bound.get("inplace", False) or not 0.0 < p < 1.0:
+        return None
+    keep = torch.full_like(x, 1.0 - p, requires_grad=False)
+    mask = torch.bernoulli(keep).div_(1.0 - p)
+    setattr(mask, FREE, ())  # the same for every sample
+    return mask
 
 
 def _expand_arg(a: Any, n: int) -> Any:
@@ -236,7 +376,14 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if len(tensors) < 2:
         return args, kwargs
     rank = max(t.dim() for t in tensors)
-    n = max(t.shape[0] for t in tensors if t.dim() == rank) if rank else 1
+    if name in _MATMUL and (rank < 3 or min(t.dim() for t in tensors) < 2):
+        # (batch axes exist, and no vector operand, whose axes matmul would move)
+        return args, kwargs
+    # the batch: axis 0 of an operand of full rank that is not the same for every sample
+    n = max(
+        (t.shape[0] for t in tensors if t.dim() == rank and getattr(t, FREE, None) is None),
+        default=1,
+    ) if rank else 1
     if n <= 1:
         return args, kwargs
     new_args = list(args)
@@ -281,38 +428,157 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
         return None
     if origin is None:
         origin = t
-    if call.batch_size == 1 and origin.dim() and origin.shape[0] == 1:
-        # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
-        # expanded along their axis 0, as for any batch, which every rule takes
-        wide = origin.expand(n, *origin.shape[1:])
-        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
-
-        def per_sample(o: Tensor, replay: Any = replay) -> Tensor:
-            return replay(o.unsqueeze(0))
-
-    else:
+    batch_one = call.batch_size == 1 and origin.dim() > 0 and origin.shape[0] == 1
+    if not batch_one:
         rule = get_rule(call.module)
         # rules that act on trailing feature axes, and the generic rule (which runs each
         # sample's call on its inputs as they are), take a call widened by a new leading axis
         if not (rule.moves_batch_axis or rule.folds_rows):
             return None
+    live = call.live if call.live is not None else (call.args, call.kwargs)
+    if any(
+        isinstance(a, Tensor) and a.requires_grad for a in (*live[0], *live[1].values())
+    ):
+        # inputs computed by other calls (a shared value of two modules in a row): the call is
+        # recomputed on its inputs' copies per sample, which widen those calls in turn
+        widened = _recomputed(call, live, n, batch_one)
+        if widened is None:
+            where = (
+                f"reaches the samples only as the input of {call.name}, which backprism "
+                "cannot run again on each sample's copy of it (an operation on the way that "
+                "it does not follow, or a layer whose rule takes no widened call), so its "
+                "gradient has no per-sample split"
+            )
+            for a in (*live[0], *live[1].values()):
+                for upstream in getattr(a, FREE, None) or ():
+                    _unsplit(upstream, where)
+            return None
+        expanded, wide = widened
+    elif batch_one:
+        # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
+        # expanded along their axis 0, as for any batch, which every rule takes
+        wide = origin.expand(n, *origin.shape[1:])
+        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
+    else:
 
         def widen(x: Any, n: int = n) -> Any:
             return x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, Tensor) else x
 
         wide = widen(origin)
         expanded = _widened(call, widen, wide)
+    if batch_one:
+
+        def per_sample(o: Tensor, replay: Any = replay) -> Tensor:
+            return replay(o.unsqueeze(0))
+
+    else:
         per_sample = replay
     if not attach(expanded, [wide]):
         return None
     call.superseded = True
+    if call.unsplit == UNMET:
+        call.unsplit = None  # (met where it is split; any other use: graph._unsplit)
     FORWARD.acted += 1
-    live = call.live[0] if call.live is not None else call.args
-    for a in live:
-        # calls its inputs were computed by: their outputs reach the samples only through
-        # this call, along axes that are not the samples' (a shared value of two modules)
-        for upstream in getattr(a, FREE, None) or ():
-            if upstream.unsplit is None:
-                upstream.unsplit = f"the input of {call.name}"
     copies = wide if replay is None else vmap(per_sample)(wide)
     return copies.reshape(n, *aligned[1:])
+
+
+def _recomputed(
+    call: Call, live: tuple[tuple, dict], n: int, batch_one: bool
+) -> tuple[Call, Tensor] | None:
+    """``call`` run again on its inputs' copies per sample (each input computed by shared calls
+    widened by :func:`_widen_shared`, every other one expanded), and its output there, or
+    ``None`` where an input cannot be widened. ``batch_one``: the copies are laid out along
+    the call's axis 0 of size 1; otherwise they form a new leading axis."""
+    tensors: list[Tensor] = []
+
+    def copies(a: Any) -> Any:
+        if not isinstance(a, Tensor):
+            return a
+        if batch_one and (a.dim() == 0 or a.shape[0] != 1):
+            # (not along the batch: as it is)
+            wide = None if getattr(a, FREE, None) or a.requires_grad else a
+        elif getattr(a, FREE, None):
+            wide = _widen_shared(a, a.dim() + 1, n)
+        else:
+            wide = a.unsqueeze(0).expand(n, *a.shape)
+            if a.requires_grad:
+                wide = _parameter_copies(a, wide)
+        if wide is None:
+            raise _NotWidened
+        if batch_one and wide is not a:
+            wide = wide.flatten(0, 1)
+        tensors.append(wide)
+        return wide
+
+    try:
+        args = tuple(copies(a) for a in live[0])
+        kwargs = {k: copies(v) for k, v in live[1].items()}
+    except _NotWidened:
+        return None
+    module = call.module
+    with suspended():
+        if batch_one or get_rule(module).moves_batch_axis:
+            # a batch of n, or trailing feature axes after the new one
+            out = module(*args, **kwargs)
+        else:
+            dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, (args, kwargs))
+            out = vmap(lambda a, k: module(*a, **k), in_dims=dims)(args, kwargs)
+    if not isinstance(out, Tensor) or not out.requires_grad:
+        return None
+    widened = dataclasses.replace(
+        call,
+        args=tuple(_detach(a) for a in args),
+        kwargs={k: _detach(v) for k, v in kwargs.items()},
+        out_shapes=[out.shape],
+        batch_size=n,
+        versions=[(a, a._version) for a in tensors],
+        input_edges=[get_gradient_edge(a) for a in tensors if a.requires_grad],
+        pass_=None,
+        superseded=False,
+        unsplit=None,
+        live=(args, kwargs),
+        inner=None,
+        widened_from=call,
+    )
+    return widened, out
+
+
+def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
+    """``wide``, the copies per sample of ``a`` (an input of a shared call that needs a
+    gradient and comes from no call: an extended parameter, DeBERTa's relative embeddings
+    through a LayerNorm, or a view of one), recorded as the parameter broadcast over the
+    batch; ``None`` for any other such input."""
+    view = _param_view(a)
+    if view is None:
+        return None
+    p, rebuild, _ = view
+
+    def source(q: Tensor, rebuild: Any = rebuild) -> Tensor:
+        return rebuild(q).unsqueeze(0)
+
+    call = capture(
+        ParamBroadcast(p, source), (), {}, [], [wide], {"p0": p}, batch_size=wide.shape[0],
+        live=((), {}),
+    )
+    return None if call is None else wide
+
+
+def _param_view(a: Tensor) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
+    """``(parameter, rebuild, kind)`` of an extended parameter or a view of one that the
+    forward mode follows (:func:`backprism.engine.functional._param_view`)."""
+    if getattr(a, "_backprism_hooked", False):
+        return a, _identity, "param"  # type: ignore[return-value]
+    return getattr(a, VIEW, None)
+
+
+def _identity(q: Tensor) -> Tensor:
+    return q
+
+
+class _NotWidened(Exception):
+    """An input of a recomputed call has no copies per sample."""
+
+
+def _detach(a: Any) -> Any:
+    return a.detach() if isinstance(a, Tensor) else a

@@ -47,20 +47,30 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
-from backprism.engine.broadcast import EXPANDS, MEETS, after_operation, broadcast_calls
+from backprism.engine.broadcast import (
+    DROPOUT,
+    EXPANDS,
+    MEETS,
+    ParamBroadcast,
+    after_operation,
+    before_in_place,
+    broadcast_calls,
+    dropout_mask,
+)
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
     FORWARD,
     FORWARD_LISTENERS,
     MODE_FREE,
+    SHARED,
     UNATTRIBUTED,
+    VIEW,
     active,
 )
 
 __all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast", "ReleaseMode"]
 
-_VIEW = "_backprism_view"
 _VIEW_OPS = frozenset(
     {
         "t", "T", "mT", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze",
@@ -137,7 +147,7 @@ def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] 
         return None
     if getattr(a, "_backprism_hooked", False):
         return (a, _identity, "param") if a.requires_grad else None  # type: ignore[return-value]
-    return getattr(a, _VIEW, None)
+    return getattr(a, VIEW, None)
 
 
 def _identity(q: Tensor) -> Tensor:
@@ -340,19 +350,6 @@ def _conv_stand_in(
     return m
 
 
-class ParamBroadcast(nn.Module):
-    """Stand-in for a parameter (or a view of one) of batch size 1 expanded over the samples
-    (``self.cls_token.expand(N, -1, -1)``): every sample's slice is ``source(p)[0]``, so sample
-    ``n``'s gradient is the pull-back of the output gradient's slice ``n`` through
-    ``source``. Its rule is registered in :mod:`backprism.rules.broadcast`."""
-
-    def __init__(self, p: nn.Parameter, source: Callable[[Tensor], Tensor]) -> None:
-        super().__init__()
-        self._parameters["p0"] = p
-        self.source = source
-        self._backprism_name = "a parameter broadcast over the batch"
-
-
 def _outputs(out: Any) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out] if out.requires_grad else []
@@ -435,7 +432,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         new_kind = "T" if kind == "param" and two_d_transpose else (
             "derived" if kind == "derived" else "view"
         )
-        setattr(out, _VIEW, (p, rebuilt, new_kind))
+        setattr(out, VIEW, (p, rebuilt, new_kind))
         FORWARD.view_ids.add(id(out))
         return
     if not tensors and not owned and isinstance(out, Tensor) and _derivable(name, every, kwargs):
@@ -547,7 +544,7 @@ def _derive(func: Any, args: tuple, kwargs: dict, views: list, kw_views: dict, o
 
     every = [v for _, v in views] + list(kw_views.values())
     linear = _linear_use(residual.op_name(func), views, kw_views, every)
-    setattr(out, _VIEW, (p, derived, "view" if linear else "derived"))
+    setattr(out, VIEW, (p, derived, "view" if linear else "derived"))
     FORWARD.view_ids.add(id(out))
 
 
@@ -905,11 +902,11 @@ def _invalidate_view(t: Tensor) -> None:
     place: the rebuild no longer gives its value, so it is no longer tracked. A use of it
     then cannot be attributed where it enters: a releasing module claims its parameters
     after all; elsewhere the graph check refuses the use."""
-    view = getattr(t, _VIEW, None)
+    view = getattr(t, VIEW, None)
     if view is None:
         return
     with contextlib.suppress(AttributeError):
-        delattr(t, _VIEW)
+        delattr(t, VIEW)
     FORWARD.view_ids.discard(id(t))
     frame = releasing_frame([view[0]])
     if frame is not None and frame[8] is not None:
@@ -962,10 +959,17 @@ class ForwardMode(TorchFunctionMode):
         name, inert, kind = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if args and id(args[0]) in FORWARD.view_ids and _mutates(name):
-            _invalidate_view(args[0])
+        if args and _mutates(name):
+            if id(args[0]) in FORWARD.view_ids:
+                _invalidate_view(args[0])
+            if isinstance(args[0], Tensor) and hasattr(args[0], SHARED):
+                before_in_place(name, args[0])
         if name in MEETS:
             args, kwargs = broadcast_calls(name, args, kwargs)
+        elif name in DROPOUT:
+            mask = dropout_mask(args, kwargs)
+            if mask is not None:  # (a shared tensor's: a product with a constant mask)
+                return self.__torch_function__(torch.mul, types, (args[0], mask))
         stack = FORWARD.call_stack
         top = stack[-1] if stack else None
         replacement = None if top is None or top[5] is None else top[5].get(name)

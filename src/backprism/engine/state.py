@@ -54,6 +54,8 @@ __all__ = [
     "SHARED",
     "SITES",
     "UNATTRIBUTED",
+    "UNMET",
+    "VIEW",
     "Call",
     "Inside",
     "Kept",
@@ -88,8 +90,15 @@ SHARED = "_backprism_shared"
 #: batch, ``expand``/``repeat``, makes it per-sample): the tuple of the calls it was computed
 #: by, see :mod:`backprism.engine.broadcast`
 FREE = "_backprism_free"
+#: tensor attribute on a view of an extended parameter that the forward mode follows (``p[0:k]``,
+#: ``p.t()``): ``(parameter, rebuild, kind)`` with ``rebuild(p)`` the view, see
+#: :mod:`backprism.engine.functional`
+VIEW = "_backprism_view"
 #: ``Call.unsplit`` of a call without tensor inputs until it is widened over the samples
 NO_INPUT = "no tensor input"
+#: ``Call.unsplit`` of a call on inputs that are the same for every sample (:data:`FREE`)
+#: until it is widened over the samples
+UNMET = "not met"
 
 
 def sequence_first(module: nn.Module) -> bool:

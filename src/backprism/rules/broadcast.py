@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from backprism.engine.broadcast import ParamBroadcast
 from backprism.engine.columns import pull_back
-from backprism.engine.functional import ParamBroadcast
 from backprism.engine.rule import Call, Rule, register_rule
 
 
