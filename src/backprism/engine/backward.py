@@ -56,7 +56,6 @@ from backprism.engine.rule import Rule, get_rule
 from backprism.engine.state import (
     NO_INPUT,
     UNATTRIBUTED,
-    UNMET,
     Call,
     LossRecord,
     forget_mode_free,
@@ -267,12 +266,6 @@ class BackwardPass:
                 where = (
                     "is computed without any tensor input, so it is the same for every sample, "
                     f"and it does not meet the samples {met}"
-                )
-            elif call.unsplit == UNMET:
-                where = (
-                    "is the same for every sample, and neither it nor what backprism follows "
-                    "of it (views, activations, elementwise operations with constants, layers "
-                    f"on it) meets the samples {met}"
                 )
             elif call.unsplit is not None:
                 where = call.unsplit

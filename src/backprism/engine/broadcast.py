@@ -40,10 +40,7 @@ batch and recorded as a :class:`ParamBroadcast`, anything else is expanded.
 The original call is marked ``superseded`` (ignored by the backward pass). Each widening
 consumes the call's output exactly once in the autograd graph; the graph check
 (:func:`backprism.engine.graph.analyse`) refuses a pass in which the output is also used
-elsewhere, where its gradient would reach the parameters without being split per sample. A
-call on inputs that are the same for every sample is refused unless it is widened
-(:data:`~backprism.engine.state.UNMET`): a shared value that reaches the samples through an
-operation that is not followed (``cumsum``) would otherwise be split along its own axis 0.
+elsewhere, where its gradient would reach the parameters without being split per sample.
 """
 
 from __future__ import annotations
@@ -60,7 +57,7 @@ from torch.utils._pytree import tree_map
 
 from backprism.engine.forward import attach, capture
 from backprism.engine.rule import get_rule
-from backprism.engine.state import FORWARD, FREE, SHARED, UNMET, VIEW, Call, suspended
+from backprism.engine.state import FORWARD, FREE, SHARED, VIEW, Call, suspended
 
 __all__ = [
     "DROPOUT",
@@ -137,7 +134,7 @@ def _unsplit(call: Call, where: str) -> None:
     """Mark ``call``, a shared call, as met by the samples where its output has no per-sample
     split (``where``: how, a phrase for the refusal of the backward pass), unless a more
     specific reason is already there."""
-    if call.unsplit is None or call.unsplit == UNMET:
+    if call.unsplit is None:
         call.unsplit = where
         FORWARD.acted += 1
 
@@ -379,11 +376,7 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if name in _MATMUL and (rank < 3 or min(t.dim() for t in tensors) < 2):
         # (batch axes exist, and no vector operand, whose axes matmul would move)
         return args, kwargs
-    # the batch: axis 0 of an operand of full rank that is not the same for every sample
-    n = max(
-        (t.shape[0] for t in tensors if t.dim() == rank and getattr(t, FREE, None) is None),
-        default=1,
-    ) if rank else 1
+    n = max(t.shape[0] for t in tensors if t.dim() == rank) if rank else 1
     if n <= 1:
         return args, kwargs
     new_args = list(args)
@@ -476,8 +469,6 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
     if not attach(expanded, [wide]):
         return None
     call.superseded = True
-    if call.unsplit == UNMET:
-        call.unsplit = None  # (met where it is split; any other use: graph._unsplit)
     FORWARD.acted += 1
     copies = wide if replay is None else vmap(per_sample)(wide)
     return copies.reshape(n, *aligned[1:])

@@ -45,7 +45,6 @@ from backprism.engine.state import (
     NO_INPUT,
     ROOT,
     SHARED,
-    UNMET,
     Call,
     Kept,
     LossRecord,
@@ -451,8 +450,6 @@ def capture(
         # computed without any tensor input: per-sample only where widened over the samples
         # (engine.broadcast); a call left as it is is refused by the backward pass
         call.unsplit = NO_INPUT
-    elif free and params:
-        call.unsplit = UNMET  # (the same, on inputs that are the same for every sample)
     if free:
         # the same for every sample: computed by this call and those its inputs came from
         upstream = {id(c): c for src in sources for c in src}

@@ -54,7 +54,6 @@ __all__ = [
     "SHARED",
     "SITES",
     "UNATTRIBUTED",
-    "UNMET",
     "VIEW",
     "Call",
     "Inside",
@@ -96,9 +95,6 @@ FREE = "_backprism_free"
 VIEW = "_backprism_view"
 #: ``Call.unsplit`` of a call without tensor inputs until it is widened over the samples
 NO_INPUT = "no tensor input"
-#: ``Call.unsplit`` of a call on inputs that are the same for every sample (:data:`FREE`)
-#: until it is widened over the samples
-UNMET = "not met"
 
 
 def sequence_first(module: nn.Module) -> bool:
