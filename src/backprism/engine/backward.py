@@ -534,10 +534,10 @@ class BackwardPass:
             " A module called on an input without the batch axis, its output shared by all "
             "samples (a relative position bias, an Embedding of [T, T] bucket indices), is "
             "split per sample where that output, or views of it, meet the samples in a "
-            "broadcasting elementwise operation or as an attention mask, if its rule is "
-            "Linear, Embedding, a norm or the generic one; met otherwise (inside a matrix "
-            "product, after other operations) it has no per-sample split: freeze it "
-            "(requires_grad_(False)) to analyse the rest."
+            "broadcasting elementwise operation or matrix product, an expand or repeat over "
+            "the batch, or as an attention mask, if its rule is Linear, Embedding, a norm or "
+            "the generic one; met otherwise (after operations backprism does not follow) it "
+            "has no per-sample split: freeze it (requires_grad_(False)) to analyse the rest."
         )
         raise RuntimeError(
             f"backprism: the backward pass combines calls with batch sizes {shown} ({detail}), "

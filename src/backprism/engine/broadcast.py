@@ -55,9 +55,9 @@ from torch.autograd.graph import get_gradient_edge
 from torch.func import vmap
 from torch.utils._pytree import tree_map
 
-from backprism.engine.forward import attach, capture
+from backprism.engine.forward import attach, capture, detached
 from backprism.engine.rule import get_rule
-from backprism.engine.state import FORWARD, FREE, SHARED, VIEW, Call, suspended
+from backprism.engine.state import FORWARD, FREE, SHARED, Call, param_view, suspended
 
 __all__ = [
     "DROPOUT",
@@ -83,16 +83,16 @@ class ParamBroadcast(nn.Module):
         self._backprism_name = "a parameter broadcast over the batch"
 
 
-#: elementwise operations that broadcast their tensor operands against each other
-_ELEMENTWISE = frozenset(
-    {
-        "add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__",
-        "mul", "__mul__", "__rmul__", "__imul__", "div", "__truediv__", "__rtruediv__",
-        "__itruediv__", "true_divide", "where", "add_", "sub_", "mul_", "div_",
-    }
-)
+#: in-place elementwise arithmetic: followed on a shared tensor (:func:`before_in_place`)
 _IN_PLACE = frozenset(
     {"__iadd__", "__isub__", "__imul__", "__itruediv__", "add_", "sub_", "mul_", "div_"}
+)
+#: elementwise operations that broadcast their tensor operands against each other
+_ELEMENTWISE = _IN_PLACE | frozenset(
+    {
+        "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "mul", "__mul__",
+        "__rmul__", "div", "__truediv__", "__rtruediv__", "true_divide", "where",
+    }
 )
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
 #: matrix products, which broadcast the batch axes (all but the last two) of their operands
@@ -125,9 +125,14 @@ def _over_batch(name: str, src: Tensor, args: tuple, out: Tensor) -> bool:
     if src.dim() > out.dim() or (src.dim() == out.dim() and src.shape[0] != 1):
         return False
     if name == "repeat":
-        reps = args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:]
-        return len(tuple(reps)) == out.dim() and all(r == 1 for r in tuple(reps)[1:])
+        reps = _repeats(args)
+        return len(reps) == out.dim() and all(r == 1 for r in reps[1:])
     return True
+
+
+def _repeats(args: tuple) -> tuple[int, ...]:
+    """The repeat counts of ``src.repeat(*args[1:])`` (given as one sequence or one by one)."""
+    return tuple(args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:])
 
 
 def _unsplit(call: Call, where: str) -> None:
@@ -153,7 +158,7 @@ def _folded_repeat(name: str, src: Any, args: tuple, out: Tensor) -> int:
         return 0
     if src.dim() == 0 or src.shape[0] <= 1:
         return 0
-    reps = tuple(args[1] if len(args) == 2 and not isinstance(args[1], int) else args[1:])
+    reps = _repeats(args)
     if len(reps) != out.dim() or any(r != 1 for r in reps[1:]) or reps[0] <= 1:
         return 0
     return int(reps[0])
@@ -241,10 +246,6 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
     return out
 
 
-#: in-place operations followed on a shared tensor (others make it unsplit)
-_FOLLOWED_IN_PLACE = _IN_PLACE
-
-
 def before_in_place(name: str, t: Tensor) -> None:
     """``t``, computed from a shared call's output, is about to be modified in place by
     ``name`` (DeBERTa's ``pos_query_layer /= scale``): if it is the same for every sample, its
@@ -256,11 +257,11 @@ def before_in_place(name: str, t: Tensor) -> None:
         return
     call, origin, before = info
     if getattr(t, FREE, None) is None:
-        # a call's on inputs without a gradient, not known to be the same for every sample
-        # (the model's first layer on the data): not followed further
+        # the output of a call on inputs without a gradient, not known to be the same for
+        # every sample (the model's first layer on the data): not followed further
         delattr(t, SHARED)
         return
-    if name not in _FOLLOWED_IN_PLACE:
+    if name not in _IN_PLACE:
         delattr(t, SHARED)
         _unsplit(
             call,
@@ -345,22 +346,26 @@ def _expand_arg(a: Any, n: int) -> Any:
     return a
 
 
-def _widened(call: Call, widen: Callable[[Any], Any], wide: Tensor) -> Call:
-    """The same call on its inputs widened to the batch by ``widen``, with output ``wide``."""
-    live = call.live
+def _widened(call: Call, wide: Tensor, **fields: Any) -> Call:
+    """``call`` on its inputs widened to the batch (``fields``: ``args``, ``kwargs``, ``live``,
+    …), whose output is ``wide`` ``[N, ...]``."""
     return dataclasses.replace(
+        call, out_shapes=[wide.shape], batch_size=wide.shape[0], pass_=None, superseded=False,
+        unsplit=None, widened_from=call, **fields,
+    )
+
+
+def _expanded(call: Call, widen: Callable[[Any], Any], wide: Tensor) -> Call:
+    """:func:`_widened` with every input of ``call`` widened by ``widen``."""
+    live = call.live
+    return _widened(
         call,
+        wide,
         args=tuple(widen(x) for x in call.args),
         kwargs={k: widen(v) for k, v in call.kwargs.items()},
-        out_shapes=[wide.shape],
-        batch_size=wide.shape[0],
-        pass_=None,
-        superseded=False,
-        unsplit=None,
         live=None
         if live is None
         else (tuple(widen(x) for x in live[0]), {k: widen(v) for k, v in live[1].items()}),
-        widened_from=call,
     )
 
 
@@ -451,14 +456,14 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
         # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
         # expanded along their axis 0, as for any batch, which every rule takes
         wide = origin.expand(n, *origin.shape[1:])
-        expanded = _widened(call, lambda x, n=n: _expand_arg(x, n), wide)
+        expanded = _expanded(call, lambda x, n=n: _expand_arg(x, n), wide)
     else:
 
         def widen(x: Any, n: int = n) -> Any:
             return x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, Tensor) else x
 
         wide = widen(origin)
-        expanded = _widened(call, widen, wide)
+        expanded = _expanded(call, widen, wide)
     if batch_one:
 
         def per_sample(o: Tensor, replay: Any = replay) -> Tensor:
@@ -517,20 +522,15 @@ def _recomputed(
             out = vmap(lambda a, k: module(*a, **k), in_dims=dims)(args, kwargs)
     if not isinstance(out, Tensor) or not out.requires_grad:
         return None
-    widened = dataclasses.replace(
+    widened = _widened(
         call,
-        args=tuple(_detach(a) for a in args),
-        kwargs={k: _detach(v) for k, v in kwargs.items()},
-        out_shapes=[out.shape],
-        batch_size=n,
+        out,
+        args=tuple(detached(a) for a in args),
+        kwargs={k: detached(v) for k, v in kwargs.items()},
+        live=(args, kwargs),
         versions=[(a, a._version) for a in tensors],
         input_edges=[get_gradient_edge(a) for a in tensors if a.requires_grad],
-        pass_=None,
-        superseded=False,
-        unsplit=None,
-        live=(args, kwargs),
         inner=None,
-        widened_from=call,
     )
     return widened, out
 
@@ -540,7 +540,7 @@ def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
     gradient and comes from no call: an extended parameter, DeBERTa's relative embeddings
     through a LayerNorm, or a view of one), recorded as the parameter broadcast over the
     batch; ``None`` for any other such input."""
-    view = _param_view(a)
+    view = param_view(a)
     if view is None:
         return None
     p, rebuild, _ = view
@@ -555,21 +555,5 @@ def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
     return None if call is None else wide
 
 
-def _param_view(a: Tensor) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
-    """``(parameter, rebuild, kind)`` of an extended parameter or a view of one that the
-    forward mode follows (:func:`backprism.engine.functional._param_view`)."""
-    if getattr(a, "_backprism_hooked", False):
-        return a, _identity, "param"  # type: ignore[return-value]
-    return getattr(a, VIEW, None)
-
-
-def _identity(q: Tensor) -> Tensor:
-    return q
-
-
 class _NotWidened(Exception):
     """An input of a recomputed call has no copies per sample."""
-
-
-def _detach(a: Any) -> Any:
-    return a.detach() if isinstance(a, Tensor) else a

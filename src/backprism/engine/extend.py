@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
-from backprism.engine import functional  # (importing it registers the forward mode)
+from backprism.engine import functional  # noqa: F401 (importing it registers the forward mode)
 from backprism.engine.forward import (
     loss_forward_hook,
     module_forward_hook,
@@ -17,7 +17,7 @@ from backprism.engine.forward import (
 )
 from backprism.engine.residual import ACTIVATION_TYPES, activation_forward_hook
 from backprism.engine.rule import Rule, get_rule
-from backprism.engine.state import FREE, MODE_FREE
+from backprism.engine.state import FREE, MODE_FREE, PARAM_IDS
 
 __all__ = ["extend"]
 
@@ -88,7 +88,7 @@ def extend(module: nn.Module) -> nn.Module:
     for p in module.parameters():
         if p.requires_grad:
             p._backprism_hooked = True  # type: ignore[attr-defined]
-            functional.PARAM_IDS.add(id(p))
+            PARAM_IDS.add(id(p))
         setattr(p, FREE, ())  # the same for every sample (engine.broadcast)
     for b in module.buffers():
         setattr(b, FREE, ())

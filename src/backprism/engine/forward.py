@@ -56,6 +56,7 @@ from backprism.engine.state import (
 __all__ = [
     "call_params",
     "capture",
+    "detached",
     "keep_linear",
     "loss_forward_hook",
     "module_forward_hook",
@@ -69,7 +70,8 @@ __all__ = [
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 
 
-def _detach(x: Any) -> Any:
+def detached(x: Any) -> Any:
+    """``x.detach()`` for a tensor, anything else as it is."""
     return x.detach() if isinstance(x, Tensor) else x
 
 
@@ -116,12 +118,12 @@ def _record_root(
         if isinstance(o, Tensor) and o.grad_fn is not None:
             if record is None:
                 flat = all(_flat(a) for a in args)
-                detached = tuple(_detach(a) if flat else tree_map(_detach, a) for a in args)
+                inputs = tuple(detached(a) if flat else tree_map(detached, a) for a in args)
                 leaves = args if flat else tree_flatten(args)[0]
                 stops = tuple(
                     a.grad_fn for a in leaves if isinstance(a, Tensor) and a.grad_fn is not None
                 )
-                record = RootRecord(module, detached, recorded, stops, modeless)
+                record = RootRecord(module, inputs, recorded, stops, modeless)
             o.grad_fn.metadata[ROOT] = record
 
 
@@ -339,12 +341,12 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         # tensors and scalars only (``attn_mask=None, need_weights=False``): no pytree walks
         arg_tensors = [a for a in args if isinstance(a, Tensor)]
         arg_tensors += [v for v in kwargs.values() if isinstance(v, Tensor)]
-        call_args = tuple(_detach(a) for a in args)
-        call_kwargs = {k: _detach(v) for k, v in kwargs.items()}
+        call_args = tuple(detached(a) for a in args)
+        call_kwargs = {k: detached(v) for k, v in kwargs.items()}
     else:
         arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
-        call_args = tuple(tree_map(_detach, a) for a in args)
-        call_kwargs = {k: tree_map(_detach, v) for k, v in kwargs.items()}
+        call_args = tuple(tree_map(detached, a) for a in args)
+        call_kwargs = {k: tree_map(detached, v) for k, v in kwargs.items()}
     released = frame[2]
     if frame[10]:
         undo_release(frame)
@@ -649,7 +651,7 @@ def _loss_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
         inputs = list(args) + list(kwargs.values())
     record = LossRecord(
         module=module,
-        inputs=[a if isinstance(a, Tensor) and a.requires_grad else _detach(a) for a in inputs],
+        inputs=[a if isinstance(a, Tensor) and a.requires_grad else detached(a) for a in inputs],
         output_nr=output.output_nr,
     )
     record.layout_error = _layout_error(

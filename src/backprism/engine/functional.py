@@ -67,9 +67,10 @@ from backprism.engine.state import (
     UNATTRIBUTED,
     VIEW,
     active,
+    param_view,
 )
 
-__all__ = ["PARAM_IDS", "ForwardMode", "OpModule", "ParamBroadcast", "ReleaseMode"]
+__all__ = ["ForwardMode", "OpModule", "ParamBroadcast", "ReleaseMode"]
 
 _VIEW_OPS = frozenset(
     {
@@ -129,29 +130,6 @@ def _is_owned(p: nn.Parameter) -> bool:
     return False
 
 
-#: ids of extended parameters (filled by ``extend``); a tensor whose id is neither here nor in
-#: ``FORWARD.view_ids`` (views of them made in this thread's forward) is neither
-PARAM_IDS: set[int] = set()
-
-
-def _param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
-    """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter or a view of one.
-
-    Called on every operand of every operation of an extended forward: set lookups first,
-    then plain attribute lookups (``isinstance(a, nn.Parameter)`` runs a Python-level
-    metaclass check; an id may be reused by another tensor, so the attributes decide)."""
-    i = id(a)
-    if i not in PARAM_IDS and i not in FORWARD.view_ids:
-        return None
-    if not isinstance(a, Tensor):
-        return None
-    if getattr(a, "_backprism_hooked", False):
-        return (a, _identity, "param") if a.requires_grad else None  # type: ignore[return-value]
-    return getattr(a, VIEW, None)
-
-
-def _identity(q: Tensor) -> Tensor:
-    return q
 
 
 class OpModule(nn.Module):
@@ -368,9 +346,9 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     for a in args:
         if isinstance(a, (list, tuple)) and a:
             _nested_uses(a)
-    views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
+    views = [(i, v) for i, a in enumerate(args) if (v := param_view(a)) is not None]
     kw_views = (
-        {k: v for k, a in kwargs.items() if (v := _param_view(a)) is not None} if kwargs else {}
+        {k: v for k, a in kwargs.items() if (v := param_view(a)) is not None} if kwargs else {}
     )
     if not views and not kw_views:
         return
@@ -378,8 +356,8 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         name = residual.op_name(func)
     if kw_views and name in _SIGNATURES:
         args, kwargs = _positional(name, args, kwargs)
-        views = [(i, v) for i, a in enumerate(args) if (v := _param_view(a)) is not None]
-        kw_views = {k: v for k, a in kwargs.items() if (v := _param_view(a)) is not None}
+        views = [(i, v) for i, a in enumerate(args) if (v := param_view(a)) is not None]
+        kw_views = {k: v for k, a in kwargs.items() if (v := param_view(a)) is not None}
     every = [v for _, v in views] + list(kw_views.values())
     owned = frozenset(id(v[0]) for v in every if _is_owned(v[0]))
     if len(owned) == len({id(v[0]) for v in every}):
@@ -401,7 +379,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     tensors = [
         (i, a)
         for i, a in enumerate(args)
-        if isinstance(a, Tensor) and _param_view(a) is None and not _constant(a)
+        if isinstance(a, Tensor) and param_view(a) is None and not _constant(a)
     ]
     if name in _VIEW_OPS and len(views) == 1 and not kw_views and not tensors and isinstance(
         out, Tensor
@@ -474,7 +452,7 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     xs: list[Tensor] = []
 
     def item(a: Any) -> Any:
-        v = _param_view(a)
+        v = param_view(a)
         if v is not None and id(v[0]) in owned:
             return ("c", a)
         if v is not None:
@@ -520,7 +498,7 @@ def _derivable(name: str, every: list, kwargs: dict) -> bool:
     if name in _RANDOM_OPS or "dropout" in name or (name.endswith("_") and not name.endswith("__")):
         return False
     if any(
-        isinstance(a, Tensor) and _param_view(a) is None and not _constant(a)
+        isinstance(a, Tensor) and param_view(a) is None and not _constant(a)
         for a in kwargs.values()
     ):
         return False
@@ -602,7 +580,7 @@ def _nested_uses(items: list | tuple) -> None:
     they enter: a module that released them claims them after all (elsewhere the graph check
     refuses the use)."""
     for a in items:
-        v = _param_view(a) if isinstance(a, Tensor) else None
+        v = param_view(a) if isinstance(a, Tensor) else None
         if v is None:
             continue
         frame = releasing_frame([v[0]])
@@ -650,7 +628,7 @@ def _mark_transposed(name: str, args: tuple, kwargs: dict, out: Any) -> None:
     src = args[0] if args else None
     if frame is None or not isinstance(src, Tensor) or not isinstance(out, Tensor):
         return
-    if src.dim() < 2 or src.shape[0] != frame[9][0] or _param_view(src) is not None:
+    if src.dim() < 2 or src.shape[0] != frame[9][0] or param_view(src) is not None:
         return
     if name == "mT":
         moved = src.dim() == 2
@@ -663,9 +641,9 @@ def _mark_transposed(name: str, args: tuple, kwargs: dict, out: Any) -> None:
 
 
 def _pv(a: Any, owned: frozenset[int]) -> tuple | None:
-    """:func:`_param_view` of ``a`` unless its parameter is claimed by a module in its
-    forward (``owned``)."""
-    v = _param_view(a)
+    """:func:`~backprism.engine.state.param_view` of ``a`` unless its parameter is claimed by a
+    module in its forward (``owned``)."""
+    v = param_view(a)
     return None if v is None or id(v[0]) in owned else v
 
 
@@ -674,7 +652,7 @@ def _frozen(a: Any, owned: frozenset[int]) -> bool:
     a module in its forward claims (its call attributes it)."""
     if not isinstance(a, Tensor):
         return False
-    v = _param_view(a)
+    v = param_view(a)
     return (v is None and not a.requires_grad) or (v is not None and id(v[0]) in owned)
 
 
@@ -861,17 +839,18 @@ _INERT = frozenset(
         "tolist", "__format__", "__repr__", "__hash__", "__index__", "__int__", "__float__",
     }
 )
-#: function → (op name, inert, residual kind); functions are few and long-lived
-_INFO: dict[Any, tuple[str, bool, int]] = {}
+#: function → (op name, inert, residual kind, in place: :func:`_mutates`); functions are few
+#: and long-lived
+_INFO: dict[Any, tuple[str, bool, int, bool]] = {}
 
 
-def _info(func: Any) -> tuple[str, bool, int]:
+def _info(func: Any) -> tuple[str, bool, int, bool]:
     try:
         return _INFO[func]
     except (KeyError, TypeError):
         pass
     name = residual.op_name(func)
-    info = (name, name in _INERT, residual.classify(name))
+    info = (name, name in _INERT, residual.classify(name), _mutates(name))
     if len(_INFO) > 4096:  # bounded even if callables are created on the fly
         _INFO.clear()
     with contextlib.suppress(TypeError):  # unhashable callable: not cached
@@ -933,9 +912,9 @@ _IN_PLACE = _in_place_forms()
 def _in_place_parameter_use(args: tuple) -> bool:
     """An in-place operation on a per-sample tensor with an extended parameter (or a view of
     one) among its other operands that no module in its forward claims."""
-    if not args or not isinstance(args[0], Tensor) or _param_view(args[0]) is not None:
+    if not args or not isinstance(args[0], Tensor) or param_view(args[0]) is not None:
         return False
-    views = [v for a in args[1:] if (v := _param_view(a)) is not None]
+    views = [v for a in args[1:] if (v := param_view(a)) is not None]
     return bool(views) and not all(_is_owned(v[0]) for v in views)
 
 
@@ -956,10 +935,10 @@ class ForwardMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        name, inert, kind = _info(func)
+        name, inert, kind, in_place = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if args and _mutates(name):
+        if in_place and args:
             if id(args[0]) in FORWARD.view_ids:
                 _invalidate_view(args[0])
             if isinstance(args[0], Tensor) and hasattr(args[0], SHARED):

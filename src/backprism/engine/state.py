@@ -50,6 +50,7 @@ __all__ = [
     "LOSS",
     "MODE_FREE",
     "NO_INPUT",
+    "PARAM_IDS",
     "ROOT",
     "SHARED",
     "SITES",
@@ -62,6 +63,7 @@ __all__ = [
     "RootRecord",
     "active",
     "forget_mode_free",
+    "param_view",
     "sequence_first",
     "set_active",
     "suspended",
@@ -95,6 +97,32 @@ FREE = "_backprism_free"
 VIEW = "_backprism_view"
 #: ``Call.unsplit`` of a call without tensor inputs until it is widened over the samples
 NO_INPUT = "no tensor input"
+
+
+#: ids of extended parameters (filled by ``extend``); a tensor whose id is neither here nor in
+#: ``FORWARD.view_ids`` (views of them made in this thread's forward) is neither
+PARAM_IDS: set[int] = set()
+
+
+def param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] | None:
+    """``(parameter, rebuild, kind)`` if ``a`` is an extended parameter that needs a gradient
+    or a view of one (:data:`VIEW`).
+
+    Called on every operand of every operation of an extended forward: set lookups first,
+    then plain attribute lookups (``isinstance(a, nn.Parameter)`` runs a Python-level
+    metaclass check; an id may be reused by another tensor, so the attributes decide)."""
+    i = id(a)
+    if i not in PARAM_IDS and i not in FORWARD.view_ids:
+        return None
+    if not isinstance(a, Tensor):
+        return None
+    if getattr(a, "_backprism_hooked", False):
+        return (a, _identity, "param") if a.requires_grad else None  # type: ignore[return-value]
+    return getattr(a, VIEW, None)
+
+
+def _identity(q: Tensor) -> Tensor:
+    return q
 
 
 def sequence_first(module: nn.Module) -> bool:
@@ -134,9 +162,10 @@ class Call:
         superseded: replaced by a call widened to the batch (a call whose output all samples
             share, broadcast over them, see :mod:`backprism.engine.broadcast`); ignored.
         widened_from: for such a widened call, the call it replaces.
-        unsplit: for a call on inputs that need no gradient, the operation in which its
-            output met a tensor of higher rank or of a larger axis 0 other than by widening
-            (its axis 0 is not the samples'; the backward pass refuses it).
+        unsplit: for a call on inputs that need no gradient, why its output has no
+            per-sample split (a phrase for the refusal of the backward pass: where it met the
+            samples other than by widening, an in-place operation, an input that could not be
+            widened), or :data:`NO_INPUT`; the backward pass refuses it.
         whole_batch: set while a backward pass treats the batch as one sample (BatchNorm in
             train mode mixes the samples; only whole-batch curvature is defined): rules may
             then use batch statistics (see ``BackwardPass.whole_batch``).
