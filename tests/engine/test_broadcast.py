@@ -14,6 +14,8 @@ and the number of layers sharing one bias.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,6 +139,14 @@ def _first_order_and_ggn(model: nn.Module, x: Tensor, y: Tensor) -> None:
     )
 
 
+def _exact(make: Callable[[], nn.Module], n: int, *shape: int) -> None:
+    """:func:`_first_order_and_ggn` of ``make()`` (seeded) on ``n`` random inputs of
+    ``shape``."""
+    torch.manual_seed(0)
+    model = make().to(DT)
+    _first_order_and_ggn(model, torch.randn(n, *shape, dtype=DT), torch.randint(0, C, (n,)))
+
+
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     layout=st.sampled_from(LAYOUTS),
@@ -217,9 +227,7 @@ class MatrixProduct(nn.Module):
 @pytest.mark.parametrize("n", [2, 5])
 def test_a_shared_table_in_a_matrix_product(n: int) -> None:
     """Also where its leading size ``T`` equals ``N`` (split along ``T`` once, silently)."""
-    torch.manual_seed(0)
-    model = MatrixProduct().to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 5, D, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(MatrixProduct, n, 5, D)
 
 
 class PositionsTwice(nn.Module):
@@ -305,9 +313,7 @@ class CoordinateMlp(nn.Module):
 def test_a_shared_value_of_two_modules(n: int) -> None:
     """The second module is run again on each sample's copy of its input, which widens the
     first one in turn; also where ``T = N`` (split along ``T`` once, silently)."""
-    torch.manual_seed(0)
-    model = CoordinateMlp(4).to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(lambda: CoordinateMlp(4), n, 4, D)
 
 
 class BiasTable(nn.Module):
@@ -356,9 +362,7 @@ class TableInProduct(WithTable):
 
 @pytest.mark.parametrize("n", [3, 4])
 def test_a_module_without_tensor_inputs_in_a_matrix_product(n: int) -> None:
-    torch.manual_seed(0)
-    model = TableInProduct(4).to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(lambda: TableInProduct(4), n, 4, D)
 
 
 class ProjectedPositions(nn.Module):
@@ -378,9 +382,7 @@ class ProjectedPositions(nn.Module):
 @pytest.mark.parametrize("n", [3, 5])
 def test_projected_positions(n: int) -> None:
     """Also where ``T = N`` (the embedding was split along ``T`` once, silently)."""
-    torch.manual_seed(0)
-    model = ProjectedPositions().to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 5, 3, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(ProjectedPositions, n, 5, 3)
 
 
 class Gate(nn.Module):
@@ -413,9 +415,7 @@ class GatedTable(nn.Module):
 @pytest.mark.filterwarnings("ignore::backprism.rules.generic.GenericRuleWarning")
 @pytest.mark.parametrize("n", [3, 4])
 def test_a_shared_value_through_a_module_of_the_generic_rule(n: int) -> None:
-    torch.manual_seed(0)
-    model = GatedTable().to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 4, D, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(GatedTable, n, 4, D)
 
 
 class RelativeEmbeddings(nn.Module):
@@ -465,9 +465,7 @@ class RelativeEmbeddings(nn.Module):
 def test_relative_embeddings_through_two_modules(n: int) -> None:
     """First order and the GGN diagonal against ``torch.func``, also where ``N = 2S`` (the
     number of relative positions) and ``N = T``."""
-    torch.manual_seed(0)
-    model = RelativeEmbeddings().to(DT)
-    _first_order_and_ggn(model, torch.randn(n, 6, 3, dtype=DT), torch.randint(0, C, (n,)))
+    _exact(RelativeEmbeddings, n, 6, 3)
 
 
 def test_dropout_of_a_shared_table() -> None:
