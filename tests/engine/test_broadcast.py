@@ -14,7 +14,9 @@ and the number of layers sharing one bias.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -466,6 +468,64 @@ def test_relative_embeddings_through_two_modules(n: int) -> None:
     """First order and the GGN diagonal against ``torch.func``, also where ``N = 2S`` (the
     number of relative positions) and ``N = T``."""
     _exact(RelativeEmbeddings, n, 6, 3)
+
+
+CHAINS = {
+    "coordinate_mlp": (lambda: CoordinateMlp(4), (4, D), "fc2"),
+    "relative_embeddings": (RelativeEmbeddings, (6, 3), "k"),
+}
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_a_chain_is_run_once_and_outside_collect_gives_the_plain_gradients(chain: str) -> None:
+    """A shared value of modules in a row costs the forward one call of each module on the
+    shared inputs (never one per sample: the copies are the output, copied); a backward pass
+    that collects nothing gives the same ``.grad`` as the model that was never extended, with
+    each parameter's own hook run once, over two steps."""
+    make, shape, name = CHAINS[chain]
+    torch.manual_seed(0)
+    plain = make().to(DT)
+    model = extend(make().to(DT))
+    model.load_state_dict(plain.state_dict())
+    seen: list[torch.Size] = []
+    getattr(model, name).register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    runs = {"hook": 0}
+    getattr(model, name).weight.register_hook(lambda g: runs.__setitem__("hook", runs["hook"] + 1))
+    for step in range(2):
+        x, y = torch.randn(3, *shape, dtype=DT), torch.randint(0, C, (3,))
+        for m in (plain, model):
+            m.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=k)
+        assert runs["hook"] == step + 1
+    assert seen and all(s[0] != 3 or s == seen[0] for s in seen), seen
+    assert len(set(seen)) == 1  # the shared shape, in the forward and its one re-run
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_double_backward_through_a_chain(chain: str) -> None:
+    """``create_graph=True`` through widened chains (Hessian-vector products, gradient
+    penalties): the same second derivatives as the model that was never extended, outside and
+    inside ``collect`` (the GGN diagonal collected by the first backward pass)."""
+    make, shape, _ = CHAINS[chain]
+    torch.manual_seed(0)
+    plain = make().to(DT)
+    model = extend(make().to(DT))
+    model.load_state_dict(plain.state_dict())
+    x, y = torch.randn(3, *shape, dtype=DT), torch.randint(0, C, (3,))
+    vs = [torch.randn_like(p) for p in plain.parameters()]
+
+    def hvp(m: nn.Module, first: Any = contextlib.nullcontext) -> list[Tensor]:
+        ps = list(m.parameters())
+        with first():
+            gs = torch.autograd.grad(F.cross_entropy(m(x), y), ps, create_graph=True)
+        return list(torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ps))
+
+    expected = hvp(plain)
+    for actual in (hvp(model), hvp(model, lambda: collect(DiagGGNExact()))):
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a, e, **TOL)
 
 
 def test_dropout_of_a_shared_table() -> None:

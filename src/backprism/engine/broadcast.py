@@ -33,9 +33,12 @@ A call whose inputs need a gradient — they are computed by other shared calls 
 relative coordinates, position embeddings through a Linear layer) or are parameters used as
 tensors (DeBERTa's relative embeddings through a LayerNorm) — cannot be widened by expanding
 its output, since the gradient reaching its inputs would still be every sample's at once. It is
-run again on its inputs' copies per sample (:func:`_recomputed`): each input computed by a
-shared call is widened in turn (the same function, recursively), a parameter is copied over the
-batch and recorded as a :class:`ParamBroadcast`, anything else is expanded.
+widened on its inputs' copies per sample (:func:`_recomputed`): each input computed by a shared
+call is widened in turn (the same function, recursively), a parameter is copied over the batch
+and recorded as a :class:`ParamBroadcast`, anything else is expanded. The call is not run once
+per sample: its output on the copies is its output on the shared inputs, copied, and the
+per-sample pull-back to the input copies happens in the backward pass (:class:`_Spread`). Each
+such call is widened once per forward; later consumers reuse its copies.
 
 The original call is marked ``superseded`` (ignored by the backward pass). Each widening
 consumes the call's output exactly once in the autograd graph; the graph check
@@ -52,8 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
-from torch.func import vmap
-from torch.utils._pytree import tree_map
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from backprism.engine.forward import attach, capture, detached
 from backprism.engine.rule import get_rule
@@ -434,16 +437,21 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
         if not (rule.moves_batch_axis or rule.folds_rows):
             return None
     live = call.live if call.live is not None else (call.args, call.kwargs)
+    key = None
     if any(
         isinstance(a, Tensor) and a.requires_grad for a in (*live[0], *live[1].values())
     ):
         # inputs computed by other calls (a shared value of two modules in a row): the call is
-        # recomputed on its inputs' copies per sample, which widen those calls in turn
+        # widened on its inputs' copies per sample, which widen those calls in turn
+        key = (id(call), n, batch_one)
+        done = FORWARD.widened.get(key)
+        if done is not None:  # widened for an earlier consumer: its copies serve this one too
+            return _replayed(done[1], replay, batch_one, n, aligned)
         widened = _recomputed(call, live, n, batch_one)
         if widened is None:
             where = (
                 f"reaches the samples only as the input of {call.name}, which backprism "
-                "cannot run again on each sample's copy of it (an operation on the way that "
+                "cannot widen to each sample's copy of it (an operation on the way that "
                 "it does not follow, or a layer whose rule takes no widened call), so its "
                 "gradient has no per-sample split"
             )
@@ -464,28 +472,37 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
 
         wide = widen(origin)
         expanded = _expanded(call, widen, wide)
-    if batch_one:
-
-        def per_sample(o: Tensor, replay: Any = replay) -> Tensor:
-            return replay(o.unsqueeze(0))
-
-    else:
-        per_sample = replay
     if not attach(expanded, [wide]):
         return None
     call.superseded = True
     FORWARD.acted += 1
-    copies = wide if replay is None else vmap(per_sample)(wide)
+    if key is not None:
+        FORWARD.widened[key] = (call, wide)
+    return _replayed(wide, replay, batch_one, n, aligned)
+
+
+def _replayed(
+    wide: Tensor, replay: Any, batch_one: bool, n: int, aligned: tuple[int, ...]
+) -> Tensor:
+    """The copies per sample of the shared tensor that ``replay`` rebuilds from the call's
+    output, given the call's output copies ``wide``."""
+    if replay is None:
+        copies = wide
+    elif batch_one:
+        copies = vmap(lambda o: replay(o.unsqueeze(0)))(wide)
+    else:
+        copies = vmap(replay)(wide)
     return copies.reshape(n, *aligned[1:])
 
 
 def _recomputed(
     call: Call, live: tuple[tuple, dict], n: int, batch_one: bool
 ) -> tuple[Call, Tensor] | None:
-    """``call`` run again on its inputs' copies per sample (each input computed by shared calls
-    widened by :func:`_widen_shared`, every other one expanded), and its output there, or
-    ``None`` where an input cannot be widened. ``batch_one``: the copies are laid out along
-    the call's axis 0 of size 1; otherwise they form a new leading axis."""
+    """``call`` widened on its inputs' copies per sample (each input computed by shared calls
+    widened by :func:`_widen_shared`, every other one expanded) through a :class:`_Spread`,
+    and its output there, or ``None`` where an input cannot be widened. ``batch_one``: the
+    copies are laid out along the call's axis 0 of size 1; otherwise they form a new leading
+    axis."""
     tensors: list[Tensor] = []
 
     def copies(a: Any) -> Any:
@@ -512,16 +529,10 @@ def _recomputed(
         kwargs = {k: copies(v) for k, v in live[1].items()}
     except _NotWidened:
         return None
-    module = call.module
-    with suspended():
-        if batch_one or get_rule(module).moves_batch_axis:
-            # a batch of n, or trailing feature axes after the new one
-            out = module(*args, **kwargs)
-        else:
-            dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, (args, kwargs))
-            out = vmap(lambda a, k: module(*a, **k), in_dims=dims)(args, kwargs)
-    if not isinstance(out, Tensor) or not out.requires_grad:
+    spread = _Spread.prepare(call.module, live, (args, kwargs), n, batch_one)
+    if spread is None:
         return None
+    out = spread.apply()
     widened = _widened(
         call,
         out,
@@ -532,7 +543,148 @@ def _recomputed(
         input_edges=[get_gradient_edge(a) for a in tensors if a.requires_grad],
         inner=None,
     )
+    spread.call = widened
     return widened, out
+
+
+class _Spread:
+    r"""A shared call's output over the batch without running the call once per sample.
+
+    All samples' copies of a shared call's inputs hold the same value, so the call's output on
+    them is its output ``y`` on the inputs as they are, copied over the samples: the forward
+    costs one call, not ``N``. ``y`` is computed from detached leaves ``x̃`` of those inputs (and
+    the parameters), so its graph reaches the parameters and ``x̃`` only. What differs per
+    sample is the backward (:class:`_SpreadFunction`), given the output gradient
+    ``G = [G₁, …, G_N]``:
+
+    * the parameters get ``Jₚᵀ Σₙ Gₙ`` through ``y``'s graph (one pull-back, as in a plain
+      backward, with their hooks run once);
+    * the inputs' copies get ``Jₓᵀ Gₙ`` in row ``n`` (``J``: the call's Jacobian at the shared
+      inputs), by one ``torch.autograd.grad`` from ``y`` to ``x̃`` batched over the samples,
+      where a backward pass collects from this call (``call.pass_`` is set); where nothing
+      collects, no per-sample split is needed upstream and ``Jₓᵀ Σₙ Gₙ`` goes to row 0, the
+      other rows zero (the same sum upstream at the cost of one pull-back);
+    * under ``create_graph=True`` (double backward, Hessian-vector products) the call is run
+      on the copies per sample and both gradients come from that graph, so that they are
+      differentiable in the inputs and parameters.
+
+    A call with randomness inside (a module that applies dropout itself) draws it again in that
+    last case; the layers such chains are made of (Linear, Embedding, norms) have none."""
+
+    def __init__(self) -> None:
+        self.call: Call | None = None  # the widened call, once built (which pass collects)
+
+    @classmethod
+    def prepare(
+        cls, module: nn.Module, live: tuple[tuple, dict], copies: tuple[tuple, dict], n: int,
+        batch_one: bool,
+    ) -> _Spread | None:
+        """The spread of ``module`` called on ``live`` (its inputs as passed) to ``copies``
+        (the same structure, each input's copies per sample: ``[n, ...]``, or along axis 0 of
+        size 1 for ``batch_one``); ``None`` if its output is not one tensor."""
+        self = cls()
+        flat_live, spec = tree_flatten(live)
+        flat_copies, _ = tree_flatten(copies)
+        self.diff = [
+            i for i, c in enumerate(flat_copies) if isinstance(c, Tensor) and c.requires_grad
+        ]
+        leaves = [detached(a) for a in flat_live]
+        self.leaves = [leaves[i].requires_grad_() for i in self.diff]
+        for i, x in zip(self.diff, self.leaves):
+            leaves[i] = x
+        args, kwargs = tree_unflatten(leaves, spec)
+        with suspended(), torch.enable_grad():
+            y = module(*args, **kwargs)
+        if not isinstance(y, Tensor) or not y.requires_grad:
+            return None
+        self.y, self.spec, self.module, self.n, self.batch_one = y, spec, module, n, batch_one
+        self.others = [None if i in self.diff else c for i, c in enumerate(flat_copies)]
+        self.copies = [flat_copies[i] for i in self.diff]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        return self
+
+    def apply(self) -> Tensor:
+        """The output's copies per sample, ``[n, ...]`` (for ``batch_one``: ``y`` expanded
+        along its axis 0), in the graph through :class:`_SpreadFunction`."""
+        return _SpreadFunction.apply(self, self.y, *self.copies, *self.params)
+
+    def pull_back(self, g: Tensor) -> tuple[Tensor | None, ...]:
+        """The gradients of ``y`` and of the inputs' copies for the output gradient ``g``
+        (``[n, ...]``), per sample where a backward pass collects (see the class docstring)."""
+        total = g.sum(0, keepdim=self.batch_one)
+        if not self.leaves:
+            return (total,)
+        if self.call is not None and self.call.pass_ is not None:
+            cot = g.unsqueeze(1) if self.batch_one else g
+            xs = torch.autograd.grad(
+                self.y, self.leaves, cot, retain_graph=True, is_grads_batched=True,
+                allow_unused=True,
+            )
+            per_sample = [
+                None if x is None else x.flatten(0, 1) if self.batch_one else x for x in xs
+            ]
+            return (total, *per_sample)
+        xs = torch.autograd.grad(self.y, self.leaves, total, retain_graph=True, allow_unused=True)
+        rows = []
+        for x in xs:  # nothing collects: the sum, as sample 0's
+            if x is None:
+                rows.append(None)
+                continue
+            first = x[0] if self.batch_one else x
+            z = first.new_zeros(self.n, *first.shape)
+            z[0] = first
+            rows.append(z)
+        return (total, *rows)
+
+    def rerun(self, inputs: tuple[Tensor, ...], g: Tensor) -> tuple[Tensor | None, ...]:
+        """The gradients of the inputs' copies and of the parameters for ``g`` as a
+        differentiable function of them (``create_graph=True``): the call run on the copies per
+        sample, on aliases of the parameters (so that their own hooks run once, when the
+        returned gradients reach them)."""
+        k = len(self.diff)
+        copies, params = inputs[:k], inputs[k:]
+        aliases = [p.view_as(p) for p in params]
+        names = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        leaves = list(self.others)
+        for i, x in zip(self.diff, copies):
+            leaves[i] = x
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        module, state = self.module, dict(zip(names, aliases))
+
+        def run(a: tuple, kw: dict) -> Tensor:
+            return functional_call(module, state, a, kw)
+
+        with suspended(), torch.enable_grad():
+            if self.batch_one or get_rule(module).moves_batch_axis:
+                out = run(args, kwargs)
+            else:
+                dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, (args, kwargs))
+                out = vmap(run, in_dims=dims)(args, kwargs)
+            return torch.autograd.grad(
+                out, (*copies, *aliases), g, create_graph=True, allow_unused=True
+            )
+
+
+class _SpreadFunction(torch.autograd.Function):
+    """``y`` copied over the samples; the backward is :meth:`_Spread.pull_back` (or
+    :meth:`_Spread.rerun`)."""
+
+    @staticmethod
+    def forward(ctx: Any, spread: _Spread, y: Tensor, *inputs: Tensor) -> Tensor:
+        ctx.spread = spread
+        ctx.save_for_backward(*inputs)
+        y = y.detach()
+        if spread.batch_one:
+            return y.expand(spread.n, *y.shape[1:])
+        return y.unsqueeze(0).expand(spread.n, *y.shape)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        spread = ctx.spread
+        if torch.is_grad_enabled():  # create_graph=True
+            return (None, None, *spread.rerun(ctx.saved_tensors, g))
+        grads = spread.pull_back(g)
+        return (None, *grads, *(None for _ in spread.params))
 
 
 def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
@@ -556,4 +708,4 @@ def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
 
 
 class _NotWidened(Exception):
-    """An input of a recomputed call has no copies per sample."""
+    """An input of a call to widen has no copies per sample."""

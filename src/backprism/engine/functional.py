@@ -1036,6 +1036,7 @@ def _enter(root: nn.Module) -> None:
     a different path needs; the model is then recorded again
     (:func:`~backprism.engine.state.forget_mode_free`)."""
     FORWARD.view_ids.clear()  # views of parameters are tracked per top-level forward
+    FORWARD.widened.clear()
     if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record
         FORWARD.modes.append(None)
         return
@@ -1070,6 +1071,7 @@ def _enter(root: nn.Module) -> None:
 
 def _exit(root: nn.Module, output: Any) -> None:
     FORWARD.free_ops = None
+    FORWARD.widened.clear()
     if FORWARD.modes:
         mode = FORWARD.modes.pop()
         if mode is None:

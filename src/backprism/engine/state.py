@@ -353,6 +353,10 @@ class _ForwardState(threading.local):
         #: ids of the views of extended parameters made during this thread's top-level
         #: forward (``engine.functional``)
         self.view_ids: set[int] = set()
+        #: shared calls widened by running them once over their inputs' copies in this
+        #: top-level forward (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``,
+        #: reused by every later consumer of the same call
+        self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
         #: what the forward mode did in this top-level forward that module hooks alone would
         #: not (functional parameter uses, nonlinearity records outside activation modules,
         #: broadcast calls); ``0`` after a forward that did not need the mode
