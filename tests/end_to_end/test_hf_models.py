@@ -273,30 +273,22 @@ def test_the_models_own_loss_with_labels(name: str):
         torch.testing.assert_close(p.diag_ggn_exact, ref[k], **LOOSE)
 
 
-def test_swin_windows_and_its_shared_bias_tables():
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_swin_windows_and_its_shared_bias_tables(attention: str):
     """Hugging Face's Swin: window attention on the batch folded with the windows
-    (``[N·windows, ws², C]``) gets the samples' first-order results and GGN diagonal; its
-    relative position bias tables come from a module whose forward takes no input (shared by
-    all samples), broadcast over the windows' rows: refused, naming the way out, and analysed
-    without them once frozen."""
+    (``[N·windows, ws², C]``) gets the samples' first-order results and GGN diagonal, its
+    relative position bias tables too: they come from a module whose forward takes no input
+    (shared by all samples), combined with the shifted windows' constant mask and broadcast
+    over the windows' rows, whose grouping into samples is read from the scores (eager) or
+    queries (SDPA) they meet."""
     torch.manual_seed(0)
     cfg = transformers.SwinConfig(
         image_size=16, patch_size=2, embed_dim=4, depths=[2, 1], num_heads=[1, 2],
-        window_size=4, num_labels=3,
+        window_size=4, num_labels=3, attn_implementation=attention,
     )
     model = Logits(_quiet(lambda: transformers.SwinForImageClassification(cfg))).to(DT).eval()
     x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
-    ce = nn.CrossEntropyLoss()
-    extend(model)
-    with pytest.raises(RuntimeError, match="SwinRelativePositionBias, shared by all"), collect(
-        BatchGrad()
-    ):
-        ce(model(x), y).backward()
-    assert all(p.grad is None for p in model.parameters())
-    for k, p in model.named_parameters():
-        if "relative_position_bias_table" in k:
-            p.requires_grad_(False)
-    _against_loops(model, ce, x, y, TOL)
+    _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL)
 
 
 class _Seq2SeqLogits(nn.Module):

@@ -528,6 +528,63 @@ def test_double_backward_through_a_chain(chain: str) -> None:
             torch.testing.assert_close(a, e, **TOL)
 
 
+class WindowBias(nn.Module):
+    """Swin-like: a relative position bias ``[1, H, T, T]`` (an ``Embedding`` of bucket
+    indices) added to the scores of windows of ``T`` positions, the batch folded with the
+    ``W`` windows (``[N·W, H, T, T]``), sample-major or window-major; with ``mask``, first
+    combined with a constant ``[N·W, 1, T, T]`` mask (shifted windows)."""
+
+    def __init__(self, w: int, t: int, mask: bool, major: str) -> None:
+        super().__init__()
+        self.w, self.t, self.major = w, t, major
+        self.qk, self.head = nn.Linear(D, 2 * D), nn.Linear(D, C)
+        self.bias = nn.Embedding(2 * t - 1, H)
+        self.mask = torch.randn(w, 1, t, t, dtype=DT).clamp(max=0.0) if mask else None
+
+    def rows(self, x: Tensor) -> Tensor:
+        n, w, t = x.shape[0], self.w, self.t
+        if self.major == "sample":
+            return x.reshape(n * w, t, -1)
+        return x.view(n, w, t, -1).transpose(0, 1).reshape(w * n, t, -1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        q, k = self.qk(x).chunk(2, -1)  # [N, W·T, D] each
+        q, k, v = self.rows(q), self.rows(k), self.rows(x)
+        scores = (q.view(*q.shape[:2], H, -1).transpose(1, 2)
+                  @ k.view(*k.shape[:2], H, -1).permute(0, 2, 3, 1))  # [N·W, H, T, T]
+        pos = torch.arange(self.t)
+        b = self.bias(pos[:, None] - pos[None, :] + self.t - 1).permute(2, 0, 1).unsqueeze(0)
+        if self.mask is not None:
+            m = self.mask.unsqueeze(0).expand(n, -1, -1, -1, -1).reshape(-1, 1, self.t, self.t)
+            if self.major != "sample":
+                m = self.mask.unsqueeze(1).expand(-1, n, -1, -1, -1).reshape(-1, 1, self.t, self.t)
+            b = b + m
+        out = ((scores + b).softmax(-1).mean(1) @ v).mean(1)  # [N·W, D]
+        grouped = out.view(n, self.w, -1) if self.major == "sample" else (
+            out.view(self.w, n, -1).transpose(0, 1)
+        )
+        return self.head(grouped.mean(1))
+
+
+@pytest.mark.parametrize("mask", [False, True])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_table_broadcast_over_windows_of_the_samples(n: int, mask: bool) -> None:
+    """A shared bias widened over a batch folded sample-major with windows: each sample's
+    rows summed, read from the scores it meets (after a constant mask, from the scores too);
+    also where ``N = W``."""
+    _exact(lambda: WindowBias(3, 2, mask, "sample"), n, 6, D)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_table_broadcast_over_window_major_rows_is_refused(mask: bool) -> None:
+    """Window-major rows (``[W·N, …]``) group no sample's rows together: refused before
+    anything is written, the projections before the fold being of batch ``N``."""
+    torch.manual_seed(0)
+    model = extend(WindowBias(3, 2, mask, "window").to(DT))
+    _refused(model, torch.randn(2, 6, D, dtype=DT), "batch sizes")
+
+
 def test_dropout_of_a_shared_table() -> None:
     """In train mode the shared dropout mask is drawn once and replayed on every sample's copy:
     first order against the reference with the mask it drew."""

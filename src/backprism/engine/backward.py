@@ -411,6 +411,8 @@ class BackwardPass:
                     g = analysis.fold(call.input_edges, call.batch_size)
                     if g is None and not call.input_edges:  # the model's input, reshaped
                         g = _input_fold(call, self.roots, n)
+                    if g is None and call.meets:  # widened against folded rows (Swin's)
+                        g = analysis.fold(call.meets, call.batch_size)
                 if g is None:
                     break
                 folds[call] = g
@@ -526,9 +528,11 @@ class BackwardPass:
         if widened:
             hints += (
                 f" The output of {', '.join(widened)}, shared by all samples, was widened over "
-                "the rows of a tensor it was broadcast against, and those rows are not the "
-                "samples (a batch folded with windows, as in Hugging Face's Swin): freeze its "
-                "parameters (requires_grad_(False)) to analyse the rest."
+                "the rows of a tensor it was broadcast against, and backprism could not follow "
+                "those rows to groups per sample from what it met (a batch folded with windows "
+                "sample-major, as in Swin, is followed; a window-major fold or a meeting with "
+                "constants only is not): freeze its parameters (requires_grad_(False)) to "
+                "analyse the rest."
             )
         hints += (
             " A module called on an input without the batch axis, its output shared by all "

@@ -212,6 +212,8 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
     is then not the samples'); marks ``out`` if it is the same for every sample
     (:func:`mark_free`); returns ``out`` or its widened copies."""
     mark_free(name, args, kwargs, out)
+    if FORWARD.rows_pending:
+        _follow_rows(name, args, out)
     if name in FOLLOWS:
         if name in _OVER_BATCH and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
             src = args[0] if args else None
@@ -247,6 +249,35 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
                     if info is not None and a.requires_grad:
                         _unsplit(info[0], _meets(name))
     return out
+
+
+#: tensor attribute on the copies of widened calls that were broadcast against constants only
+#: (Swin's shifted-window mask ``[N·windows, 1, …]``) and on what views and elementwise
+#: operations compute from them: those calls, whose rows the first per-sample tensor they meet
+#: tells (:attr:`~backprism.engine.state.Call.meets`)
+_ROWS = "_backprism_rows_of"
+
+
+def _follow_rows(name: str, args: tuple, out: Any) -> None:
+    """Follow widened copies of unknown rows (:data:`_ROWS`) through ``out = name(*args)``:
+    where they meet a per-sample tensor of the same rows, record its edge with their calls."""
+    src = next((a for a in args if isinstance(a, Tensor) and hasattr(a, _ROWS)), None)
+    if src is None or not isinstance(out, Tensor) or not out.dim():
+        return
+    if out.dim() != src.dim() or out.shape[0] != src.shape[0]:
+        return
+    calls = getattr(src, _ROWS)
+    others = [
+        b for b in args
+        if isinstance(b, Tensor) and b is not src and b.requires_grad and not hasattr(b, _ROWS)
+        and b.dim() == out.dim() and b.shape[0] == out.shape[0]
+    ]
+    if others and name in MEETS:
+        for call in calls:
+            call.meets.extend(get_gradient_edge(b) for b in others)
+        FORWARD.rows_pending -= 1
+    elif name in FOLLOWS or name in MEETS:
+        setattr(out, _ROWS, calls)
 
 
 def before_in_place(name: str, t: Tensor) -> None:
@@ -349,21 +380,25 @@ def _expand_arg(a: Any, n: int) -> Any:
     return a
 
 
-def _widened(call: Call, wide: Tensor, **fields: Any) -> Call:
+def _widened(call: Call, wide: Tensor, against: tuple[Tensor, ...], **fields: Any) -> Call:
     """``call`` on its inputs widened to the batch (``fields``: ``args``, ``kwargs``, ``live``,
-    …), whose output is ``wide`` ``[N, ...]``."""
+    …), whose output is ``wide`` ``[N, ...]``, broadcast against the tensors ``against``."""
     return dataclasses.replace(
         call, out_shapes=[wide.shape], batch_size=wide.shape[0], pass_=None, superseded=False,
-        unsplit=None, widened_from=call, **fields,
+        unsplit=None, widened_from=call,
+        meets=[get_gradient_edge(b) for b in against if b.requires_grad], **fields,
     )
 
 
-def _expanded(call: Call, widen: Callable[[Any], Any], wide: Tensor) -> Call:
+def _expanded(
+    call: Call, widen: Callable[[Any], Any], wide: Tensor, against: tuple[Tensor, ...]
+) -> Call:
     """:func:`_widened` with every input of ``call`` widened by ``widen``."""
     live = call.live
     return _widened(
         call,
         wide,
+        against,
         args=tuple(widen(x) for x in call.args),
         kwargs={k: widen(v) for k, v in call.kwargs.items()},
         live=None
@@ -388,11 +423,12 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if n <= 1:
         return args, kwargs
     new_args = list(args)
+    against = tuple(t for t in tensors if t.dim() == rank and t.shape[0] == n)
     for i, a in enumerate(args):
         if i == 0 and name in _IN_PLACE:
             continue  # written into: it keeps its shape
         if isinstance(a, Tensor) and a.requires_grad and (a.dim() < rank or a.shape[0] == 1):
-            wide = _widen_shared(a, rank, n)
+            wide = _widen_shared(a, rank, n, against)
             if wide is not None:
                 new_args[i] = wide
     return tuple(new_args), kwargs
@@ -404,11 +440,18 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     the scores ``[*q.shape[:-1], k.shape[-2]]``, whose axis 0 holds the batch."""
     q = args[0] if args else kwargs.get("query")
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if (
+        isinstance(mask, Tensor) and hasattr(mask, _ROWS) and isinstance(q, Tensor)
+        and q.requires_grad and q.dim() == mask.dim() and q.shape[0] == mask.shape[0]
+    ):  # (a widened bias and a constant mask, combined: the queries tell its rows)
+        for call in getattr(mask, _ROWS):
+            call.meets.append(get_gradient_edge(q))
+        FORWARD.rows_pending -= 1
     if not isinstance(q, Tensor) or not isinstance(mask, Tensor) or not mask.requires_grad:
         return args, kwargs
     if q.dim() < 3 or mask.dim() > q.dim() or q.shape[0] <= 1:
         return args, kwargs
-    wide = _widen_shared(mask, q.dim(), q.shape[0])
+    wide = _widen_shared(mask, q.dim(), q.shape[0], (q,))
     if wide is None:
         return args, kwargs
     if len(args) > 3:
@@ -416,10 +459,11 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs | {"attn_mask": wide}
 
 
-def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
+def _widen_shared(t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()) -> Tensor | None:
     """``t``'s copies per sample ``[n, ...]``, aligned with the operands of rank ``rank`` it
     is broadcast against (whose axis 0 holds the batch), if ``t`` is computed from a shared
-    call's output alone and broadcasting puts a new or size-1 axis of it against the batch."""
+    call's output alone and broadcasting puts a new or size-1 axis of it against the batch.
+    ``against``: those operands, where known (recorded as :attr:`Call.meets`)."""
     info = getattr(t, SHARED, None)
     if info is None or t.dim() > rank:
         return None
@@ -447,7 +491,7 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
         done = FORWARD.widened.get(key)
         if done is not None:  # widened for an earlier consumer: its copies serve this one too
             return _replayed(done[1], replay, batch_one, n, aligned)
-        widened = _recomputed(call, live, n, batch_one)
+        widened = _recomputed(call, live, n, batch_one, against)
         if widened is None:
             where = (
                 f"reaches the samples only as the input of {call.name}, which backprism "
@@ -464,21 +508,25 @@ def _widen_shared(t: Tensor, rank: int, n: int) -> Tensor | None:
         # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
         # expanded along their axis 0, as for any batch, which every rule takes
         wide = origin.expand(n, *origin.shape[1:])
-        expanded = _expanded(call, lambda x, n=n: _expand_arg(x, n), wide)
+        expanded = _expanded(call, lambda x, n=n: _expand_arg(x, n), wide, against)
     else:
 
         def widen(x: Any, n: int = n) -> Any:
             return x.unsqueeze(0).expand(n, *x.shape) if isinstance(x, Tensor) else x
 
         wide = widen(origin)
-        expanded = _expanded(call, widen, wide)
+        expanded = _expanded(call, widen, wide, against)
     if not attach(expanded, [wide]):
         return None
     call.superseded = True
     FORWARD.acted += 1
     if key is not None:
         FORWARD.widened[key] = (call, wide)
-    return _replayed(wide, replay, batch_one, n, aligned)
+    copies = _replayed(wide, replay, batch_one, n, aligned)
+    if against and not expanded.meets:  # met constants only: what it meets next tells its rows
+        setattr(copies, _ROWS, [expanded])
+        FORWARD.rows_pending += 1
+    return copies
 
 
 def _replayed(
@@ -496,7 +544,7 @@ def _replayed(
 
 
 def _recomputed(
-    call: Call, live: tuple[tuple, dict], n: int, batch_one: bool
+    call: Call, live: tuple[tuple, dict], n: int, batch_one: bool, against: tuple[Tensor, ...]
 ) -> tuple[Call, Tensor] | None:
     """``call`` widened on its inputs' copies per sample (each input computed by shared calls
     widened by :func:`_widen_shared`, every other one expanded) through a :class:`_Spread`,
@@ -512,7 +560,7 @@ def _recomputed(
             # (not along the batch: as it is)
             wide = None if getattr(a, FREE, None) or a.requires_grad else a
         elif getattr(a, FREE, None):
-            wide = _widen_shared(a, a.dim() + 1, n)
+            wide = _widen_shared(a, a.dim() + 1, n, against)
         else:
             wide = a.unsqueeze(0).expand(n, *a.shape)
             if a.requires_grad:
@@ -536,6 +584,7 @@ def _recomputed(
     widened = _widened(
         call,
         out,
+        against,
         args=tuple(detached(a) for a in args),
         kwargs={k: detached(v) for k, v in kwargs.items()},
         live=(args, kwargs),

@@ -312,8 +312,9 @@ class FoldAnalysis:
 
     def sample_free(self, node: Any, depth: int = 0) -> bool:
         """``node`` computes from parameters and constants alone: its graph reaches no output
-        of a layer's call and no leaf other than a parameter (a bias table indexed and added
-        to a constant mask). Such an operand carries no sample's rows."""
+        of a layer's call on the samples and no leaf other than a parameter (a bias table
+        indexed and added to a constant mask, a shared call's output copied over the rows).
+        Such an operand carries no sample's rows."""
         key = ("free", id(node))
         if key in self._free:
             return self._free[key]
@@ -322,9 +323,13 @@ class FoldAnalysis:
             return False
         if getattr(node, "variable", None) is not None:
             result = _is_parameter_leaf(node)
-        elif CALLS in node.metadata or any(
+        elif any(
+            not (c.superseded or c.widened_from is not None)
+            for c, _, _ in node.metadata.get(CALLS, ())
+        ) or any(
             (id(node), k) in self.anchors for k in range(len(node._input_metadata))
-        ):  # the output of a layer's call: per-sample rows, whatever its inputs
+        ):  # the output of a layer's call: per-sample rows, whatever its inputs (not a
+            # shared call's, or its copies over the rows: the same in every row)
             result = False
         else:
             result = all(

@@ -1037,6 +1037,7 @@ def _enter(root: nn.Module) -> None:
     (:func:`~backprism.engine.state.forget_mode_free`)."""
     FORWARD.view_ids.clear()  # views of parameters are tracked per top-level forward
     FORWARD.widened.clear()
+    FORWARD.rows_pending = 0
     if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record
         FORWARD.modes.append(None)
         return
@@ -1072,6 +1073,7 @@ def _enter(root: nn.Module) -> None:
 def _exit(root: nn.Module, output: Any) -> None:
     FORWARD.free_ops = None
     FORWARD.widened.clear()
+    FORWARD.rows_pending = 0
     if FORWARD.modes:
         mode = FORWARD.modes.pop()
         if mode is None:

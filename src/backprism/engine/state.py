@@ -162,6 +162,9 @@ class Call:
         superseded: replaced by a call widened to the batch (a call whose output all samples
             share, broadcast over them, see :mod:`backprism.engine.broadcast`); ignored.
         widened_from: for such a widened call, the call it replaces.
+        meets: for such a widened call, the gradient edges of the per-sample tensors it was
+            broadcast against (their axis 0 holds its rows): where that axis folds the samples
+            with another axis (Swin's windows), the backward pass reads the fold from them.
         unsplit: for a call on inputs that need no gradient, why its output has no
             per-sample split (a phrase for the refusal of the backward pass: where it met the
             samples other than by widening, an in-place operation, an input that could not be
@@ -205,6 +208,7 @@ class Call:
     fold: int = 1
     pass_: Any = None
     widened_from: Call | None = None
+    meets: list[Any] = field(default_factory=list)
     unsplit: str | None = None
 
     @property
@@ -357,6 +361,9 @@ class _ForwardState(threading.local):
         #: top-level forward (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``,
         #: reused by every later consumer of the same call
         self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
+        #: widened calls whose rows met only constants so far (engine.broadcast): their
+        #: copies are followed to the first per-sample tensor they meet
+        self.rows_pending = 0
         #: what the forward mode did in this top-level forward that module hooks alone would
         #: not (functional parameter uses, nonlinearity records outside activation modules,
         #: broadcast calls); ``0`` after a forward that did not need the mode

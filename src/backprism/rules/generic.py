@@ -621,7 +621,8 @@ def _without_inputs(
     Hugging Face's BEiT), widened over the batch where its output met the samples
     (:mod:`backprism.engine.broadcast`): every sample's output is the module's one output
     ``s(θ)``, so ``Vₘₙ = (∂s/∂θ)ᵀ gₘₙ``, one ``vmap``-ped pull-back over the ``M·N`` columns
-    (their scaling is ``g``'s)."""
+    (their scaling is ``g``'s). Widened over a batch folded with another axis (``k·N`` rows,
+    sample-major: Swin's windows), ``gₘₙ`` is the sum over the sample's ``k`` rows."""
     one = run(primals, call.args, call.kwargs)
     diff = [i for i, o in enumerate(one) if o.is_floating_point() or o.is_complex()]
 
@@ -629,7 +630,12 @@ def _without_inputs(
         outs = run(params, call.args, call.kwargs)
         return tuple(outs[i] for i in diff)
 
-    cols = tuple(gs[i].reshape(m * n, *one[i].shape).to(one[i].dtype) for i in diff)
+    def per_sample(g: Tensor, shape: torch.Size) -> Tensor:
+        # (a batch folded with windows, Swin's: a sample's k rows all carry s(θ), summed)
+        k = g.shape[1] // n
+        return g.reshape(m, n, k, *g.shape[2:]).sum(2).reshape(m * n, *shape)
+
+    cols = tuple(per_sample(gs[i], one[i].shape).to(one[i].dtype) for i in diff)
     (flat,) = pull_back(f, (primals,), cols)
     return {k: v.reshape(m, n, *v.shape[1:]) for k, v in flat.items()}
 
