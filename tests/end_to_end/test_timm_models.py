@@ -291,6 +291,43 @@ def test_diag_ggn_exact(name: str) -> None:
         torch.testing.assert_close(p.diag_ggn_exact_batch, ref[k], **TOL, msg=k)
 
 
+def maxvit() -> tuple[nn.Module, tuple[int, ...]]:
+    """MaxViT: MBConv, then attention in blocks and in a dilated grid (the batch folded with
+    both), relative position bias tables."""
+    from timm.models.maxxvit import MaxxVit, MaxxVitCfg, MaxxVitConvCfg, MaxxVitTransformerCfg
+
+    cfg = MaxxVitCfg(
+        embed_dim=(8, 16), depths=(1, 1), block_type=("M", "M"), stem_width=8,
+        conv_cfg=MaxxVitConvCfg(),
+        transformer_cfg=MaxxVitTransformerCfg(dim_head=4, window_size=(4, 4), grid_size=(4, 4)),
+    )
+    return MaxxVit(cfg, img_size=32, num_classes=C), (3, 32, 32)
+
+
+def mobilevit() -> tuple[nn.Module, tuple[int, ...]]:
+    """MobileViT (``mobilevit_xxs``): transformers on the pixels of its patches (the batch
+    folded with the pixel positions, ``[N·4, patches, C]``), the 1×1 map of the last stage
+    interpolated to the patch size first."""
+    return timm.create_model("mobilevit_xxs", num_classes=C), (3, 32, 32)
+
+
+@pytest.mark.parametrize("make", [maxvit, mobilevit], ids=["maxvit", "mobilevit"])
+def test_models_on_folded_patches(make: Any) -> None:
+    """First order and the exact GGN diagonal (per sample too) against loop references."""
+    torch.manual_seed(0)
+    model, shape = make()
+    model = model.to(DT).eval()
+    _nontrivial(model)
+    x, y = torch.randn(N, *shape, dtype=DT), torch.randint(0, C, (N,))
+    ref = per_sample_grads_loop(model, nn.CrossEntropyLoss(), x, y)
+    diag = diag_ggn_reference(model, x, y)
+    _run(model, x, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert_first_order(model, ref, **TOL)
+    _run(model, x, y, DiagGGNExact(), BatchDiagGGNExact())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact_batch, diag[k], **TOL, msg=k)
+
+
 def test_diag_hessian_resnet() -> None:
     model, x, y = setup("resnet")
     ref = hessian_diagonal(model, x, y)

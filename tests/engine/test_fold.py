@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -269,6 +270,13 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: h.sum(0), None),
         (lambda h: torch.nn.functional.pad(h, (1, 1)).reshape(-1, 8), (0, 4)),
         (lambda h: torch.nn.functional.pad(h.transpose(0, 2), (1, 1)), None),
+        # pooling and interpolation over the trailing axes, not over the samples
+        (lambda h: F.interpolate(h[..., None], size=(2, 2)).reshape(-1, 4), (0, 4)),
+        (lambda h: F.interpolate(h[..., None], scale_factor=2.0, mode="bilinear"), (0, 1)),
+        (lambda h: F.avg_pool1d(h, 2).reshape(-1, 3), (0, 4)),
+        (lambda h: F.max_pool2d(h.reshape(3, 2, 2, 6), 2), (0, 1)),
+        (lambda h: F.max_pool1d(h.transpose(0, 2), 3), None),  # over the samples' axis
+        (lambda h: F.adaptive_avg_pool1d(h.transpose(0, 2), 1), None),
     ],
 )
 def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:

@@ -22,7 +22,8 @@ edge (``Node._input_metadata``) and the arguments it saves:
 * **row-wise operations** (elementwise arithmetic and activations, softmax and norms over
   other axes, ``mm``/``addmm`` whose other operand is a parameter, ``bmm``, attention
   kernels): every operand that reaches the batch axis must have the same status; operands of
-  size 1 there are broadcast.
+  size 1 there are broadcast; pooling and interpolation keep it if it is before their
+  spatial axes.
 
 Anything else — an operation it does not know, a batch axis it cannot follow — is *unknown*,
 and the call keeps today's refusal (calls of different batch sizes). Operations that mix rows
@@ -32,6 +33,7 @@ along the batch axis in ways shapes do not show (``x[perm]``) are unknown, not f
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from backprism.engine.state import CALLS
@@ -63,6 +65,8 @@ _ROW_WISE = frozenset(
 )
 #: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
 _OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"})
+#: pooling and interpolation over the trailing ``k`` (spatial) axes: ``kind → k``
+_SPATIAL_RE = re.compile(r"^(Upsample\w+|\w*Pool)([123])D(WithIndices)?Backward0$")
 #: reductions over ``_saved_dim`` (with ``_saved_keepdim``)
 _REDUCTIONS = frozenset({"SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0"})
 #: nodes of parameter-only computations (a weight transposed for ``mm``)
@@ -290,6 +294,14 @@ class FoldAnalysis:
             return status
         if kind in _ROW_WISE:
             return self._row_wise(node, out, depth)
+        spatial = _SPATIAL_RE.match(kind)
+        if spatial is not None:  # (MobileViT's patches interpolated to the patch size)
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None or len(inp) != len(out):
+                return None
+            if status[0] >= len(out) - int(spatial.group(2)) or out[status[0]] != inp[status[0]]:
+                return None
+            return status
         return None
 
     def _mm(self, node: Any, i: int, depth: int) -> Status | None:
