@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backprism import collect, extend
 from backprism.extensions import (
+    KFLR,
     BatchDiagGGNExact,
     BatchGrad,
     BatchL2Grad,
@@ -37,7 +38,7 @@ from backprism.extensions import (
     Variance,
 )
 from tests.common import assert_first_order, assert_nothing_written, gather
-from tests.reference import diag_blocks, ggn_blocks, per_sample_grads
+from tests.reference import batch_diag_ggn_loop, diag_blocks, ggn_blocks, per_sample_grads
 
 DT = torch.float64
 TOL = {"atol": 1e-10, "rtol": 1e-8}
@@ -583,6 +584,28 @@ def test_a_table_broadcast_over_window_major_rows_is_refused(mask: bool) -> None
     torch.manual_seed(0)
     model = extend(WindowBias(3, 2, mask, "window").to(DT))
     _refused(model, torch.randn(2, 6, D, dtype=DT), "batch sizes")
+
+
+def test_a_module_before_several_consumers_is_one_call() -> None:
+    """DeBERTa's relative embeddings: one LayerNorm call feeds the key and the query
+    projections, which widen it: it stays one call (widened once per forward), so the
+    single-factor KFLR of its scale and shift, and of the embedding weight before it, is the
+    exact GGN diagonal (the sum over several calls would not be)."""
+    torch.manual_seed(0)
+    model = RelativeEmbeddings().to(DT)
+    with torch.no_grad():
+        model.ln.weight.uniform_(0.5, 1.5)
+        model.ln.bias.uniform_(-0.5, 0.5)
+    x, y = torch.randn(3, 6, 3, dtype=DT), torch.randint(0, C, (3,))
+    ref = batch_diag_ggn_loop(model, nn.CrossEntropyLoss(), x, y)
+    extend(model)
+    with collect(KFLR()):
+        F.cross_entropy(model(x), y).backward()
+    for k in ("ln.weight", "ln.bias", "rel.weight"):
+        p = model.get_parameter(k)
+        torch.testing.assert_close(
+            torch.diagonal(p.kflr[0]), ref[k].sum(0).reshape(-1), **TOL, msg=k
+        )
 
 
 def test_dropout_of_a_shared_table() -> None:
