@@ -608,6 +608,25 @@ def test_a_module_before_several_consumers_is_one_call() -> None:
         )
 
 
+@pytest.mark.parametrize("kernel", ["add", "sdpa"])
+def test_a_bias_shared_by_every_layer_is_one_call(kernel: str) -> None:
+    """T5's relative position bias, computed once and met by every layer: one widened call
+    (its copies serve all layers), so the single-factor KFLR of a table of the generic rule is
+    the exact GGN diagonal."""
+    torch.manual_seed(0)
+    model = SharedBias("t5", kernel, 3, "generic").to(DT)
+    x, y = torch.randn(3, 4, D, dtype=DT), torch.randint(0, C, (3,))
+    ref = batch_diag_ggn_loop(model, nn.CrossEntropyLoss(), x, y)
+    extend(model)
+    with collect(KFLR()):
+        F.cross_entropy(model(x), y).backward()
+    for k in ("bias.w", "bias.s"):
+        p = model.get_parameter(k)
+        torch.testing.assert_close(
+            torch.diagonal(p.kflr[0]), ref[k].sum(0).reshape(-1), **TOL, msg=k
+        )
+
+
 def test_dropout_of_a_shared_table() -> None:
     """In train mode the shared dropout mask is drawn once and replayed on every sample's copy:
     first order against the reference with the mask it drew."""

@@ -37,8 +37,13 @@ widened on its inputs' copies per sample (:func:`_recomputed`): each input compu
 call is widened in turn (the same function, recursively), a parameter is copied over the batch
 and recorded as a :class:`ParamBroadcast`, anything else is expanded. The call is not run once
 per sample: its output on the copies is its output on the shared inputs, copied, and the
-per-sample pull-back to the input copies happens in the backward pass (:class:`_Spread`). Each
-such call is widened once per forward; later consumers reuse its copies.
+per-sample pull-back to the input copies happens in the backward pass (:class:`_Spread`).
+
+Every shared call is widened once per forward; later consumers reuse its copies (each layer of
+T5 meeting the one relative position bias, DeBERTa's key and query projections meeting the one
+LayerNorm of its relative embeddings), so it stays one call whose per-sample gradients autograd
+sums over the consumers — exact for every statistic, where one call per consumer would make
+curvature that is not additive over calls (KFLR's diagonal factor) a sum over them.
 
 The original call is marked ``superseded`` (ignored by the backward pass). Each widening
 consumes the call's output exactly once in the autograd graph; the graph check
@@ -459,7 +464,9 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs | {"attn_mask": wide}
 
 
-def _widen_shared(t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()) -> Tensor | None:
+def _widen_shared(
+    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()
+) -> Tensor | None:
     """``t``'s copies per sample ``[n, ...]``, aligned with the operands of rank ``rank`` it
     is broadcast against (whose axis 0 holds the batch), if ``t`` is computed from a shared
     call's output alone and broadcasting puts a new or size-1 axis of it against the batch.
@@ -480,17 +487,19 @@ def _widen_shared(t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()
         # sample's call on its inputs as they are), take a call widened by a new leading axis
         if not (rule.moves_batch_axis or rule.folds_rows):
             return None
+    key = (id(call), n, batch_one)
+    done = FORWARD.widened.get(key)
+    if done is not None:
+        # widened for an earlier consumer (every layer's use of T5's bias, the key and query
+        # projections of DeBERTa's relative embeddings): its copies serve this one too, so the
+        # call stays one call, its per-sample gradients summed over the consumers by autograd
+        return _replayed(done[1], replay, batch_one, n, aligned)
     live = call.live if call.live is not None else (call.args, call.kwargs)
-    key = None
     if any(
         isinstance(a, Tensor) and a.requires_grad for a in (*live[0], *live[1].values())
     ):
         # inputs computed by other calls (a shared value of two modules in a row): the call is
         # widened on its inputs' copies per sample, which widen those calls in turn
-        key = (id(call), n, batch_one)
-        done = FORWARD.widened.get(key)
-        if done is not None:  # widened for an earlier consumer: its copies serve this one too
-            return _replayed(done[1], replay, batch_one, n, aligned)
         widened = _recomputed(call, live, n, batch_one, against)
         if widened is None:
             where = (
@@ -520,8 +529,7 @@ def _widen_shared(t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()
         return None
     call.superseded = True
     FORWARD.acted += 1
-    if key is not None:
-        FORWARD.widened[key] = (call, wide)
+    FORWARD.widened[key] = (call, wide)
     copies = _replayed(wide, replay, batch_one, n, aligned)
     if against and not expanded.meets:  # met constants only: what it meets next tells its rows
         setattr(copies, _ROWS, [expanded])

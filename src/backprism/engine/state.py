@@ -357,9 +357,9 @@ class _ForwardState(threading.local):
         #: ids of the views of extended parameters made during this thread's top-level
         #: forward (``engine.functional``)
         self.view_ids: set[int] = set()
-        #: shared calls widened by running them once over their inputs' copies in this
-        #: top-level forward (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``,
-        #: reused by every later consumer of the same call
+        #: shared calls widened over the samples in this top-level forward
+        #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``, reused by every
+        #: later consumer of the same call, which so stays one call
         self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
         #: widened calls whose rows met only constants so far (engine.broadcast): their
         #: copies are followed to the first per-sample tensor they meet
