@@ -119,6 +119,40 @@ def test_a_functional_nonlinearity_keeps_the_mode():
     _check_diag_h(model, lf, X, y)
 
 
+class Attending(Switch):
+    """A functional ``tanh`` (a Hessian residual record) under a softmax (which the DiagHessian
+    family refuses), as in a transformer's attention and its GELU/SiLU/RMSNorm internals."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.softmax(torch.tanh(self.act(self.a(x))), -1))
+
+
+def test_functional_nonlinearities_under_a_softmax_free_the_mode():
+    """Records only the DiagHessian family uses, in a graph it refuses anyway: later forwards
+    outside collect run without the mode (Llama's), first order and the GGN diagonal through
+    them are exact, and DiagHessian is still refused before anything is written."""
+    torch.manual_seed(1)
+    model, lf = extend(Attending()), extend(nn.MSELoss())
+    X, y = _data()
+    ref = per_sample_grads(model, lf, X, y)
+    with _mode_calls() as calls:
+        _learn(model, lf, X, y)
+        assert MODE_FREE[model][True] is not None
+        calls.reset_mock()
+        loss = lf(model(X), y)
+        assert calls.call_count == 0
+    with collect(*(e() for e in FIRST), DiagGGNExact()):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag_ggn(model, lf, X, y)[name])
+    model.zero_grad()
+    loss = lf(model(X), y)
+    with pytest.raises(NonlinearityError, match="softmax"), collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
 def test_a_new_functional_nonlinearity_is_refused_then_recorded():
     """The learned forward had no functional tanh; a later one has: DiagHessian refuses (the
     residual site is missing) before writing, and the next forward is recorded and exact."""

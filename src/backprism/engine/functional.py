@@ -1029,8 +1029,11 @@ def _enter(root: nn.Module) -> None:
     """Enter the forward mode for a top-level forward of ``root`` — unless the forward runs
     outside any ``collect()`` and an earlier recorded forward of ``root`` (same ``training``
     flag) showed that the mode has nothing to do in it (no functional parameter use, no
-    nonlinearity outside activation modules, no broadcast call, no batch off axis 0). Such a
-    forward pays for no per-operation dispatch. Its backward checks what the mode would have
+    nonlinearity outside activation modules, no broadcast call, no batch off axis 0; or
+    functional nonlinearities only in a graph where the DiagHessian family, which alone uses
+    their records, is refused anyway: a softmax or norm, as in every transformer, see
+    :func:`~backprism.engine.residual.node_ops`). Such a forward pays for no per-operation
+    dispatch. Its backward checks what the mode would have
     seen in the graph (:mod:`backprism.engine.graph`'s attribution,
     :func:`backprism.engine.residual.check_pass`'s node walk) and refuses, never misses, what
     a different path needs; the model is then recorded again
@@ -1060,7 +1063,7 @@ def _enter(root: nn.Module) -> None:
     math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
     mode = ForwardMode(record, math)
     mode.learn = learn  # type: ignore[attr-defined]
-    FORWARD.acted = 0
+    FORWARD.acted = FORWARD.residual_acts = 0
     # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
     # calls are marked so that such an extension in a later backward refuses them
     mode.skipped = not record and residual.recording_enabled()  # type: ignore[attr-defined]
@@ -1082,9 +1085,12 @@ def _exit(root: nn.Module, output: Any) -> None:
         FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
         if mode.learn and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            free = FORWARD.acted == 0 and not FORWARD.layouts
+            residual_only = FORWARD.acted == FORWARD.residual_acts
+            free = residual_only and not FORWARD.layouts
             known = MODE_FREE.setdefault(root, {})
-            known[root.training] = residual.node_ops(output) if free else None
+            known[root.training] = (
+                residual.node_ops(output, refused_only=FORWARD.acted > 0) if free else None
+            )
 
 
 class ReleaseMode(TorchFunctionMode):

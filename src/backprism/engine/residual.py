@@ -331,6 +331,7 @@ def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: 
     # only the mode records it (refusals the graph walk finds without it, engine.functional);
     # an activation module's own site is taken back by its hook
     FORWARD.acted += 1
+    FORWARD.residual_acts += 1
 
 
 def _nll_inputs(bp: Any) -> list[Tensor]:
@@ -373,19 +374,34 @@ _NODE_LINEAR = frozenset(
 )
 
 
-def node_ops(output: Any) -> frozenset[str]:
+def node_ops(output: Any, refused_only: bool = False) -> frozenset[str] | None:
     """The operations (:func:`_node_op`) of the graph upstream of ``output`` (tensors, or
     containers of them) that carry no refusal site: what a later forward of the same model
     without the forward mode may contain outside module calls (:func:`_unrecorded_nonlinearity`).
-    An operation refused anywhere in this graph is left out."""
+    An operation refused anywhere in this graph is left out.
+
+    ``refused_only``: the forward recorded Hessian residuals of elementwise nonlinearities and
+    nothing else the mode alone does; ``None`` (keep the mode, which records them) unless the
+    graph also holds an operation that the DiagHessian family refuses (a softmax, a layer
+    norm: every transformer's), so that no extension can use those records. Without the mode
+    such nonlinearities carry no site, and the DiagHessian family refuses a pass through them
+    (:func:`_unrecorded_nonlinearity`)."""
     outs = [output] if isinstance(output, Tensor) else torch.utils._pytree.tree_flatten(output)[0]
     starts = [o.grad_fn for o in outs if isinstance(o, Tensor) and o.grad_fn is not None]
     ok: set[str] = set()
     refused: set[str] = set()
+    blocked = False
     for fn in _upstream(starts, set()).values():
         op = _node_op(fn)
         sites = fn.metadata.get(SITES, ()) if fn.metadata else ()
-        (refused if any(isinstance(x, ErrorSite) for x in sites) else ok).add(op)
+        errors = [x for x in sites if isinstance(x, ErrorSite)]
+        # (a product may be allowed, its operands depending on different parameters)
+        blocked = blocked or any(
+            e.nll_output is None and not isinstance(e, ProductSite) for e in errors
+        )
+        (refused if errors else ok).add(op)
+    if refused_only and not blocked:
+        return None
     return frozenset(ok - refused)
 
 
@@ -814,7 +830,9 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
         fn = getattr(output, "grad_fn", None)
         if fn is not None:
             sites = fn.metadata.get(SITES, ()) if fn.metadata else ()
-            FORWARD.acted -= sum(isinstance(x, ResidualSite) for x in sites)
+            mine = sum(isinstance(x, ResidualSite) for x in sites)
+            FORWARD.acted -= mine
+            FORWARD.residual_acts -= mine
         return
     if not _RECORDING[0] or FORWARD.suspended or not torch.is_grad_enabled():
         return

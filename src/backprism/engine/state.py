@@ -368,6 +368,9 @@ class _ForwardState(threading.local):
         #: not (functional parameter uses, nonlinearity records outside activation modules,
         #: broadcast calls); ``0`` after a forward that did not need the mode
         self.acted = 0
+        #: of :attr:`acted`, the Hessian residual records of elementwise nonlinearities (which
+        #: only the DiagHessian family uses)
+        self.residual_acts = 0
         #: in a top-level forward run without the mode: :data:`MODE_FREE`'s entry for it
         self.free_ops: frozenset[str] | None = None
 
