@@ -143,27 +143,36 @@ def test_first_order(name: str):
     assert_first_order(Logits(model), ref, **TOL)
 
 
-def test_llama_forwards_without_the_mode():
-    """Llama's forward needs the forward mode only for records of its SiLU and RMSNorm
-    internals, which the DiagHessian family alone uses and refuses here anyway (softmax): after
-    one recorded forward its forwards outside ``collect`` run without the mode, and a backward
-    through one gives the same first order and GGN diagonal."""
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_forwards_without_the_mode(name: str):
+    """After one recorded forward, these models' forwards outside ``collect`` run without the
+    forward mode: all it did was record the GELU/SiLU/RMSNorm internals, which only the
+    DiagHessian family uses and refuses here anyway (softmax), and widen the position
+    embeddings of ``position_ids`` ``[1, T]`` added to the tokens', which the backward pass
+    widens at the addition instead. A backward through such a forward gives the same first
+    order and GGN diagonal."""
     from backprism.engine.state import MODE_FREE
 
-    model, x, y, kind = _setup("llama")
+    model, x, y, kind = _setup(name)
     ref = per_sample_grads(Logits(model), _loss(kind), x, y)
     diag = diag_ggn(Logits(model), _loss(kind), x, y)
     ce = extend(nn.CrossEntropyLoss())
     extend(model)
-    ce(model(x).logits.transpose(1, 2), y).backward()  # recorded, outside collect
+
+    def loss() -> Tensor:
+        logits = model(x).logits
+        return ce(logits.transpose(1, 2), y) if kind == "lm" else ce(logits, y)
+
+    loss().backward()  # recorded, outside collect
     assert MODE_FREE[model][model.training] is not None
     model.zero_grad()
-    loss = ce(model(x).logits.transpose(1, 2), y)  # without the mode
+    value = loss()  # without the mode
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
-        loss.backward()
+        value.backward()
     assert_first_order(Logits(model), ref, **TOL)
+    tol = LOOSE if name == "llama" else TOL
     for k, p in _trainable(model):
-        torch.testing.assert_close(p.diag_ggn_exact, diag[k], **LOOSE)
+        torch.testing.assert_close(p.diag_ggn_exact, diag[k], **tol)
 
 
 def _backward(model: nn.Module, x: Tensor, y: Tensor, kind: str, *exts) -> None:

@@ -153,6 +153,49 @@ def test_functional_nonlinearities_under_a_softmax_free_the_mode():
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
 
 
+class AddedPositions(nn.Module):
+    """Token embeddings plus position embeddings of ``arange(T)[None]`` (batch size 1), added
+    as they are (GPT-2, BERT), or scaled by ``alpha``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 4), nn.Embedding(5, 4), nn.Linear(4, 3)
+        self.alpha = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        pos = self.pos(torch.arange(x.shape[1])[None])
+        h = self.tok(x) + pos if self.alpha == 1.0 else torch.add(self.tok(x), pos, alpha=2.0)
+        return self.head(h.mean(1))
+
+
+def test_position_embeddings_widened_by_the_backward_pass():
+    """The mode widens a batch-1 call added to the samples as it is; so does a backward pass
+    through a forward without the mode, at the addition: the same first order and GGN
+    diagonal. Scaled (``alpha = 2``) the addition's gradient is not the call's: refused before
+    anything is written, and the model recorded again."""
+    torch.manual_seed(0)
+    model, lf = extend(AddedPositions()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 3, (3,))
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    with _mode_calls() as calls:
+        loss = lf(model(X), y)
+        assert calls.call_count == 0
+    with collect(*(e() for e in FIRST), DiagGGNExact()):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag_ggn(model, lf, X, y)[name])
+    model.zero_grad()
+    model.alpha = 2.0
+    loss = lf(model(X), y)
+    with pytest.raises(RuntimeError, match="batch sizes 1 and 3"), collect(BatchGrad()):
+        loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert MODE_FREE[model][True] is None
+
+
 def test_a_new_functional_nonlinearity_is_refused_then_recorded():
     """The learned forward had no functional tanh; a later one has: DiagHessian refuses (the
     residual site is missing) before writing, and the next forward is recorded and exact."""
@@ -265,7 +308,8 @@ def test_layer_norm_is_refused_for_diag_hessian_as_with_the_mode():
 
 class Positions(nn.Module):
     """Token embeddings plus, with ``broadcast`` set, position embeddings of shape ``[1, T]``
-    broadcast over the samples (the mode expands that call to the batch)."""
+    scaled and broadcast over the samples (the mode expands that call to the batch; the
+    backward pass widens only a call added as it is, :class:`AddedPositions`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -275,7 +319,7 @@ class Positions(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         h = self.tok(idx)
         if self.broadcast:
-            h = h + self.pos(torch.arange(idx.shape[1])[None])
+            h = h + 0.5 * self.pos(torch.arange(idx.shape[1])[None])
         return self.head(h.mean(1))
 
 

@@ -48,7 +48,12 @@ from torch.autograd.graph import GradientEdge
 from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
-from backprism.engine.fold import FoldAnalysis, fold_sizes, sample_mixing
+from backprism.engine.fold import (
+    FoldAnalysis,
+    fold_sizes,
+    output_shape,
+    sample_mixing,
+)
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.parametrized import Parametrized, parametrized
@@ -247,6 +252,7 @@ class BackwardPass:
                     f"backprism: {type(rec.module).__name__}(reduction={reduction!r}) gives no "
                     "per-sample scaling; use reduction='mean' or 'sum'"
                 )
+        self._widen_batch_one()
         if self.create_graph and self.first:
             self._check_differentiable()
         per_sample = [e for e in exts if e.per_sample]
@@ -362,6 +368,50 @@ class BackwardPass:
             self._check_second_order(view)
         # -- distributed (engine.distributed): refusals, then the reduction in end() --------
         self.distributed = _distributed.setup(self)
+
+    def _widen_batch_one(self) -> None:
+        """Calls of batch size 1 on inputs without a gradient (position embeddings of
+        ``position_ids`` ``[1, T]``, in a forward without the forward mode, which would have
+        widened them where they meet the samples, or with ``position_ids`` passed in) whose one
+        output meets the samples only in an addition that broadcasts it over them (``tok +
+        pos``, ``h += pos``): widened here to the addition's ``N`` rows, with the addition's
+        output as their output — its gradient's row ``n`` is sample ``n``'s gradient at its
+        copy of the call's output, and the call's inputs are the same for every sample."""
+        ones = {
+            (id(edges[0][0]), edges[0][1]): call
+            for call, edges in self.calls.items()
+            if call.batch_size == 1 and call.params and not call.input_edges
+            and not call.batch_axis and len(edges) == 1 and edges[0] is not None
+        }
+        if not ones or all(c.batch_size == 1 for c in self.calls if c.params):
+            return
+        users: dict[tuple[int, int], list[Any]] = {}
+        for fn in self.view.nodes.values():
+            for f, nr in fn.next_functions:
+                if f is not None and (id(f), nr) in ones:
+                    users.setdefault((id(f), nr), []).append(fn)
+        for key, call in ones.items():
+            found = users.get(key, [])
+            if len(found) != 1 or type(found[0]).__name__ != "AddBackward0":
+                continue
+            add = found[0]
+            out, shape = output_shape(add, 0), tuple(call.out_shapes[0])
+            if out is None or len(out) != len(shape) or out[0] <= 1 or out[1:] != shape[1:]:
+                continue
+            if float(getattr(add, "_saved_alpha", 1)) != 1.0:
+                continue  # (x + α·pos: the gradient at pos is α times the sum's)
+            n = out[0]
+            wide = dataclasses.replace(
+                call,
+                args=tuple(_over_rows(a, n) for a in call.args),
+                kwargs={k: _over_rows(v, n) for k, v in call.kwargs.items()},
+                out_shapes=[torch.Size(out)], batch_size=n, live=None, widened_from=call,
+                unsplit=None if call.unsplit == NO_INPUT else call.unsplit,
+            )
+            del self.calls[call]
+            self.calls[wide] = [(add, 0)]
+            if call in self.view.unsplit and wide.unsplit is None:
+                self.view.unsplit.remove(call)
 
     def _batch_off_axis_0(self) -> bool:
         """Whether a call of this pass has its batch off axis 0 (a ``batch_first=False`` RNN,
@@ -549,7 +599,9 @@ class BackwardPass:
             "appears in several forwards is one sample; run forwards of equal batch size, "
             "concatenate the inputs into one forward, or use separate backward passes. (A "
             "module called on a batch of 1 and broadcast over the samples, e.g. position "
-            "embeddings of shape [1, T], needs its input expanded to [N, T].)"
+            "embeddings of shape [1, T], is split per sample where it is added to them as it "
+            "is, or, in a forward with backprism's forward mode, where it meets them in the "
+            "ways listed below; otherwise expand its input to [N, T].)"
             f"{hints}{modeless_note(self.view)}"
         )
 
@@ -1151,6 +1203,13 @@ def _input_fold(call: Call, roots: list[Any], n: int) -> int | None:
             ):
                 return x.shape[0] // n
     return None
+
+
+def _over_rows(x: Any, n: int) -> Any:
+    """``x`` with an axis 0 of size 1 expanded to ``n`` rows (a widened call's input)."""
+    if isinstance(x, Tensor) and x.dim() and x.shape[0] == 1:
+        return x.expand(n, *x.shape[1:])
+    return x
 
 
 def _split_rows(x: Any, n: int, k: int, lead: int = 0) -> Any:

@@ -103,6 +103,8 @@ _ELEMENTWISE = _IN_PLACE | frozenset(
     }
 )
 _ATTENTION = frozenset({"scaled_dot_product_attention"})
+#: additions (``x + t``, ``x += t``)
+_ADDS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_"})
 #: matrix products, which broadcast the batch axes (all but the last two) of their operands
 _MATMUL = frozenset({"matmul", "__matmul__", "__rmatmul__"})
 #: operations where a shared tensor may meet the samples (:func:`broadcast_calls`)
@@ -337,6 +339,8 @@ def follow_shared(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> 
         return
     if name in _ELEMENTWISE and out.shape != src.shape:
         return  # it broadcasts the shared tensor: where it meets the samples, widened before
+    if out is src and name not in _IN_PLACE:
+        return  # (the tensor itself: .to() of its own device and dtype, .contiguous())
     call, origin, before = info
     if origin is None:
         origin = src
@@ -433,7 +437,10 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if i == 0 and name in _IN_PLACE:
             continue  # written into: it keeps its shape
         if isinstance(a, Tensor) and a.requires_grad and (a.dim() < rank or a.shape[0] == 1):
-            wide = _widen_shared(a, rank, n, against)
+            # (added as it is, a call's output of batch size 1 could be widened by the
+            # backward pass too, at the addition: no reason to keep the mode for it)
+            plain = name in _ADDS and len(args) == 2 and not kwargs and a.dim() == rank
+            wide = _widen_shared(a, rank, n, against, plain)
             if wide is not None:
                 new_args[i] = wide
     return tuple(new_args), kwargs
@@ -465,12 +472,13 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _widen_shared(
-    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = ()
+    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...] = (), added: bool = False
 ) -> Tensor | None:
     """``t``'s copies per sample ``[n, ...]``, aligned with the operands of rank ``rank`` it
     is broadcast against (whose axis 0 holds the batch), if ``t`` is computed from a shared
     call's output alone and broadcasting puts a new or size-1 axis of it against the batch.
-    ``against``: those operands, where known (recorded as :attr:`Call.meets`)."""
+    ``against``: those operands, where known (recorded as :attr:`Call.meets`); ``added``: ``t``
+    is added to them as it is (``x + t``)."""
     info = getattr(t, SHARED, None)
     if info is None or t.dim() > rank:
         return None
@@ -529,6 +537,8 @@ def _widen_shared(
         return None
     call.superseded = True
     FORWARD.acted += 1
+    if added and batch_one and replay is None and not expanded.input_edges:
+        FORWARD.deferred_acts += 1  # (BackwardPass._widen_batch_one does the same)
     FORWARD.widened[key] = (call, wide)
     copies = _replayed(wide, replay, batch_one, n, aligned)
     if against and not expanded.meets:  # met constants only: what it meets next tells its rows

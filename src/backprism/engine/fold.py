@@ -38,7 +38,7 @@ from typing import Any
 
 from backprism.engine.state import CALLS
 
-__all__ = ["FoldAnalysis", "fold_sizes", "sample_mixing", "saved_dim", "saved_int"]
+__all__ = ["FoldAnalysis", "fold_sizes", "output_shape", "sample_mixing", "saved_dim", "saved_int"]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
@@ -77,7 +77,8 @@ _PARAM_SHAPE_OPS = frozenset(
 )
 
 
-def _shape(node: Any, nr: int) -> tuple[int, ...] | None:
+def output_shape(node: Any, nr: int) -> tuple[int, ...] | None:
+    """The shape of output ``nr`` of autograd node ``node`` (of the gradient it receives)."""
     try:
         return tuple(node._input_metadata[nr].shape)
     except (AttributeError, IndexError, RuntimeError):
@@ -185,7 +186,7 @@ class FoldAnalysis:
         except (AttributeError, IndexError, RuntimeError, TypeError, ValueError):
             result = None
         if result is not None:
-            shape = _shape(node, nr)
+            shape = output_shape(node, nr)
             if shape is None or result[0] >= len(shape) or shape[result[0]] % self.n:
                 result = None
         self._memo[key] = result
@@ -199,11 +200,11 @@ class FoldAnalysis:
         f, k = node.next_functions[i]
         if f is None:
             return None, None
-        return self.status(f, k, depth + 1), _shape(f, k)
+        return self.status(f, k, depth + 1), output_shape(f, k)
 
     def _transfer(self, node: Any, nr: int, depth: int) -> Status | None:
         kind = type(node).__name__
-        out = _shape(node, nr)
+        out = output_shape(node, nr)
         if out is None or getattr(node, "variable", None) is not None:
             return None
         if kind in _RESHAPES:
@@ -359,7 +360,7 @@ class FoldAnalysis:
         for f, k in node.next_functions:
             if f is None:  # a constant operand (not in the graph)
                 continue
-            inp = _shape(f, k)
+            inp = output_shape(f, k)
             if inp is None:
                 return None
             shift = len(out) - len(inp)

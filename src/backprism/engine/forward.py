@@ -457,8 +457,10 @@ def capture(
         upstream = {id(c): c for src in sources for c in src}
         for o in outs:
             setattr(o, FREE, (call, *upstream.values()))
-        if params:
-            FORWARD.acted += 1  # (a model with such a call keeps the forward mode, which widens)
+        if params and batch_size != 1:
+            # (a model with such a call keeps the forward mode, which widens; one of batch size
+            # 1 cannot be taken for the samples, and its widening counts where it happens)
+            FORWARD.acted += 1
     frame = releasing_frame(params.values()) if call.owner is not None else None
     if frame is not None and frame[8] is not None:
         frame[8].append((call, [o.grad_fn for o in outs if o.grad_fn is not None]))

@@ -1063,7 +1063,7 @@ def _enter(root: nn.Module) -> None:
     math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
     mode = ForwardMode(record, math)
     mode.learn = learn  # type: ignore[attr-defined]
-    FORWARD.acted = FORWARD.residual_acts = 0
+    FORWARD.acted = FORWARD.residual_acts = FORWARD.deferred_acts = 0
     # inside a collect() without DiagHessian the nonlinearities are deliberately not recorded;
     # calls are marked so that such an extension in a later backward refuses them
     mode.skipped = not record and residual.recording_enabled()  # type: ignore[attr-defined]
@@ -1085,11 +1085,16 @@ def _exit(root: nn.Module, output: Any) -> None:
         FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
         if mode.learn and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            residual_only = FORWARD.acted == FORWARD.residual_acts
-            free = residual_only and not FORWARD.layouts
+            # (only Hessian residual records, or widenings a backward pass does as well)
+            free = (
+                FORWARD.acted == FORWARD.residual_acts + FORWARD.deferred_acts
+                and not FORWARD.layouts
+            )
             known = MODE_FREE.setdefault(root, {})
             known[root.training] = (
-                residual.node_ops(output, refused_only=FORWARD.acted > 0) if free else None
+                residual.node_ops(output, refused_only=FORWARD.residual_acts > 0)
+                if free
+                else None
             )
 
 

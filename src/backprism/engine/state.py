@@ -371,6 +371,9 @@ class _ForwardState(threading.local):
         #: of :attr:`acted`, the Hessian residual records of elementwise nonlinearities (which
         #: only the DiagHessian family uses)
         self.residual_acts = 0
+        #: of :attr:`acted`, widenings a backward pass can do as well (a call of batch size 1
+        #: added to the samples as it is: ``tok + pos``, see ``BackwardPass._widen_batch_one``)
+        self.deferred_acts = 0
         #: in a top-level forward run without the mode: :data:`MODE_FREE`'s entry for it
         self.free_ops: frozenset[str] | None = None
 
