@@ -20,6 +20,8 @@ Usage::
     PYTHONPATH=src python benchmarks/bench_capture.py --markdown
     PYTHONPATH=src python benchmarks/bench_capture.py --device cuda
     PYTHONPATH=src python benchmarks/bench_capture.py --control     # A/A: the noise floor
+    PYTHONPATH=src python benchmarks/bench_capture.py --problems hf_gpt2 hf_bert hf_llama \
+        --n 16 --threads 1                 # Hugging Face models (transformers installed)
 
 Timing: ``torch.set_num_threads(2)`` on the CPU (``--threads``), both variants built from the
 same seed (the extended one a ``copy.deepcopy`` of the plain model and loss, so weights and

@@ -222,6 +222,72 @@ def gpt_decoder(n: int = 128, seq: int = 32, vocab: int = 2048, d: int = 64):
     )
 
 
+def _transformers():
+    """``import transformers`` (quiet). Beside the CPU torch wheel pip installs torchvision's
+    CUDA build, whose ``_meta_registrations`` fails at import; no model here uses its ops, so an
+    empty stand-in replaces that module (as in ``tests/conftest.py``)."""
+    import logging
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+    except RuntimeError:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        stub = "torchvision._meta_registrations"
+        sys.modules[stub] = types.ModuleType(stub)
+    except ImportError:
+        pass
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return transformers
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model's ``.logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(idx).logits
+
+
+def _hf(kind: str, n: int, seq: int = 64, vocab: int = 1000, d: int = 128, layers: int = 4):
+    """A Hugging Face sequence classifier from a small config with random weights (3 classes,
+    ``layers`` layers, 4 heads, width ``d``, MLP ``2d``), dropout off, on ``[N, seq]`` tokens."""
+    import warnings
+
+    tf = _transformers()
+    common = {"vocab_size": vocab, "num_labels": 3}
+    if kind == "gpt2":
+        cfg = tf.GPT2Config(
+            n_layer=layers, n_head=4, n_embd=d, n_positions=seq, pad_token_id=0, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common,
+        )
+        make = tf.GPT2ForSequenceClassification
+    elif kind == "bert":
+        cfg = tf.BertConfig(
+            num_hidden_layers=layers, num_attention_heads=4, hidden_size=d,
+            intermediate_size=2 * d, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            **common,
+        )
+        make = tf.BertForSequenceClassification
+    else:
+        cfg = tf.LlamaConfig(
+            num_hidden_layers=layers, num_attention_heads=4, hidden_size=d,
+            intermediate_size=2 * d, pad_token_id=0, **common,
+        )
+        make = tf.LlamaForSequenceClassification
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _Logits(make(cfg)).train()
+    X = torch.randint(1, vocab, (n, seq))
+    return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,))
+
+
 PROBLEMS: dict[str, Callable] = {
     "mnist_mlp": mnist_mlp,
     "cifar10_3c3d": cifar10_3c3d,
@@ -230,6 +296,10 @@ PROBLEMS: dict[str, Callable] = {
     "transformer": transformer,
     "cifar100_allcnnc": cifar100_allcnnc,
     "gpt_decoder": gpt_decoder,
+    # Hugging Face models (``transformers`` installed; not in any default list)
+    "hf_gpt2": lambda n: _hf("gpt2", n),
+    "hf_bert": lambda n: _hf("bert", n),
+    "hf_llama": lambda n: _hf("llama", n),
 }
 
 
