@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from measure import mib, mib_cell, peak_memory, print_markdown
-from problems import build, describe
+from problems import build, describe, importable_torchvision
 
 EXTENSIONS = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "DiagGGNMC", "KFAC"]
 #: the targets of the issue (CPU, N = 128, transformer and resnet18)
@@ -110,19 +110,8 @@ def gpt2(n: int, seq: int = 32, vocab: int = 2048, d: int = 64, layers: int = 2,
 
 
 def import_timm() -> types.ModuleType:
-    """``import timm``. Beside the CPU torch wheel pip installs torchvision's CUDA build, whose
-    ``_meta_registrations`` fails at import (``operator torchvision::nms does not exist``: the
-    detection ops' C extension did not load). No timm model uses those ops, so an empty
-    stand-in replaces that module (as in ``tests/conftest.py``)."""
-    try:
-        import torchvision  # noqa: F401
-    except RuntimeError:
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        stub = "torchvision._meta_registrations"
-        sys.modules[stub] = types.ModuleType(stub)
-    except ImportError:
-        pass
+    """``import timm`` (:func:`problems.importable_torchvision` first)."""
+    importable_torchvision()
     import timm
 
     return timm

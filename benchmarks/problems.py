@@ -222,11 +222,12 @@ def gpt_decoder(n: int = 128, seq: int = 32, vocab: int = 2048, d: int = 64):
     )
 
 
-def _transformers():
-    """``import transformers`` (quiet). Beside the CPU torch wheel pip installs torchvision's
-    CUDA build, whose ``_meta_registrations`` fails at import; no model here uses its ops, so an
-    empty stand-in replaces that module (as in ``tests/conftest.py``)."""
-    import logging
+def importable_torchvision() -> None:
+    """Make ``timm`` and ``transformers`` importable beside the CPU torch wheel: pip installs
+    torchvision's CUDA build with them, whose ``_meta_registrations`` fails at import
+    (``operator torchvision::nms does not exist``: the detection ops' C extension did not
+    load). No model here uses those ops, so an empty stand-in replaces that module (as in
+    ``tests/conftest.py``)."""
     import types
 
     try:
@@ -238,6 +239,13 @@ def _transformers():
         sys.modules[stub] = types.ModuleType(stub)
     except ImportError:
         pass
+
+
+def _transformers():
+    """``import transformers`` (quiet, :func:`importable_torchvision` first)."""
+    import logging
+
+    importable_torchvision()
     import transformers
 
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -119,6 +119,23 @@ def test_a_functional_nonlinearity_keeps_the_mode():
     _check_diag_h(model, lf, X, y)
 
 
+def _exact_without_the_mode(model: nn.Module, lf: nn.Module, X: Tensor, y: Tensor) -> None:
+    """After one recorded forward, ``model``'s next forward outside collect makes no mode
+    dispatch, and first order and the GGN diagonal through it equal the references."""
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    with _mode_calls() as calls:
+        loss = lf(model(X), y)
+        assert calls.call_count == 0
+    with collect(*(e() for e in FIRST), DiagGGNExact()):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, diag_ggn(model, lf, X, y)[name])
+    model.zero_grad()
+
+
 class Attending(Switch):
     """A functional ``tanh`` (a Hessian residual record) under a softmax (which the DiagHessian
     family refuses), as in a transformer's attention and its GELU/SiLU/RMSNorm internals."""
@@ -133,21 +150,8 @@ def test_functional_nonlinearities_under_a_softmax_free_the_mode():
     them are exact, and DiagHessian is still refused before anything is written."""
     torch.manual_seed(1)
     model, lf = extend(Attending()), extend(nn.MSELoss())
-    X, y = _data()
-    ref = per_sample_grads(model, lf, X, y)
-    with _mode_calls() as calls:
-        _learn(model, lf, X, y)
-        assert MODE_FREE[model][True] is not None
-        calls.reset_mock()
-        loss = lf(model(X), y)
-        assert calls.call_count == 0
-    with collect(*(e() for e in FIRST), DiagGGNExact()):
-        loss.backward()
-    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, diag_ggn(model, lf, X, y)[name])
-    model.zero_grad()
-    loss = lf(model(X), y)
+    _exact_without_the_mode(model, lf, *_data())
+    loss = lf(model(_data()[0]), _data()[1])
     with pytest.raises(NonlinearityError, match="softmax"), collect(DiagHessian()):
         loss.backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
@@ -176,18 +180,7 @@ def test_position_embeddings_widened_by_the_backward_pass():
     torch.manual_seed(0)
     model, lf = extend(AddedPositions()), extend(nn.CrossEntropyLoss())
     X, y = torch.randint(0, 7, (3, 5)), torch.randint(0, 3, (3,))
-    ref = per_sample_grads(model, lf, X, y)
-    _learn(model, lf, X, y)
-    assert MODE_FREE[model][True] is not None
-    with _mode_calls() as calls:
-        loss = lf(model(X), y)
-        assert calls.call_count == 0
-    with collect(*(e() for e in FIRST), DiagGGNExact()):
-        loss.backward()
-    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, diag_ggn(model, lf, X, y)[name])
-    model.zero_grad()
+    _exact_without_the_mode(model, lf, X, y)
     model.alpha = 2.0
     loss = lf(model(X), y)
     with pytest.raises(RuntimeError, match="batch sizes 1 and 3"), collect(BatchGrad()):
