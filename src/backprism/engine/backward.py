@@ -63,6 +63,7 @@ from backprism.engine.state import (
     UNATTRIBUTED,
     Call,
     LossRecord,
+    expand_rows,
     forget_mode_free,
     sequence_first,
 )
@@ -403,8 +404,8 @@ class BackwardPass:
             n = out[0]
             wide = dataclasses.replace(
                 call,
-                args=tuple(_over_rows(a, n) for a in call.args),
-                kwargs={k: _over_rows(v, n) for k, v in call.kwargs.items()},
+                args=tuple(expand_rows(a, n) for a in call.args),
+                kwargs={k: expand_rows(v, n) for k, v in call.kwargs.items()},
                 out_shapes=[torch.Size(out)], batch_size=n, live=None, widened_from=call,
                 unsplit=None if call.unsplit == NO_INPUT else call.unsplit,
             )
@@ -1203,13 +1204,6 @@ def _input_fold(call: Call, roots: list[Any], n: int) -> int | None:
             ):
                 return x.shape[0] // n
     return None
-
-
-def _over_rows(x: Any, n: int) -> Any:
-    """``x`` with an axis 0 of size 1 expanded to ``n`` rows (a widened call's input)."""
-    if isinstance(x, Tensor) and x.dim() and x.shape[0] == 1:
-        return x.expand(n, *x.shape[1:])
-    return x
 
 
 def _split_rows(x: Any, n: int, k: int, lead: int = 0) -> Any:

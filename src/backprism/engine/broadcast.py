@@ -65,7 +65,15 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from backprism.engine.forward import attach, capture, detached
 from backprism.engine.rule import get_rule
-from backprism.engine.state import FORWARD, FREE, SHARED, Call, param_view, suspended
+from backprism.engine.state import (
+    FORWARD,
+    FREE,
+    SHARED,
+    Call,
+    expand_rows,
+    param_view,
+    suspended,
+)
 
 __all__ = [
     "DROPOUT",
@@ -280,11 +288,17 @@ def _follow_rows(name: str, args: tuple, out: Any) -> None:
         and b.dim() == out.dim() and b.shape[0] == out.shape[0]
     ]
     if others and name in MEETS:
-        for call in calls:
-            call.meets.extend(get_gradient_edge(b) for b in others)
-        FORWARD.rows_pending -= 1
+        _rows_met(calls, others)
     elif name in FOLLOWS or name in MEETS:
         setattr(out, _ROWS, calls)
+
+
+def _rows_met(calls: list[Call], tensors: list[Tensor]) -> None:
+    """The widened ``calls`` of unknown rows (:data:`_ROWS`) met the per-sample ``tensors``,
+    whose axis 0 holds their rows: recorded as :attr:`~backprism.engine.state.Call.meets`."""
+    for call in calls:
+        call.meets.extend(get_gradient_edge(b) for b in tensors)
+    FORWARD.rows_pending -= 1
 
 
 def before_in_place(name: str, t: Tensor) -> None:
@@ -383,12 +397,6 @@ def dropout_mask(args: tuple, kwargs: dict) -> Tensor | None:
     return mask
 
 
-def _expand_arg(a: Any, n: int) -> Any:
-    if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == 1:
-        return a.expand(n, *a.shape[1:])
-    return a
-
-
 def _widened(call: Call, wide: Tensor, against: tuple[Tensor, ...], **fields: Any) -> Call:
     """``call`` on its inputs widened to the batch (``fields``: ``args``, ``kwargs``, ``live``,
     …), whose output is ``wide`` ``[N, ...]``, broadcast against the tensors ``against``."""
@@ -456,9 +464,7 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         isinstance(mask, Tensor) and hasattr(mask, _ROWS) and isinstance(q, Tensor)
         and q.requires_grad and q.dim() == mask.dim() and q.shape[0] == mask.shape[0]
     ):  # (a widened bias and a constant mask, combined: the queries tell its rows)
-        for call in getattr(mask, _ROWS):
-            call.meets.append(get_gradient_edge(q))
-        FORWARD.rows_pending -= 1
+        _rows_met(getattr(mask, _ROWS), [q])
     if not isinstance(q, Tensor) or not isinstance(mask, Tensor) or not mask.requires_grad:
         return args, kwargs
     if q.dim() < 3 or mask.dim() > q.dim() or q.shape[0] <= 1:
@@ -525,7 +531,7 @@ def _widen_shared(
         # a call of batch size 1 (a convolution on a [1, C, H, W] grid): its inputs are
         # expanded along their axis 0, as for any batch, which every rule takes
         wide = origin.expand(n, *origin.shape[1:])
-        expanded = _expanded(call, lambda x, n=n: _expand_arg(x, n), wide, against)
+        expanded = _expanded(call, lambda x, n=n: expand_rows(x, n), wide, against)
     else:
 
         def widen(x: Any, n: int = n) -> Any:
@@ -667,7 +673,8 @@ class _Spread:
         self.y, self.spec, self.module, self.n, self.batch_one = y, spec, module, n, batch_one
         self.others = [None if i in self.diff else c for i, c in enumerate(flat_copies)]
         self.copies = [flat_copies[i] for i in self.diff]
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
+        self.names, self.params = [k for k, _ in named], [p for _, p in named]
         return self
 
     def apply(self) -> Tensor:
@@ -711,12 +718,11 @@ class _Spread:
         k = len(self.diff)
         copies, params = inputs[:k], inputs[k:]
         aliases = [p.view_as(p) for p in params]
-        names = [name for name, p in self.module.named_parameters() if p.requires_grad]
         leaves = list(self.others)
         for i, x in zip(self.diff, copies):
             leaves[i] = x
         args, kwargs = tree_unflatten(leaves, self.spec)
-        module, state = self.module, dict(zip(names, aliases))
+        module, state = self.module, dict(zip(self.names, aliases))
 
         def run(a: tuple, kw: dict) -> Tensor:
             return functional_call(module, state, a, kw)

@@ -130,8 +130,6 @@ def _is_owned(p: nn.Parameter) -> bool:
     return False
 
 
-
-
 class OpModule(nn.Module):
     """Stand-in module for one functional use: re-runs ``func`` with the parameter operands
     rebuilt from its own parameters (``p0``, ``p1``, …) and the per-sample tensors passed to

@@ -62,6 +62,7 @@ __all__ = [
     "LossRecord",
     "RootRecord",
     "active",
+    "expand_rows",
     "forget_mode_free",
     "param_view",
     "sequence_first",
@@ -123,6 +124,14 @@ def param_view(a: Any) -> tuple[nn.Parameter, Callable[[Tensor], Tensor], str] |
 
 def _identity(q: Tensor) -> Tensor:
     return q
+
+
+def expand_rows(x: Any, n: int) -> Any:
+    """``x`` with an axis 0 of size 1 expanded to ``n`` rows (an input of a call widened over
+    the samples), anything else as it is."""
+    if isinstance(x, Tensor) and x.dim() and x.shape[0] == 1:
+        return x.expand(n, *x.shape[1:])
+    return x
 
 
 def sequence_first(module: nn.Module) -> bool:
