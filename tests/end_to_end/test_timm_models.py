@@ -424,3 +424,29 @@ def test_resnet_uses_closed_form_rules_only() -> None:
     # the warning is shown once per module type and process: the rules themselves, too
     owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     assert not [type(m).__name__ for m in owners if type(get_rule(m)) is GenericRule]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forwards_without_the_mode(name: str) -> None:
+    """After one recorded forward, every model here runs its forwards outside ``collect``
+    without the forward mode (``engine.functional``), the ViTs and ConvNeXt included: their
+    roots' ``cls_token``/``pos_embed``, the blocks' layer scale ``gamma`` and timm's norm
+    subclasses are attributed by a mode entered for those modules' own forward bodies only. A
+    backward through such a forward gives the references' first order and GGN diagonal."""
+    from backprism.engine.state import MODE_FREE
+
+    model, x, y = setup(name)
+    reference = per_sample_grads_loop if name == "swin" else per_sample_grads
+    ref = reference(model, nn.CrossEntropyLoss(), x, y)
+    ggn = diag_ggn_reference(model, x, y)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    lossfunc(model(x), y).backward()  # recorded, outside collect
+    assert MODE_FREE[model][model.training] is not None
+    model.zero_grad()
+    loss = lossfunc(model(x), y)  # without the mode
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), DiagGGNExact()):
+        loss.backward()
+    assert_first_order(model, ref, **TOL)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k].sum(0), **TOL, msg=k)

@@ -11,7 +11,9 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from backprism import collect, extend
 from backprism.engine.functional import ForwardMode
@@ -397,3 +399,154 @@ def test_refusals_hold_without_the_mode(case: str):
     # (a functional tanh, in "shared", and the generic module's own exp are recorded sites:
     # those models keep the mode)
     assert free == (case not in ("shared", "generic"))
+
+
+class Mixer(nn.Module):
+    """A parameter-free container of hooked layers (timm's ``Block``/``Sequential`` of blocks
+    are such): its operations are not its parent's forward's body."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+
+    def forward(self, h: Tensor, scale: Tensor | None = None) -> Tensor:
+        h = h + torch.softmax(h @ h.transpose(1, 2), -1) @ self.inner(h)
+        return h if scale is None else h * scale  # a parameter of the caller's, used here
+
+
+class NormSubclass(nn.LayerNorm):
+    """timm's ``LayerNorm2d``: a LayerNorm subclass overriding ``forward`` (it releases its
+    parameters to the ``F.layer_norm`` inside)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.transpose(1, 2), self.normalized_shape, self.weight, self.bias)
+
+
+class Tokens(nn.Module):
+    """A ViT's root in miniature: its own ``cls`` token expanded and concatenated, ``pos``
+    added, a layer scale ``gamma`` multiplied in its forward's body — with a parameter-free
+    container of blocks and hooked layers called in between. With ``inside`` set, ``gamma`` is
+    used inside that container instead (not in the body)."""
+
+    def __init__(self, inside: bool = False) -> None:
+        super().__init__()
+        d, t = 4, 3
+        self.embed = nn.Linear(3, d)
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.pos = nn.Parameter(torch.randn(1, t + 1, d))
+        self.gamma = nn.Parameter(torch.rand(d) + 0.5)
+        self.blocks = Mixer(d)
+        self.norm = NormSubclass(t + 1)
+        self.head = nn.Linear(d, 2)
+        self.inside = inside
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], 1) + self.pos
+        if self.inside:
+            h = self.blocks(h, self.gamma)
+        else:
+            h = self.blocks(h) * self.gamma
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(h[:, 0])
+
+
+def _tokens_data() -> tuple[Tensor, Tensor]:
+    torch.manual_seed(5)
+    return torch.randn(4, 3, 3), torch.randn(4, 2)
+
+
+def test_parameters_used_in_a_forwards_body_without_the_mode():
+    """Parameters a module uses in its own forward (a ViT's ``cls_token``/``pos_embed``, a
+    ConvNeXt block's ``gamma``, a norm subclass's ``F.layer_norm``) no longer keep the mode: a
+    forward outside collect runs the mode for those forwards' bodies only — never inside the
+    sub-modules they call — and first order and the GGN diagonal through it are exact."""
+    torch.manual_seed(6)
+    model, lf = extend(Tokens()), extend(nn.MSELoss())
+    X, y = _tokens_data()
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    names: list[str] = []
+    original = ForwardMode.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        names.append(getattr(func, "__name__", ""))
+        return original(self, func, types, args, kwargs)
+
+    with mock.patch.object(ForwardMode, "__torch_function__", spy):
+        loss = lf(model(X), y)
+    assert names and not {"softmax", "tanh", "linear", "matmul"} & set(names)
+    assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+    with collect(*(e() for e in FIRST), DiagGGNExact()):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+    ggn = diag_ggn(model, lf, X, y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[name], msg=name)
+
+
+def test_a_parameter_used_inside_a_child_keeps_the_mode():
+    """``gamma`` used inside the parameter-free container rather than in its owner's body: only
+    the mode sees that use, so the model keeps it, and the results are exact."""
+    torch.manual_seed(6)
+    model, lf = extend(Tokens(inside=True)), extend(nn.MSELoss())
+    X, y = _tokens_data()
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is None
+    loss = lf(model(X), y)
+    with collect(*(e() for e in FIRST)):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+class Raising(Mixer):
+    def forward(self, h: Tensor) -> Tensor:
+        raise ValueError("inside the blocks")
+
+
+def test_a_child_that_raises_in_a_body_leaves_no_mode_behind():
+    torch.manual_seed(6)
+    model, lf = extend(Tokens()), extend(nn.MSELoss())
+    X, y = _tokens_data()
+    _learn(model, lf, X, y)
+    blocks = model.blocks
+    model.blocks = Raising(4)
+    extend(model)
+    with pytest.raises(ValueError, match="inside the blocks"):
+        model(X)
+    assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+    model.blocks = blocks
+    lf(model(X), y).backward()
+
+
+class Own(TorchFunctionMode):
+    """A user's mode entered inside a forward's body around a sub-module call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class WithOwnMode(Tokens):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x) + self.pos[:, 1:]
+        with Own():
+            h = self.blocks(h)
+        return self.head((h * self.gamma).mean(1))
+
+
+def test_a_users_mode_around_a_child_is_left_in_place():
+    """A mode the user enters inside the body stays where it is: the body's own mode is not
+    left from under it (it stays on for the call), and the results are exact."""
+    torch.manual_seed(6)
+    model, lf = extend(WithOwnMode()), extend(nn.MSELoss())
+    X, y = _tokens_data()
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    loss = lf(model(X), y)
+    assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
+    with collect(*(e() for e in FIRST)):
+        loss.backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)

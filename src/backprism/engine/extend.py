@@ -12,6 +12,8 @@ from backprism.engine.forward import (
     module_forward_hook,
     module_pre_hook,
     module_pre_hook_inside,
+    pause_body,
+    resume_body,
     root_post_hook,
     root_pre_hook,
 )
@@ -34,6 +36,24 @@ def _owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or parametrize.is_parametrized(
         module
     )
+
+
+def _pause_in_children(module: nn.Module) -> None:
+    """Hooks marking the calls of ``module``'s direct children that no other hook of ours
+    frames (containers such as a ``blocks`` ``Sequential``, parameter-free layers) as outside
+    its forward's body (:func:`~backprism.engine.forward.pause_body`); children framed by their
+    own hooks pause it from there, and activation modules are left in it (one operation)."""
+    for child in module.children():
+        if (
+            getattr(child, "_backprism_pauses", False)
+            or isinstance(child, (*_LOSS_TYPES, *ACTIVATION_TYPES))
+            or _owns_params(child)
+            or _is_batchnorm(child)
+        ):
+            continue
+        child.register_forward_pre_hook(pause_body)
+        child.register_forward_hook(resume_body, always_call=True)
+        object.__setattr__(child, "_backprism_pauses", True)
 
 
 def _decides_inside(module: nn.Module) -> bool:
@@ -77,6 +97,7 @@ def extend(module: nn.Module) -> nn.Module:
         elif _owns_params(sub) or _is_batchnorm(sub):
             if _decides_inside(sub):
                 sub.register_forward_pre_hook(module_pre_hook_inside, with_kwargs=True)
+                _pause_in_children(sub)
             else:
                 sub.register_forward_pre_hook(module_pre_hook)
             sub.register_forward_hook(module_forward_hook, with_kwargs=True)

@@ -62,6 +62,8 @@ __all__ = [
     "module_forward_hook",
     "module_pre_hook",
     "module_pre_hook_inside",
+    "pause_body",
+    "resume_body",
 ]
 
 
@@ -133,7 +135,9 @@ _PARAMETRIZATIONS = (torch.nn.utils.parametrize.ParametrizationList,)
 
 def _new_frame(module: nn.Module) -> list[Any]:
     """A :data:`~backprism.engine.state.FORWARD` call-stack frame (see its docstring)."""
-    return [module, set(), _NONE, None, None, None, not module._modules, None, None, None, False]
+    return [
+        module, set(), _NONE, None, None, None, not module._modules, None, None, None, False, None
+    ]
 
 
 #: ``[factory(functions)]`` of the light mode entered for one releasing module's forward inside
@@ -147,9 +151,59 @@ def _exit_local(frame: list[Any]) -> None:
     mode = frame[7]
     if mode is not None:
         frame[7] = None
+        paused = frame[11]
+        frame[11] = None
+        if paused is not None and paused[1]:
+            return  # left already when the body's sub-module call paused it
         if FORWARD.modes and FORWARD.modes[-1] is mode:
             FORWARD.modes.pop()
         mode.__exit__(None, None, None)
+
+
+def _on_top(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost ``__torch_function__`` mode entered."""
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and torch._C._get_function_stack_at(n - 1) is mode
+
+
+def pause_body(module: nn.Module, *_: Any) -> None:
+    """``module`` is called while the innermost frame is the forward of a module that released
+    its parameters without replacement functions (a container's own ``pos_embed`` or layer
+    scale, a norm subclass's ``F.layer_norm``): its operations are not that forward's *body*
+    (``frame[11]`` says so until :func:`resume_body`), whose parameter uses alone the forward
+    mode attributes there. In a forward without the mode, the body's local mode is left for the
+    call, so that the sub-module's operations pay for no dispatch; a recorded forward counts a
+    released parameter's use as needing the mode unless it lies in the body
+    (:func:`~backprism.engine.functional.attribute`), so both kinds of forward agree."""
+    stack = FORWARD.call_stack
+    if not stack:
+        return
+    top = stack[-1]
+    if not top[2] or top[5] is not None or top[11] is not None:
+        return
+    mode = top[7]
+    left = mode is not None and _on_top(mode)
+    if left:
+        if FORWARD.modes and FORWARD.modes[-1] is mode:
+            FORWARD.modes.pop()
+        mode.__exit__(None, None, None)
+    top[11] = (id(module), left)
+
+
+def resume_body(module: nn.Module, *_: Any) -> None:
+    """The call :func:`pause_body` paused the innermost frame's body for has returned (or
+    raised): the body goes on, with its local mode entered again where it was left."""
+    stack = FORWARD.call_stack
+    if not stack:
+        return
+    top = stack[-1]
+    paused = top[11]
+    if paused is None or paused[0] != id(module):
+        return
+    top[11] = None
+    if paused[1] and top[7] is not None:
+        top[7].__enter__()
+        FORWARD.modes.append(top[7])
 
 
 def exit_local_modes() -> None:
@@ -160,20 +214,28 @@ def exit_local_modes() -> None:
 
 
 def module_pre_hook(module: nn.Module, args: Any) -> None:
-    FORWARD.call_stack.append(_new_frame(module))
+    stack = FORWARD.call_stack
+    if stack and stack[-1][2]:
+        pause_body(module)
+    stack.append(_new_frame(module))
 
 
 def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """The pre-hook of modules whose rule overrides :meth:`~backprism.engine.rule.Rule.inside`:
     the frame carries the parameters the call releases and the ``F.linear`` uses it keeps."""
+    stack = FORWARD.call_stack
+    if stack and stack[-1][2]:
+        pause_body(module)
     frame = _new_frame(module)
-    FORWARD.call_stack.append(frame)
+    stack.append(frame)
     if FORWARD.suspended or not torch.is_grad_enabled():
         return
     mode_on = bool(FORWARD.modes) and FORWARD.modes[-1] is not None
     # in a top-level forward without the mode (engine.functional) a light mode is entered for
     # this module's forward alone, which runs the rule's replacement functions (so the module
-    # releases its parameters all the same) and passes every other operation through
+    # releases its parameters all the same) and passes every other operation through; or, for
+    # a release without replacement functions, a forward mode for the forward's body alone
+    # (pause_body)
     local = not mode_on and FORWARD.free_ops is not None and LOCAL_MODE[0] is not None
     # released uses are attributed by the forward mode (none without one: a sub-module called
     # on its own keeps its parameters)
@@ -183,8 +245,8 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
         inside = get_rule(module).inside(module, args, kwargs)
         if not inside.release and not inside.keep:
             return
-        if local and not inside.functions:
-            return  # nothing the light mode can do: the module keeps its parameters
+        if local and not inside.functions and not inside.release:
+            return  # nothing the light mode can do (it keeps F.linear's operands)
         release = [(n, _parameter(module, n)) for n in inside.release]
         frame[2] = frozenset(id(p) for _, p in release if p is not None)
         if frame[2] and not inside.functions:
@@ -314,6 +376,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         _exit_local(frame)
     ran = frame[1]
     if stack:
+        if stack[-1][11] is not None:
+            resume_body(module)
         # the module's whole subtree is accounted for — by the calls of descendants that ran,
         # or by this call (those that did not, e.g. MultiheadAttention.out_proj): an enclosing
         # call must not claim any of it

@@ -366,13 +366,17 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         views = [(i, v) for i, v in views if id(v[0]) not in owned]
         kw_views = {k: v for k, v in kw_views.items() if id(v[0]) not in owned}
         every = [v for _, v in views] + list(kw_views.values())
+    stack = FORWARD.call_stack
+    top = stack[-1] if stack else None
     if not any(
-        frame[2] and frame[5] and id(v[0]) in frame[2]
-        for frame in FORWARD.call_stack
-        for v in every
+        frame[2] and frame[5] and id(v[0]) in frame[2] for frame in stack for v in every
+    ) and not (
+        top is not None and top[2] and top[11] is None and all(id(v[0]) in top[2] for v in every)
     ):
         # a use no module hook sees: the model's forwards keep the mode (uses released by a
-        # module with replacement functions are optional: its light mode attributes them)
+        # module with replacement functions, or in the body of the releasing module's forward,
+        # are optional: the local mode of a forward without the mode attributes them, see
+        # forward.pause_body)
         FORWARD.acted += 1
     tensors = [
         (i, a)
@@ -1121,7 +1125,15 @@ class ReleaseMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_forward.LOCAL_MODE[0] = ReleaseMode
+def _local_mode(functions: dict[str, Callable[..., Any]] | None) -> TorchFunctionMode:
+    """The local mode of one releasing module's forward inside a top-level forward without
+    :class:`ForwardMode`: :class:`ReleaseMode` for a module with replacement functions, else a
+    :class:`ForwardMode` that records nothing, entered for the forward's body only
+    (:func:`~backprism.engine.forward.pause_body`)."""
+    return ReleaseMode(functions) if functions else ForwardMode(False)
+
+
+_forward.LOCAL_MODE[0] = _local_mode
 
 if (_enter, _exit) not in FORWARD_LISTENERS:
     FORWARD_LISTENERS.append((_enter, _exit))

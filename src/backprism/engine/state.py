@@ -349,7 +349,10 @@ class _ForwardState(threading.local):
         #: (``[(call, nodes)]``, or ``None``), the batch size of its first input and the ids of
         #: its tensor arguments (or ``None``),
         #: whether a use of a released parameter could not be attributed (the release is then
-        #: undone: :func:`~backprism.engine.forward.undo_release`)]
+        #: undone: :func:`~backprism.engine.forward.undo_release`), and, while a sub-module
+        #: called in the forward of a module releasing without replacement functions runs,
+        #: ``(id of that sub-module, whether its local mode was left)``, else ``None``
+        #: (:func:`~backprism.engine.forward.pause_body`)]
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []
