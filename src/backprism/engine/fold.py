@@ -26,8 +26,15 @@ edge (``Node._input_metadata``) and the arguments it saves:
   spatial axes.
 
 Anything else — an operation it does not know, a batch axis it cannot follow — is *unknown*,
-and the call keeps today's refusal (calls of different batch sizes). Operations that mix rows
-along the batch axis in ways shapes do not show (``x[perm]``) are unknown, not followed.
+and the call keeps today's refusal (calls of different batch sizes).
+
+Operations that *mix* the samples are reported (:attr:`FoldAnalysis.mixing`, read by
+:func:`sample_mixing`): a product of two per-sample operands over the samples, a reduction,
+softmax, cumulative operation, sort or top-k over the batch axis, a roll or flip of it, an
+index along it that reorders or repeats the samples (``h[perm]``; ``arange`` keeps the status,
+an ordered subset is unknown), a reduction over every axis, and a value computed from the
+samples broadcast over them (:meth:`FoldAnalysis.reaches_samples`) — the catch-all for batch
+statistics computed by operations the analysis does not know.
 """
 
 from __future__ import annotations
@@ -67,8 +74,25 @@ _ROW_WISE = frozenset(
 _OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"})
 #: pooling and interpolation over the trailing ``k`` (spatial) axes: ``kind → k``
 _SPATIAL_RE = re.compile(r"^(Upsample\w+|\w*Pool)([123])D(WithIndices)?Backward0$")
-#: reductions over ``_saved_dim`` (with ``_saved_keepdim``)
-_REDUCTIONS = frozenset({"SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0"})
+#: reductions over ``_saved_dim`` (one axis, a list, or ``None``: all; with
+#: ``_saved_keepdim``)
+_REDUCTIONS = frozenset(
+    {"SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0", "MaxBackward0",
+     "MinBackward0", "KthvalueBackward0", "MedianBackward1", "ModeBackward0", "AmaxBackward0",
+     "AminBackward0", "ProdBackward1", "StdBackward0", "VarBackward0", "VarMeanBackward0",
+     "LogsumexpBackward0", "NansumBackward0"}
+)
+#: reductions over every axis
+_FULL_REDUCTIONS = frozenset(
+    {"SumBackward0", "MeanBackward0", "MaxBackward1", "MinBackward1", "ProdBackward0",
+     "TraceBackward0", "PdistBackward0"}
+)
+#: operations along one axis (``_saved_dim``), row by row along the others: along the batch
+#: axis they combine or reorder the samples
+_ALONG_AXIS = frozenset(
+    {"CumsumBackward0", "CumprodBackward0", "LogcumsumexpBackward0", "CummaxBackward0",
+     "CumminBackward0", "SortBackward0", "TopkBackward0"}
+)
 #: nodes of parameter-only computations (a weight transposed for ``mm``)
 _PARAM_SHAPE_OPS = frozenset(
     {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
@@ -239,12 +263,40 @@ class FoldAnalysis:
             if dim == status[0] and out[dim] != inp[dim]:
                 return None
             return status
-        if kind == "RollBackward0":
+        if kind in ("RollBackward0", "FlipBackward0"):
             status, _ = self._in(node, 0, depth)
             dims = [saved_dim(d, len(out)) for d in node._saved_dims]
-            if status is None or not dims or status[0] in dims:
+            if status is None or not dims:
+                return None
+            if status[0] in dims:
+                what = "roll" if kind == "RollBackward0" else "flip"
+                self.mixing = f"a {what} over the samples (dim {status[0]})"
                 return None
             return status
+        if kind in _ALONG_AXIS:
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
+                return None
+            if saved_dim(node._saved_dim, len(inp)) == status[0]:
+                self.mixing = f"a {kind[:-9].lower()} over the samples (dim {status[0]})"
+                return None
+            return status
+        if kind in ("IndexSelectBackward0", "GatherBackward0"):
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
+                return None
+            if saved_dim(node._saved_dim, len(inp)) != status[0]:
+                return status if out[status[0]] == inp[status[0]] else None
+            return self._sample_index(node._saved_index, status, kind)
+        if kind == "IndexBackward0":
+            return self._index(node, out, depth)
+        if kind in _FULL_REDUCTIONS:
+            status, _ = self._in(node, 0, depth)
+            if status is not None:
+                self.mixing = f"a reduction over every axis, the samples' too ({kind[:-9]})"
+            return None
+        if kind == "CdistBackward0":
+            return self._cdist(node, depth)
         if kind == "ConstantPadNdBackward0":
             status, _ = self._in(node, 0, depth)
             if status is None:
@@ -269,7 +321,13 @@ class FoldAnalysis:
             if status is None or inp is None:
                 return None
             dims = node._saved_dim
-            dims = [saved_dim(d, len(inp)) for d in (dims if dims is not None else range(len(inp)))]
+            if dims is None or (isinstance(dims, (list, tuple)) and not dims and kind in (
+                "SumBackward1", "MeanBackward1", "LinalgVectorNormBackward0"
+            )):
+                dims = range(len(inp))  # (dim=[] reduces over every axis for these)
+            elif isinstance(dims, int):
+                dims = [dims]
+            dims = [saved_dim(d, len(inp)) for d in dims]
             if status[0] in dims:
                 self.mixing = f"a reduction over the samples ({kind[:-9]} over dim {status[0]})"
                 return None
@@ -304,6 +362,94 @@ class FoldAnalysis:
                 return None
             return status
         return None
+
+    def _sample_index(self, index: Any, status: Status, kind: str) -> Status | None:
+        """An index along the batch axis (``index_select``, ``gather``, ``x[idx]``): every
+        sample in its place (``arange``) keeps the status; a subset in order is left unknown
+        (the batch sizes then differ, refused elsewhere); anything else reorders or repeats
+        the samples, which mixes them."""
+        import torch
+
+        if not isinstance(index, torch.Tensor) or status[1] != 1:
+            return None
+        if index.dtype == torch.bool:
+            return status if index.dim() == 1 and bool(index.all()) else None
+        if index.dim() == 0:
+            return None
+        rows = torch.arange(index.shape[0], device=index.device)
+        rows = rows.view(-1, *([1] * (index.dim() - 1)))
+        if index.shape[0] == self.n and bool((index == rows).all()):
+            return status
+        flat = index.reshape(index.shape[0], -1)[:, 0] if index.dim() > 1 else index
+        if (
+            index.dim() == 1 or bool((index == flat.view(-1, *([1] * (index.dim() - 1)))).all())
+        ) and (flat.numel() < 2 or bool((flat[1:] > flat[:-1]).all())) and flat.numel() < self.n:
+            return None
+        self.mixing = f"an indexing that reorders or repeats the samples ({kind[:-9]})"
+        return None
+
+    def _index(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
+        """``x[...]`` with index tensors: indices on axes after the batch axis keep it where it
+        is; an index on the batch axis, alone or with others that broadcast to its length (GPT-2's
+        ``logits[arange(N), last]``), is read by :meth:`_sample_index`."""
+        status, inp = self._in(node, 0, depth)
+        if status is None or inp is None:
+            return None
+        indices = list(node._saved_indices)
+        axis = status[0]
+        at = indices[axis] if axis < len(indices) else None
+        if at is None:
+            if any(i is not None for i in indices[:axis]):
+                return None
+            return status if axis < len(out) and out[axis] == inp[axis] else None
+        adv = [k for k, i in enumerate(indices) if i is not None]
+        if adv != list(range(adv[0], adv[-1] + 1)) or adv[0] != axis:
+            return None  # (advanced indices apart: their axes go first)
+        found = self._sample_index(at, status, "IndexBackward0")
+        if found is None:
+            return None
+        others = [indices[k] for k in adv if k != axis]
+        if at.dim() != 1 or any(o.dim() > 1 or o.shape[0] not in (1, self.n) for o in others):
+            return None
+        return status
+
+    def _cdist(self, node: Any, depth: int) -> Status | None:
+        """``cdist(x1, x2)`` ``[.., P, R]``: samples on ``x1``'s rows with ``x2`` free of them
+        pass to the rows; samples on both are pairwise distances between samples."""
+        sa, _ = self._in(node, 0, depth)
+        f = node.next_functions[1][0]
+        if f is None or _param_only(f) or self.sample_free(f):
+            return sa if sa is not None and sa[0] == 0 else None
+        if sa is not None and self.reaches_samples(f):
+            self.mixing = "pairwise distances between samples (cdist)"
+        return None
+
+    def reaches_samples(self, node: Any) -> bool:
+        """``node``'s graph reaches the output of a call on the samples (an anchor, or a call
+        whose batch is a fold of the samples): its value depends on them."""
+        key = ("reach", id(node))
+        if key in self._free:
+            return self._free[key]
+        stack, seen, found = [node], set(), False
+        while stack and not found:
+            f = stack.pop()
+            if f is None or id(f) in seen:
+                continue
+            seen.add(id(f))
+            self._held.append(f)
+            known = self._free.get(("reach", id(f)))
+            if known is not None:
+                found = known
+                continue
+            if any((id(f), k) in self.anchors for k in range(len(f._input_metadata))) or any(
+                c.widened_from is None and c.batch_size % self.n == 0 and c.batch_size > self.n
+                for c, _, _ in f.metadata.get(CALLS, ())
+            ):
+                found = True
+                continue
+            stack.extend(g for g, _ in f.next_functions)
+        self._free[key] = found
+        return found
 
     def _mm(self, node: Any, i: int, depth: int) -> Status | None:
         """``A @ B`` (2-D): samples on ``A``'s rows or ``B``'s columns pass to the product's;
@@ -377,9 +523,16 @@ class FoldAnalysis:
             return None
         axis = found[0]
         for f, inp, shift in operands:
-            if axis >= shift and inp[axis - shift] != 1 and not (
-                _param_only(f) or self.sample_free(f)
-            ):
+            if _param_only(f) or self.sample_free(f):
+                continue
+            if axis >= shift and inp[axis - shift] != 1:
+                return None
+            if self.n > 1 and self.reaches_samples(f):
+                # broadcast over the samples, yet computed from them: a statistic of the batch
+                self.mixing = self.mixing or (
+                    f"a value computed from the samples ({type(f).__name__[:-9]}, shape "
+                    f"{inp}) and broadcast over all of them"
+                )
                 return None
         return found
 
