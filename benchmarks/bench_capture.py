@@ -22,6 +22,8 @@ Usage::
     PYTHONPATH=src python benchmarks/bench_capture.py --control     # A/A: the noise floor
     PYTHONPATH=src python benchmarks/bench_capture.py --problems hf_gpt2 hf_bert hf_llama \
         --n 16 --threads 1                 # Hugging Face models (transformers installed)
+    PYTHONPATH=src python benchmarks/bench_capture.py --problems timm_convnext timm_swin \
+        timm_vit --n 32 --threads 1        # timm models (timm installed)
 
 Timing: ``torch.set_num_threads(2)`` on the CPU (``--threads``), both variants built from the
 same seed (the extended one a ``copy.deepcopy`` of the plain model and loss, so weights and

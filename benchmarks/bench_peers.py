@@ -15,7 +15,7 @@ vocabulary, head tied to the token embedding, next-token cross-entropy over ``[N
 Not in the default list (``--problems timm_resnet18 timm_convnext timm_vit``): timm models from
 ``timm.create_model(name, pretrained=False, num_classes=10)`` in eval mode on 3×32×32 inputs —
 ``resnet18``, ``convnext_atto`` and ``vit_tiny_patch16_224`` with ``img_size=32, patch_size=4``
-(:func:`import_timm` first makes a CUDA torchvision build importable beside a CPU torch).
+(:func:`problems.import_timm` first makes a CUDA torchvision build importable beside a CPU torch).
 
 Configurations (each on its own copy of the model, same weights and data):
 
@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from measure import mib, mib_cell, peak_memory, print_markdown
-from problems import build, describe, importable_torchvision
+from problems import build, describe
 
 EXTENSIONS = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "DiagGGNMC", "KFAC"]
 #: the targets of the issue (CPU, N = 128, transformer and resnet18)
@@ -109,34 +109,10 @@ def gpt2(n: int, seq: int = 32, vocab: int = 2048, d: int = 64, layers: int = 2,
     return model, nn.CrossEntropyLoss(), X, y
 
 
-def import_timm() -> types.ModuleType:
-    """``import timm`` (:func:`problems.importable_torchvision` first)."""
-    importable_torchvision()
-    import timm
-
-    return timm
-
-
-#: ``--problems`` name → (timm model name, extra ``create_model`` arguments)
-TIMM = {
-    "timm_resnet18": ("resnet18", {}),
-    "timm_convnext": ("convnext_atto", {}),
-    "timm_vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4}),
-}
-
-
-def timm_problem(name: str, n: int):
-    arch, kwargs = TIMM[name]
-    model = import_timm().create_model(arch, pretrained=False, num_classes=10, **kwargs).eval()
-    return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
-
-
 def make_problem(name: str, n: int):
     torch.manual_seed(0)
     if name == "gpt2":
         return gpt2(n)
-    if name in TIMM:
-        return timm_problem(name, n)
     return build(name, n)
 
 

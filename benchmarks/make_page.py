@@ -163,7 +163,7 @@ NOT_INSTALLED = {
 def _missing() -> list[str]:
     """The optional tools that cannot be imported here (their rows are left out)."""
     sys.path.insert(0, os.path.dirname(__file__))
-    from bench_peers import import_timm
+    from problems import import_timm
 
     out = []
     for module, what in NOT_INSTALLED.items():

@@ -296,6 +296,35 @@ def _hf(kind: str, n: int, seq: int = 64, vocab: int = 1000, d: int = 128, layer
     return model, nn.CrossEntropyLoss(), X, torch.randint(0, 3, (n,))
 
 
+def import_timm():
+    """``import timm`` (:func:`importable_torchvision` first)."""
+    importable_torchvision()
+    import timm
+
+    return timm
+
+
+#: timm problem name → (timm model name, extra ``create_model`` arguments), 3×32×32 inputs
+TIMM = {
+    "timm_resnet18": ("resnet18", {}),
+    "timm_convnext": ("convnext_atto", {}),
+    "timm_vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 4}),
+    "timm_swin": (
+        "swin_tiny_patch4_window7_224",
+        {"img_size": 32, "patch_size": 2, "window_size": 4, "depths": (2, 2),
+         "num_heads": (2, 4), "embed_dim": 32},
+    ),
+}
+
+
+def timm_problem(name: str, n: int):
+    """A timm model from :data:`TIMM` with random weights, 10 classes, in eval mode (dropout
+    and drop-path off, BatchNorm on its running statistics), on ``[n, 3, 32, 32]``."""
+    arch, kwargs = TIMM[name]
+    model = import_timm().create_model(arch, pretrained=False, num_classes=10, **kwargs).eval()
+    return model, nn.CrossEntropyLoss(), torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+
+
 PROBLEMS: dict[str, Callable] = {
     "mnist_mlp": mnist_mlp,
     "cifar10_3c3d": cifar10_3c3d,
@@ -308,6 +337,8 @@ PROBLEMS: dict[str, Callable] = {
     "hf_gpt2": lambda n: _hf("gpt2", n),
     "hf_bert": lambda n: _hf("bert", n),
     "hf_llama": lambda n: _hf("llama", n),
+    # timm models (``timm`` installed; not in any default list)
+    **{name: (lambda n, name=name: timm_problem(name, n)) for name in TIMM},
 }
 
 
