@@ -143,13 +143,15 @@ def test_first_order(name: str):
     assert_first_order(Logits(model), ref, **TOL)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "vit"])
 def test_forwards_without_the_mode(name: str):
     """After one recorded forward, these models' forwards outside ``collect`` run without the
     forward mode: all it did was record the GELU/SiLU/RMSNorm internals, which only the
-    DiagHessian family uses and refuses here anyway (softmax), and widen the position
+    DiagHessian family uses and refuses here anyway (softmax), widen the position
     embeddings of ``position_ids`` ``[1, T]`` added to the tokens', which the backward pass
-    widens at the addition instead. A backward through such a forward gives the same first
+    widens at the addition instead, and attribute ViT's ``cls_token`` and
+    ``position_embeddings`` in its embeddings module's own forward, which a mode entered for
+    that forward's body alone does. A backward through such a forward gives the same first
     order and GGN diagonal."""
     from backprism.engine.state import MODE_FREE
 
