@@ -1,5 +1,6 @@
 """Fuzzed forwards with and without the forward mode: random operations between Linear layers
 (linear glue, functional and module nonlinearities, products, quotients, normalisations).
+Uses of the root's own parameters in its forward's body or in a child it calls are drawn too.
 Property: on the recorded first forward and on a later forward (without the mode where the model
 was learned mode-free), ``DiagHessian`` either refuses with a clear error before writing
 anything, or equals the dense Hessian diagonal; first-order statistics equal ``torch.func``'s
@@ -51,8 +52,22 @@ MODULES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+class Scale(nn.Module):
+    """A parameter-free module multiplying by a scale its caller passes in."""
+
+    def forward(self, h: Tensor, scale: Tensor) -> Tensor:
+        return h * scale
+
+
+#: glue using a parameter of the model's root: in its forward's body (``h * γ + β``, attributed
+#: by the mode entered for that body alone in a forward without the mode), or passed to a
+#: parameter-free child (only the mode sees that use: the model keeps it)
+PARAM_GLUE = ("body_scale", "child_scale")
+
+
 class Glued(nn.Module):
-    """Linear → glue → Linear → glue → Linear; each glue one operation or activation module."""
+    """Linear → glue → Linear → glue → Linear; each glue one operation or activation module, or
+    a use of the root's own parameters (:data:`PARAM_GLUE`)."""
 
     def __init__(self, glue: list[str]) -> None:
         super().__init__()
@@ -62,12 +77,20 @@ class Glued(nn.Module):
             {f"m{i}": MODULES[g]() for i, g in enumerate(glue) if g in MODULES}
         )
         self.register_buffer("c", torch.linspace(-0.5, 0.5, D))
+        if set(glue) & set(PARAM_GLUE):
+            self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, D))
+            self.beta = nn.Parameter(torch.linspace(-0.2, 0.2, D))
+            self.scale = Scale()
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.lins[0](x)
         for i, g in enumerate(self.glue):
             if g in MODULES:
                 h = self.mods[f"m{i}"](h)
+            elif g == "body_scale":
+                h = h * self.gamma + self.beta
+            elif g == "child_scale":
+                h = self.scale(h, self.gamma) - self.beta
             else:
                 h = OPS[g](h, self.c)  # type: ignore[call-arg]
             h = self.lins[i + 1](h)
@@ -87,9 +110,11 @@ def _diag_h_or_refused(model: nn.Module, lf: nn.Module, X: Tensor, y: Tensor) ->
     torch.testing.assert_close(ours, torch.diagonal(loss_hessian(model, lf, X, y)))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
-    glue=st.lists(st.sampled_from(sorted(OPS) + sorted(MODULES)), min_size=1, max_size=2),
+    glue=st.lists(
+        st.sampled_from(sorted(OPS) + sorted(MODULES) + list(PARAM_GLUE)), min_size=1, max_size=2
+    ),
     n=st.integers(2, 4),
 )
 def test_fuzzed_glue(glue: list[str], n: int) -> None:
