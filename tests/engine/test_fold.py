@@ -227,8 +227,12 @@ def test_model_input_viewed_as_rows() -> None:
 
     torch.manual_seed(0)
     model = FirstLayerFolded().to(DT)
-    x = torch.randn(3, 4, D, dtype=DT)
-    y = torch.randint(0, C, (3,))
+    _first_order_exact(model, torch.randn(3, 4, D, dtype=DT), torch.randint(0, C, (3,)))
+
+
+def _first_order_exact(model: nn.Module, x: Tensor, y: Tensor) -> None:
+    """First-order statistics of the extended ``model`` under a cross-entropy loss against
+    ``torch.func``'s per-sample gradients."""
     lossfunc = nn.CrossEntropyLoss()
     ref = per_sample_grads(model, lossfunc, x, y)
     extend(model)
@@ -376,10 +380,4 @@ def test_operations_along_other_axes_are_not_refused(keep: Callable[[Tensor], Te
     place) do not mix the samples: per-sample gradients against ``torch.func``."""
     torch.manual_seed(0)
     model = Mixing(keep).to(DT)
-    x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
-    lossfunc = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lossfunc, x, y)
-    extend(model)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-        lossfunc(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
+    _first_order_exact(model, torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,)))

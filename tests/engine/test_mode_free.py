@@ -451,9 +451,15 @@ class Tokens(nn.Module):
         return self.head(h[:, 0])
 
 
-def _tokens_data() -> tuple[Tensor, Tensor]:
+def _learned(model: nn.Module) -> tuple[nn.Module, nn.Module, Tensor, Tensor, dict]:
+    """``model`` extended with a mean squared error, its data, its per-sample gradients
+    (``torch.func``), after the recorded forward outside collect."""
     torch.manual_seed(5)
-    return torch.randn(4, 3, 3), torch.randn(4, 2)
+    X, y = torch.randn(4, 3, 3), torch.randn(4, 2)
+    model, lf = extend(model), extend(nn.MSELoss())
+    ref = per_sample_grads(model, lf, X, y)
+    _learn(model, lf, X, y)
+    return model, lf, X, y, ref
 
 
 def test_parameters_used_in_a_forwards_body_without_the_mode():
@@ -462,10 +468,7 @@ def test_parameters_used_in_a_forwards_body_without_the_mode():
     forward outside collect runs the mode for those forwards' bodies only — never inside the
     sub-modules they call — and first order and the GGN diagonal through it are exact."""
     torch.manual_seed(6)
-    model, lf = extend(Tokens()), extend(nn.MSELoss())
-    X, y = _tokens_data()
-    ref = per_sample_grads(model, lf, X, y)
-    _learn(model, lf, X, y)
+    model, lf, X, y, ref = _learned(Tokens())
     assert MODE_FREE[model][True] is not None
     names: list[str] = []
     original = ForwardMode.__torch_function__
@@ -490,10 +493,7 @@ def test_a_parameter_used_inside_a_child_keeps_the_mode():
     """``gamma`` used inside the parameter-free container rather than in its owner's body: only
     the mode sees that use, so the model keeps it, and the results are exact."""
     torch.manual_seed(6)
-    model, lf = extend(Tokens(inside=True)), extend(nn.MSELoss())
-    X, y = _tokens_data()
-    ref = per_sample_grads(model, lf, X, y)
-    _learn(model, lf, X, y)
+    model, lf, X, y, ref = _learned(Tokens(inside=True))
     assert MODE_FREE[model][True] is None
     loss = lf(model(X), y)
     with collect(*(e() for e in FIRST)):
@@ -508,9 +508,7 @@ class Raising(Mixer):
 
 def test_a_child_that_raises_in_a_body_leaves_no_mode_behind():
     torch.manual_seed(6)
-    model, lf = extend(Tokens()), extend(nn.MSELoss())
-    X, y = _tokens_data()
-    _learn(model, lf, X, y)
+    model, lf, X, y, _ = _learned(Tokens())
     blocks = model.blocks
     model.blocks = Raising(4)
     extend(model)
@@ -540,10 +538,7 @@ def test_a_users_mode_around_a_child_is_left_in_place():
     """A mode the user enters inside the body stays where it is: the body's own mode is not
     left from under it (it stays on for the call), and the results are exact."""
     torch.manual_seed(6)
-    model, lf = extend(WithOwnMode()), extend(nn.MSELoss())
-    X, y = _tokens_data()
-    ref = per_sample_grads(model, lf, X, y)
-    _learn(model, lf, X, y)
+    model, lf, X, y, ref = _learned(WithOwnMode())
     assert MODE_FREE[model][True] is not None
     loss = lf(model(X), y)
     assert not FORWARD.modes and torch._C._len_torch_function_stack() == 0
