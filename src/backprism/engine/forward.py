@@ -208,8 +208,9 @@ def resume_body(module: nn.Module, *_: Any) -> None:
 
 def exit_local_modes() -> None:
     """Leave every local forward mode still entered (a module's forward raised before its
-    forward hook ran); called at the end of the top-level forward."""
-    for frame in FORWARD.call_stack:
+    forward hook ran); called at the end of the top-level forward. Innermost first: each is
+    left from the top of the mode stack."""
+    for frame in reversed(FORWARD.call_stack):
         _exit_local(frame)
 
 
