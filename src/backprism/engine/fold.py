@@ -43,6 +43,8 @@ import math
 import re
 from typing import Any
 
+import torch
+
 from backprism.engine.state import CALLS
 
 __all__ = ["FoldAnalysis", "fold_sizes", "output_shape", "sample_mixing", "saved_dim", "saved_int"]
@@ -157,9 +159,7 @@ def _param_only(node: Any, depth: int = 0) -> bool:
 
 
 def _is_parameter_leaf(node: Any) -> bool:
-    from torch import nn
-
-    return isinstance(getattr(node, "variable", None), nn.Parameter)
+    return isinstance(getattr(node, "variable", None), torch.nn.Parameter)
 
 
 class FoldAnalysis:
@@ -368,23 +368,21 @@ class FoldAnalysis:
         sample in its place (``arange``) keeps the status; a subset in order is left unknown
         (the batch sizes then differ, refused elsewhere); anything else reorders or repeats
         the samples, which mixes them."""
-        import torch
-
         if not isinstance(index, torch.Tensor) or status[1] != 1:
             return None
         if index.dtype == torch.bool:
             return status if index.dim() == 1 and bool(index.all()) else None
-        if index.dim() == 0:
+        if index.dim() == 0 or index.numel() == 0:
             return None
-        rows = torch.arange(index.shape[0], device=index.device)
-        rows = rows.view(-1, *([1] * (index.dim() - 1)))
-        if index.shape[0] == self.n and bool((index == rows).all()):
-            return status
-        flat = index.reshape(index.shape[0], -1)[:, 0] if index.dim() > 1 else index
-        if (
-            index.dim() == 1 or bool((index == flat.view(-1, *([1] * (index.dim() - 1)))).all())
-        ) and (flat.numel() < 2 or bool((flat[1:] > flat[:-1]).all())) and flat.numel() < self.n:
-            return None
+        rows = index.reshape(index.shape[0], -1)
+        first = rows[:, 0]  # the sample each output row takes, if it takes one
+        if bool((rows == first[:, None]).all()):
+            if first.numel() == self.n and bool(
+                (first == torch.arange(self.n, device=first.device)).all()
+            ):
+                return status  # every sample in its place
+            if first.numel() < self.n and bool((first[1:] > first[:-1]).all()):
+                return None  # an ordered subset
         self.mixing = f"an indexing that reorders or repeats the samples ({kind[:-9]})"
         return None
 

@@ -155,9 +155,20 @@ def _exit_local(frame: list[Any]) -> None:
         frame[11] = None
         if paused is not None and paused[1]:
             return  # left already when the body's sub-module call paused it
-        if FORWARD.modes and FORWARD.modes[-1] is mode:
-            FORWARD.modes.pop()
-        mode.__exit__(None, None, None)
+        _leave(mode)
+
+
+def _enter_mode(mode: Any) -> None:
+    """Enter a local forward mode (innermost in ``FORWARD.modes`` and on torch's stack)."""
+    mode.__enter__()
+    FORWARD.modes.append(mode)
+
+
+def _leave(mode: Any) -> None:
+    """Leave a local forward mode :func:`_enter_mode` entered."""
+    if FORWARD.modes and FORWARD.modes[-1] is mode:
+        FORWARD.modes.pop()
+    mode.__exit__(None, None, None)
 
 
 def _on_top(mode: Any) -> bool:
@@ -184,9 +195,7 @@ def pause_body(module: nn.Module, *_: Any) -> None:
     mode = top[7]
     left = mode is not None and _on_top(mode)
     if left:
-        if FORWARD.modes and FORWARD.modes[-1] is mode:
-            FORWARD.modes.pop()
-        mode.__exit__(None, None, None)
+        _leave(mode)
     top[11] = (id(module), left)
 
 
@@ -202,8 +211,7 @@ def resume_body(module: nn.Module, *_: Any) -> None:
         return
     top[11] = None
     if paused[1] and top[7] is not None:
-        top[7].__enter__()
-        FORWARD.modes.append(top[7])
+        _enter_mode(top[7])
 
 
 def exit_local_modes() -> None:
@@ -276,8 +284,7 @@ def module_pre_hook_inside(module: nn.Module, args: tuple, kwargs: dict) -> None
             _batch_on_axis_one(first)
     if local:
         mode = LOCAL_MODE[0](inside.functions)
-        mode.__enter__()
-        FORWARD.modes.append(mode)
+        _enter_mode(mode)
         frame[7] = mode
 
 
