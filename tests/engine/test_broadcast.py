@@ -529,6 +529,76 @@ def test_double_backward_through_a_chain(chain: str) -> None:
             torch.testing.assert_close(a, e, **TOL)
 
 
+class NoisyScale(nn.Module):
+    """A module with a parameter of its own that applies dropout in its forward; ``mask``: the
+    mask to use instead of drawing one (the reference's), ``drawn``: the last one drawn outside
+    ``vmap``."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(D) + 0.5)
+        self.p, self.mask = p, None
+
+    def forward(self, t: Tensor) -> Tensor:
+        scaled = torch.tanh(t) * self.weight
+        if self.mask is not None:
+            return scaled * self.mask
+        out = F.dropout(scaled, self.p, self.training)
+        if not torch._C._functorch.is_batchedtensor(out):  # (not the re-run's, inside vmap)
+            self.drawn = (out / scaled).detach()
+        return out
+
+
+class NoisyTable(nn.Module):
+    """Position embeddings ``[T, d]`` (``[1, T, d]`` for ``batch_one``) through
+    :class:`NoisyScale`, shared by all samples and added to their tokens."""
+
+    def __init__(self, t: int, batch_one: bool) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.arange(t)[None] if batch_one else torch.arange(t))
+        self.pos, self.noisy = nn.Embedding(t, D), NoisyScale(0.5)
+        self.tok, self.head = nn.Linear(3, D), nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shared = self.noisy(self.pos(self.positions))
+        return self.head(torch.tanh(self.tok(x) + shared).mean(1))
+
+
+@pytest.mark.parametrize("batch_one", [False, True])
+def test_double_backward_through_a_chain_that_draws_dropout(batch_one: bool) -> None:
+    """A shared call with dropout of its own, re-run for ``create_graph=True``, draws the mask
+    the forward drew (once for all samples): Hessian-vector products equal those of the model
+    that was never extended with that mask fixed, and the random generator goes on from where
+    it was. Inside ``collect`` the generic rule, which recomputes the call per sample, refuses
+    it by name."""
+    torch.manual_seed(0)
+    plain = NoisyTable(3, batch_one).to(DT)
+    model = extend(NoisyTable(3, batch_one).to(DT))
+    model.load_state_dict(plain.state_dict())
+    x, y = torch.randn(4, 3, 3, dtype=DT), torch.randint(0, C, (4,))
+    vs = [torch.randn_like(p) for p in plain.parameters()]
+
+    def hvp(m: nn.Module) -> list[Tensor]:
+        ps = list(m.parameters())
+        gs = torch.autograd.grad(F.cross_entropy(m(x), y), ps, create_graph=True)
+        state = torch.get_rng_state()
+        hv = list(torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ps))
+        assert torch.equal(torch.get_rng_state(), state)
+        return hv
+
+    for _ in range(2):
+        actual = hvp(model)
+        drawn = model.noisy.drawn  # the mask of the extended forward
+        assert 0 < drawn.count_nonzero() < drawn.numel()
+        plain.noisy.mask = drawn
+        for a, e in zip(actual, hvp(plain)):
+            torch.testing.assert_close(a, e, **TOL)
+    with pytest.raises(RuntimeError, match="NoisyScale draws random numbers"), collect(
+        DiagGGNExact()
+    ):
+        F.cross_entropy(model(x), y).backward()
+
+
 class WindowBias(nn.Module):
     """Swin-like: a relative position bias ``[1, H, T, T]`` (an ``Embedding`` of bucket
     indices) added to the scores of windows of ``T`` positions, the batch folded with the

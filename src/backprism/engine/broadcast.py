@@ -297,7 +297,7 @@ def _rows_met(calls: list[Call], tensors: list[Tensor]) -> None:
     """The widened ``calls`` of unknown rows (:data:`_ROWS`) met the per-sample ``tensors``,
     whose axis 0 holds their rows: recorded as :attr:`~backprism.engine.state.Call.meets`."""
     for call in calls:
-        call.meets.extend(get_gradient_edge(b) for b in tensors)
+        call.meets = (*call.meets, *(get_gradient_edge(b) for b in tensors))
     FORWARD.rows_pending -= 1
 
 
@@ -403,7 +403,7 @@ def _widened(call: Call, wide: Tensor, against: tuple[Tensor, ...], **fields: An
     return dataclasses.replace(
         call, out_shapes=[wide.shape], batch_size=wide.shape[0], pass_=None, superseded=False,
         unsplit=None, widened_from=call,
-        meets=[get_gradient_edge(b) for b in against if b.requires_grad], **fields,
+        meets=tuple(get_gradient_edge(b) for b in against if b.requires_grad), **fields,
     )
 
 
@@ -641,8 +641,11 @@ class _Spread:
       on the copies per sample and both gradients come from that graph, so that they are
       differentiable in the inputs and parameters.
 
-    A call with randomness inside (a module that applies dropout itself) draws it again in that
-    last case; the layers such chains are made of (Linear, Embedding, norms) have none."""
+    A call that draws random numbers itself (a module that applies dropout in its own forward)
+    draws the same ones in that last case: the generator states from before and after its
+    forward call are kept, the re-run starts from the first under ``vmap``'s ``"same"``
+    randomness (one draw for all samples, as in the forward) and must end at the second, or it
+    is refused; the generators then go on where they were."""
 
     def __init__(self) -> None:
         self.call: Call | None = None  # the widened call, once built (which pass collects)
@@ -666,10 +669,15 @@ class _Spread:
         for i, x in zip(self.diff, self.leaves):
             leaves[i] = x
         args, kwargs = tree_unflatten(leaves, spec)
+        device = _device(flat_live, module)
+        before = _rng_states(device)
         with suspended(), torch.enable_grad():
             y = module(*args, **kwargs)
         if not isinstance(y, Tensor) or not y.requires_grad:
             return None
+        after = _rng_states(device)
+        #: the generator states around the forward call if it drew random numbers (rerun)
+        self.rng = None if _same_states(before, after) else (device, before, after)
         self.y, self.spec, self.module, self.n, self.batch_one = y, spec, module, n, batch_one
         self.others = [None if i in self.diff else c for i, c in enumerate(flat_copies)]
         self.copies = [flat_copies[i] for i in self.diff]
@@ -728,7 +736,9 @@ class _Spread:
             return functional_call(module, state, a, kw)
 
         with suspended(), torch.enable_grad():
-            if self.batch_one or get_rule(module).moves_batch_axis:
+            if self.rng is not None:
+                out = self._redraw(run, args, kwargs)
+            elif self.batch_one or get_rule(module).moves_batch_axis:
                 out = run(args, kwargs)
             else:
                 dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, (args, kwargs))
@@ -736,6 +746,60 @@ class _Spread:
             return torch.autograd.grad(
                 out, (*copies, *aliases), g, create_graph=True, allow_unused=True
             )
+
+    def _redraw(self, run: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
+        """``run`` over the samples' copies with the random numbers the forward call drew: one
+        draw for all samples (``vmap``'s ``"same"`` randomness) from the generator states it
+        started from, which must end where it ended; the generators are left as they were."""
+        device, before, after = self.rng
+        now = _rng_states(device)
+        _set_rng_states(device, before)
+        try:
+            if self.batch_one:  # [n, ...] copies of a [1, ...] input: each sample's is [1, ...]
+                args, kwargs = tree_map(
+                    lambda x: x.unsqueeze(1) if isinstance(x, Tensor) else x, (args, kwargs)
+                )
+            dims = tree_map(lambda x: 0 if isinstance(x, Tensor) else None, (args, kwargs))
+            out = vmap(run, in_dims=dims, randomness="same")(args, kwargs)
+            drawn = _same_states(_rng_states(device), after)
+        finally:
+            _set_rng_states(device, now)
+        if not drawn:
+            name = getattr(self.module, "_backprism_name", None) or type(self.module).__name__
+            raise RuntimeError(
+                f"backprism: {name} draws random numbers in its forward (dropout) and its output "
+                "is shared by all samples; running it again for this create_graph=True backward "
+                "did not draw the same numbers as the forward. Run such passes with the model in "
+                "eval mode (model.eval()) or without that randomness."
+            )
+        return out.flatten(0, 1) if self.batch_one else out
+
+
+def _device(flat: list[Any], module: nn.Module) -> torch.device:
+    """The device of a shared call: of its first tensor input, else of its first parameter."""
+    for t in flat:
+        if isinstance(t, Tensor):
+            return t.device
+    p = next(module.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
+
+
+def _rng_states(device: torch.device) -> tuple[Tensor, ...]:
+    """The states of the generators a call on ``device`` draws from: the CPU's, and a CUDA
+    device's own."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
+def _set_rng_states(device: torch.device, states: tuple[Tensor, ...]) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _same_states(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 class _SpreadFunction(torch.autograd.Function):

@@ -217,7 +217,7 @@ class Call:
     fold: int = 1
     pass_: Any = None
     widened_from: Call | None = None
-    meets: list[Any] = field(default_factory=list)
+    meets: tuple[Any, ...] = ()
     unsplit: str | None = None
 
     @property
