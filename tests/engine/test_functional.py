@@ -87,6 +87,8 @@ class Functional(nn.Module):
             h = torch.addmm(self.b, x, self.w.t())
         elif op == "scale_shift":
             h = F.linear(x * self.gamma + self.beta, self.w)
+        elif op == "layer_norm":
+            h = F.linear(F.layer_norm(x, (5,), self.gamma, self.beta, 1e-3), self.w)
         elif op == "einsum":
             h = torch.einsum("ni,oi->no", x, self.w)
         else:
@@ -94,8 +96,8 @@ class Functional(nn.Module):
         return self.head(torch.tanh(h))
 
 
-OPS = ["linear", "matmul_t", "addmm", "scale_shift", "einsum", "embedding", "tied", "conv2d",
-       "conv2d_same"]
+OPS = ["linear", "matmul_t", "addmm", "scale_shift", "layer_norm", "einsum", "embedding", "tied",
+       "conv2d", "conv2d_same"]
 
 
 def _problem(op: str):
@@ -304,17 +306,21 @@ def test_param_outside_module_diag_ggn(name: str) -> None:
     check_diag_attr(model, "diag_ggn_exact", ref)
 
 
-def test_functional_linear_across_steps_and_replaced_parameters() -> None:
-    """The stand-in of a functional ``F.linear`` is reused from forward to forward: results
-    stay right over several steps, after the parameter is replaced, and for two forwards in
-    one backward."""
-    model, X, y = _problem("linear")
+@pytest.mark.parametrize("op", ["linear", "layer_norm", "embedding", "conv2d", "conv2d_same"])
+def test_functional_stand_ins_across_steps_and_replaced_parameters(op: str) -> None:
+    """The stand-in of a functional ``F.linear``, ``F.layer_norm``, ``F.embedding`` or
+    ``F.conv2d`` is reused from forward to forward: results stay right over several steps,
+    after the parameters are replaced (new objects under the same names), and for two forwards
+    in one backward."""
+    model, X, y = _problem(op)
     lf = nn.CrossEntropyLoss()
     extend(model), extend(lf)
     for step in range(3):
-        if step == 1:  # a new parameter object under the same name
+        if step == 1:  # new parameter objects under the same names
             with torch.no_grad():
-                model.params.w = nn.Parameter(model.params.w.detach() * 0.5)
+                for holder in (model.params, model.emb):
+                    for name, p in list(holder.named_parameters(recurse=False)):
+                        setattr(holder, name, nn.Parameter(p.detach() * 0.5))
             extend(model)
         ref = per_sample_grads(model, lf, X, y)
         model.zero_grad()
@@ -331,3 +337,28 @@ def test_functional_linear_across_steps_and_replaced_parameters() -> None:
     for name, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(p.grad_batch, ref1[name] + ref2[name], **TOL)
+
+
+def test_stand_ins_of_replaced_parameters_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters replaced again and again do not stay alive through the stand-ins kept for
+    them: past the limit per model, those of parameters the model no longer holds go."""
+    import weakref
+
+    from backprism.engine import functional
+
+    monkeypatch.setattr(functional, "_STAND_INS_PER_ROOT", 4)
+    model, X, y = _problem("layer_norm")
+    extend(model)
+    old = []
+    for _ in range(6):
+        old.append(weakref.ref(model.params.gamma))
+        with torch.no_grad():
+            model.params.gamma = nn.Parameter(model.params.gamma.detach() + 0.1)
+        extend(model)
+        model(X)
+    assert len(functional._STAND_INS[model]) <= 4
+    assert sum(r() is None for r in old) >= 3
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        F.cross_entropy(model(X), y).backward()
+    assert_first_order(model, ref, **TOL)

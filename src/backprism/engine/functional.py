@@ -168,30 +168,66 @@ class OpModule(nn.Module):
         return self._func(*args, **kwargs)
 
 
-#: root model → ``{(id(weight), id(bias)): stand-in}``: a functional ``F.linear`` of the same
-#: parameters (a tied head, a released attention projection) reuses its stand-in in every
-#: forward instead of building a module each time (the parameters are checked by identity;
-#: entries go with the model; at most :data:`_STAND_INS_PER_ROOT` per model)
-_STAND_INS_PER_ROOT = 64
-_LINEAR_STAND_INS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int], nn.Linear]] = (
-    weakref.WeakKeyDictionary()
-)
+#: root model → ``{key: (stand-in, its parameters)}``: a functional use of the same parameters
+#: with the same options (a tied head, a released attention projection, a norm subclass's
+#: ``F.layer_norm``, a functional convolution) reuses its stand-in in every forward instead of
+#: building a module each time — one module fewer to build, and to keep alive until the
+#: backward, per use and forward. The parameters are checked by identity (and shape, which
+#: ``p.data = ...`` may change); entries go with the model, and past
+#: :data:`_STAND_INS_PER_ROOT` those whose parameters the model no longer holds are dropped
+_STAND_INS_PER_ROOT = 512
+_STAND_INS: weakref.WeakKeyDictionary[
+    nn.Module, dict[tuple, tuple[nn.Module, tuple[nn.Parameter | None, ...]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _stand_in(
+    key: tuple | None, params: tuple[nn.Parameter | None, ...], build: Callable[[], nn.Module]
+) -> nn.Module:
+    """The root model's stand-in for ``key`` (the operation and its options, hashable, or
+    ``None``: not cached) on ``params``, built by ``build`` where there is none yet."""
+    root = FORWARD.root_stack[0] if FORWARD.root_stack else None
+    if root is None or key is None:
+        return build()
+    cache = _STAND_INS.get(root)
+    if cache is None:
+        cache = _STAND_INS[root] = {}
+    full = (*key, *((id(p), tuple(p.shape)) if p is not None else None for p in params))
+    entry = cache.get(full)
+    if entry is not None and all(a is b for a, b in zip(entry[1], params)):
+        return entry[0]
+    if len(cache) >= _STAND_INS_PER_ROOT:  # parameters replaced: drop what they left behind
+        held = {id(q) for q in root.parameters()} | {id(None)}
+        for k in [k for k, (_, ps) in cache.items() if not {id(q) for q in ps} <= held]:
+            del cache[k]
+        if len(cache) >= _STAND_INS_PER_ROOT // 2:
+            cache.clear()
+    m = build()
+    cache[full] = (m, params)
+    return m
+
+
+def _option(v: Any) -> Any:
+    """``v`` (an operation's option: a number, a string, a tuple of them) as a hashable key
+    that tells apart values Python takes as equal (``1``, ``1.0``, ``True``); ``None`` for an
+    option that is no such value."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return (type(v), v)
+    if isinstance(v, (tuple, list)):
+        items = tuple(_option(a) for a in v)
+        return None if None in items else (tuple, items)
+    return None
+
+
+def _options(*values: Any) -> tuple | None:
+    keys = tuple(_option(v) for v in values)
+    return None if None in keys else keys
 
 
 def _linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
-    root = FORWARD.root_stack[0] if FORWARD.root_stack else None
-    if root is None:
-        return _new_linear_stand_in(weight, bias)
-    cache = _LINEAR_STAND_INS.get(root)
-    if cache is None:
-        cache = _LINEAR_STAND_INS[root] = {}
-    key = (id(weight), id(bias))
-    m = cache.get(key)
-    if m is None or m._parameters["weight"] is not weight or m._parameters["bias"] is not bias:
-        if len(cache) >= _STAND_INS_PER_ROOT:  # parameters replaced again and again
-            cache.clear()
-        m = cache[key] = _new_linear_stand_in(weight, bias)
-    return m
+    return _stand_in(  # type: ignore[return-value]
+        ("linear",), (weight, bias), lambda: _new_linear_stand_in(weight, bias)
+    )
 
 
 def _new_linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.Linear:
@@ -207,6 +243,14 @@ def _new_linear_stand_in(weight: nn.Parameter, bias: nn.Parameter | None) -> nn.
 def _embedding_stand_in(weight: nn.Parameter, kwargs: dict, rest: tuple) -> nn.Embedding:
     names = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")
     opts = dict(zip(names, rest)) | {k: v for k, v in kwargs.items() if k in names}
+    key = _options(*(opts.get(k) for k in names))
+    return _stand_in(  # type: ignore[return-value]
+        None if key is None else ("embedding", key), (weight,),
+        lambda: _new_embedding_stand_in(weight, opts),
+    )
+
+
+def _new_embedding_stand_in(weight: nn.Parameter, opts: dict) -> nn.Embedding:
     m = nn.Embedding.__new__(nn.Embedding)
     nn.Module.__init__(m)
     m.num_embeddings, m.embedding_dim = weight.shape
@@ -227,6 +271,18 @@ def _norm_stand_in(
     """``F.layer_norm(x, shape, w, b, eps)``, ``F.group_norm(x, groups, w, b, eps)`` or
     ``F.rms_norm(x, shape, w, eps)`` (``args`` positional, defaults filled) as the module whose
     closed-form rule (``y = x̂ ⊙ w + b``, :mod:`backprism.rules.norm`) attributes it."""
+    eps = args[3] if name == "rms_norm" else args[4]
+    shape = (int(args[1]), args[0].shape[1]) if name == "group_norm" else args[1]
+    key = _options(shape, eps)
+    return _stand_in(
+        None if key is None else (name, key), (weight, bias),
+        lambda: _new_norm_stand_in(name, weight, bias, args),
+    )
+
+
+def _new_norm_stand_in(
+    name: str, weight: nn.Parameter | None, bias: nn.Parameter | None, args: list
+) -> nn.Module:
     cls = {"layer_norm": nn.LayerNorm, "group_norm": nn.GroupNorm, "rms_norm": nn.RMSNorm}[name]
     m = cls.__new__(cls)
     nn.Module.__init__(m)
@@ -291,10 +347,20 @@ _CONV_TYPES = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
 def _conv_stand_in(
     kind: str, weight: nn.Parameter, bias: nn.Parameter | None, kwargs: dict, rest: tuple
 ) -> nn.Module:
-    cls = _CONV_TYPES[kind]
-    d = int(kind[-2])
     names = ("stride", "padding", "dilation", "groups")
     opts = dict(zip(names, rest)) | {k: v for k, v in kwargs.items() if k in names}
+    key = _options(*(opts.get(k) for k in names))
+    return _stand_in(
+        None if key is None else (kind, key), (weight, bias),
+        lambda: _new_conv_stand_in(kind, weight, bias, opts),
+    )
+
+
+def _new_conv_stand_in(
+    kind: str, weight: nn.Parameter, bias: nn.Parameter | None, opts: dict
+) -> nn.Module:
+    cls = _CONV_TYPES[kind]
+    d = int(kind[-2])
 
     def tup(v: Any) -> tuple:
         return tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
