@@ -504,6 +504,21 @@ def test_a_chain_is_run_once_and_outside_collect_gives_the_plain_gradients(chain
     assert len(set(seen)) == 1  # the shared shape, in the forward and its one re-run
 
 
+def _hvp(
+    m: nn.Module, x: Tensor, y: Tensor, vs: list[Tensor], first: Any = contextlib.nullcontext
+) -> list[Tensor]:
+    """Hessian-vector products of ``m``'s cross-entropy on ``(x, y)`` with ``vs``, by a
+    ``create_graph=True`` backward (inside ``first()``) and a second backward, which must leave
+    the random generator where it was."""
+    ps = list(m.parameters())
+    with first():
+        gs = torch.autograd.grad(F.cross_entropy(m(x), y), ps, create_graph=True)
+    state = torch.get_rng_state()
+    hv = list(torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ps))
+    assert torch.equal(torch.get_rng_state(), state)
+    return hv
+
+
 @pytest.mark.parametrize("chain", CHAINS)
 def test_double_backward_through_a_chain(chain: str) -> None:
     """``create_graph=True`` through widened chains (Hessian-vector products, gradient
@@ -516,15 +531,8 @@ def test_double_backward_through_a_chain(chain: str) -> None:
     model.load_state_dict(plain.state_dict())
     x, y = torch.randn(3, *shape, dtype=DT), torch.randint(0, C, (3,))
     vs = [torch.randn_like(p) for p in plain.parameters()]
-
-    def hvp(m: nn.Module, first: Any = contextlib.nullcontext) -> list[Tensor]:
-        ps = list(m.parameters())
-        with first():
-            gs = torch.autograd.grad(F.cross_entropy(m(x), y), ps, create_graph=True)
-        return list(torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ps))
-
-    expected = hvp(plain)
-    for actual in (hvp(model), hvp(model, lambda: collect(DiagGGNExact()))):
+    expected = _hvp(plain, x, y, vs)
+    for actual in (_hvp(model, x, y, vs), _hvp(model, x, y, vs, lambda: collect(DiagGGNExact()))):
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a, e, **TOL)
 
@@ -577,21 +585,12 @@ def test_double_backward_through_a_chain_that_draws_dropout(batch_one: bool) -> 
     model.load_state_dict(plain.state_dict())
     x, y = torch.randn(4, 3, 3, dtype=DT), torch.randint(0, C, (4,))
     vs = [torch.randn_like(p) for p in plain.parameters()]
-
-    def hvp(m: nn.Module) -> list[Tensor]:
-        ps = list(m.parameters())
-        gs = torch.autograd.grad(F.cross_entropy(m(x), y), ps, create_graph=True)
-        state = torch.get_rng_state()
-        hv = list(torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ps))
-        assert torch.equal(torch.get_rng_state(), state)
-        return hv
-
     for _ in range(2):
-        actual = hvp(model)
+        actual = _hvp(model, x, y, vs)
         drawn = model.noisy.drawn  # the mask of the extended forward
         assert 0 < drawn.count_nonzero() < drawn.numel()
         plain.noisy.mask = drawn
-        for a, e in zip(actual, hvp(plain)):
+        for a, e in zip(actual, _hvp(plain, x, y, vs)):
             torch.testing.assert_close(a, e, **TOL)
     with pytest.raises(RuntimeError, match="NoisyScale draws random numbers"), collect(
         DiagGGNExact()
