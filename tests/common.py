@@ -198,7 +198,7 @@ class LayerNormBetween(nn.Module):
 # ----------------------------------------------------------------------- results of a backward pass
 def first_order_expected(gb: Tensor) -> dict[str, Tensor]:
     """What each first-order extension stores, from per-sample gradients ``gb = [N, *p]``."""
-    f = gb.flatten(1)
+    f = gb.reshape(gb.shape[0], -1)  # (also a 0-d parameter's [N])
     return {
         "grad_batch": gb,
         "batch_l2": f.square().sum(1),

@@ -145,7 +145,10 @@ class OpModule(nn.Module):
         self._kwargs = kwargs  # name → ("p", index, rebuild) | constant
         for i, p in enumerate(params):
             self._parameters[f"p{i}"] = p
-        self._backprism_name = f"'{residual.op_name(func)}' (a functional use of a parameter)"
+        #: the operation's name (``"mul"``, ``"__add__"``): rules with closed forms for some
+        #: operations look it up (:mod:`backprism.rules.elementwise`)
+        self.op = residual.op_name(func)
+        self._backprism_name = f"'{self.op}' (a functional use of a parameter)"
         #: whether the output depends linearly on the parameters (DiagHessian): the operation
         #: is affine in its operands, or multilinear with the parameters in one operand, and
         #: every parameter operand is a view of its parameter (:func:`_linear_use`)
@@ -153,7 +156,7 @@ class OpModule(nn.Module):
         #: an elementwise, indexing or joining operation: the generic rule's per-sample vmap
         #: of it does the arithmetic a closed form would (``Σ_broadcast gₙ ⊙ xₙ`` for a scale),
         #: so the rule does not announce it as a costly fallback
-        self.vmap_is_closed_form = residual.op_name(func) in _ELEMENTWISE_OPS
+        self.vmap_is_closed_form = self.op in _ELEMENTWISE_OPS
 
     def _value(self, item: Any, xs: tuple[Tensor, ...]) -> Any:
         if isinstance(item, tuple) and item and item[0] == "p":

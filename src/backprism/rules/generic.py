@@ -82,6 +82,7 @@ from backprism.engine.backward import current_pass
 from backprism.engine.columns import pull_back
 from backprism.engine.rule import Call, Rule, get_rule, has_rule, set_generic_rule
 from backprism.engine.state import Inside, suspended
+from backprism.rules import elementwise
 
 __all__ = ["BrokenBatchingError", "GenericRule", "GenericRuleWarning"]
 
@@ -471,6 +472,10 @@ class GenericRule(Rule):
                 f"received {len(gs)} gradients"
             )
         m = gs[0].shape[0]
+        if getattr(module, "op", None) in elementwise.BROADCASTING_OPS:
+            closed = elementwise.per_sample(call, gs)  # (None: the vmap below)
+            if closed is not None:
+                return closed
 
         # trainable parameters this call owns, one primal per tensor: a tensor shared under
         # several names of call.params is one primal under its first name, fed to every name

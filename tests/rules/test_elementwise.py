@@ -1,0 +1,167 @@
+"""Parameters in broadcasting arithmetic with the samples (``backprism.rules.elementwise``):
+``x * γ.reshape(1, -1, 1, 1)`` (ConvNeXt's layer scale), ``x + pos[None]``, ``(x - μ) / σ``,
+… against dense float64 ``torch.func`` references, for every operation and view of the
+parameter the closed form takes, and for operands it leaves to the generic rule (a derived
+operand, ``exp(θ)``), with first-order statistics and the exact GGN diagonal (``M > 1``
+columns)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from backprism.rules import elementwise
+from tests.common import assert_first_order
+from tests.reference import diag_ggn, per_sample_grads
+
+DT = torch.float64
+TOL = {"rtol": 1e-9, "atol": 1e-11}
+C, T = 3, 4
+
+#: view → (parameter shape for channels-last ``[N, T, C]`` activations, the view)
+VIEWS = {
+    "plain": ((C,), lambda p: p),
+    "reshape": ((C,), lambda p: p.reshape(1, 1, -1)),
+    "none_index": ((C,), lambda p: p[None]),
+    "transpose": ((C, T), lambda p: p.T),
+    "expand": ((T, 1), lambda p: p.expand(T, C)),
+    "slice": ((C + 2,), lambda p: p[2:]),
+    "scalar": ((), lambda p: p),
+    "derived": ((C,), lambda p: p.exp()),  # not a view: the generic rule
+}
+OPS = {
+    "mul": lambda x, q: x * q,
+    "rmul": lambda x, q: q * x,
+    "add": lambda x, q: x + q,
+    "sub": lambda x, q: x - q,
+    "rsub": lambda x, q: q - x,
+    "div": lambda x, q: x / q,
+    "rdiv": lambda x, q: q / x,
+    "add_alpha": lambda x, q: torch.add(x, q, alpha=0.5),
+    "torch_mul": lambda x, q: torch.mul(x, q),
+}
+
+
+class Scaled(nn.Module):
+    """``head(tanh(op(h, view(θ))))`` with ``h`` per-sample activations ``[N, T, C]``, or
+    ``[N, C, T, 1]`` (channels first, the parameter reshaped to ``[1, C, 1, 1]``)."""
+
+    def __init__(self, op: str, view: str, channels_first: bool = False) -> None:
+        super().__init__()
+        shape, self.view = VIEWS[view]
+        self.op, self.channels_first = OPS[op], channels_first
+        self.lin = nn.Linear(2, C)
+        self.theta = nn.Parameter(torch.rand(shape) + 0.5)  # positive: a safe divisor
+        self.head = nn.Linear(C * T, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = 1.5 + torch.tanh(self.lin(x))  # [N, T, C], away from 0 (a divisor)
+        if self.channels_first:
+            h = self.op(h.transpose(1, 2).unsqueeze(-1), self.theta.reshape(1, -1, 1, 1))
+        else:
+            h = self.op(h, self.view(self.theta))
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def _run(model: nn.Module, X: Tensor, y: Tensor, *extensions) -> list:
+    """One extended backward pass; the closed form's results (``None``: not taken)."""
+    lf = nn.CrossEntropyLoss()
+    extend(model), extend(lf)
+    taken: list = []
+    real = elementwise.per_sample
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    with mock.patch.object(elementwise, "per_sample", spy), collect(*extensions):
+        lf(model(X), y).backward()
+    return taken
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    op=st.sampled_from(sorted(OPS)),
+    view=st.sampled_from(sorted(VIEWS)),
+    n=st.integers(1, 4),
+    channels_first=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_first_order(op: str, view: str, n: int, channels_first: bool, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = Scaled(op, view, channels_first and VIEWS[view][0] == (C,)).to(DT)
+    X, y = torch.randn(n, T, 2, dtype=DT), torch.randint(0, 3, (n,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    taken = _run(model, X, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert_first_order(model, ref, **TOL)
+    # the closed form for views, the generic rule's vmap for a derived operand
+    assert taken and all(taken) == (view != "derived" or model.channels_first), taken
+
+
+@pytest.mark.parametrize("view", ["reshape", "transpose", "slice", "derived"])
+@pytest.mark.parametrize("op", ["mul", "rdiv", "sub"])
+def test_diag_ggn_exact(op: str, view: str) -> None:
+    """``M = 3`` exact columns: ``diag_ggn_exact`` of the parameter and of the layers around."""
+    torch.manual_seed(0)
+    model = Scaled(op, view).to(DT)
+    X, y = torch.randn(4, T, 2, dtype=DT), torch.randint(0, 3, (4,))
+    ref = diag_ggn(model, nn.CrossEntropyLoss(), X, y)
+    taken = _run(model, X, y, DiagGGNExact())
+    assert taken and all(taken) == (view != "derived")
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **TOL)
+
+
+def test_layer_scale_of_a_convnext_block() -> None:
+    """ConvNeXt's ``x.mul(self.gamma.reshape(1, -1, 1, 1))`` after a depthwise convolution, in
+    a residual block: the closed form, and the depthwise convolution's own path."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv_dw = nn.Conv2d(C, C, 3, padding=1, groups=C)
+            self.gamma = nn.Parameter(torch.rand(C) + 0.5)
+            self.head = nn.Linear(C * 9, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.conv_dw(x).mul(self.gamma.reshape(1, -1, 1, 1)) + x
+            return self.head(torch.tanh(h).flatten(1))
+
+    torch.manual_seed(0)
+    model = Block().to(DT)
+    X, y = torch.randn(5, C, 3, 3, dtype=DT), torch.randint(0, 3, (5,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    taken = _run(model, X, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert taken == [True]
+    assert_first_order(model, ref, **TOL)
+
+
+def test_parameter_rows_of_the_batch_size_take_the_generic_rule() -> None:
+    """``h * θ`` with ``θ`` of shape ``[N, C]``: no broadcast over the batch (row ``n`` of
+    ``θ`` meets sample ``n``, a sample's output is not a function of that sample alone), so
+    the closed form steps aside and the generic rule refuses the call by name."""
+
+    class Rows(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, C)
+            self.theta = nn.Parameter(torch.rand(n, C) + 0.5)
+            self.head = nn.Linear(C, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(torch.tanh(self.lin(x) * self.theta))
+
+    torch.manual_seed(0)
+    model = Rows(4).to(DT)
+    X, y = torch.randn(4, 2, dtype=DT), torch.randint(0, 3, (4,))
+    with pytest.raises(RuntimeError, match="cannot find the batch axis of output 0 of OpModule"):
+        _run(model, X, y, BatchGrad())
+    assert not hasattr(model.theta, "grad_batch")
