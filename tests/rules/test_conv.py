@@ -86,10 +86,12 @@ def ref_unfolded(
 
 # -- configurations ------------------------------------------------------------------------
 @st.composite
-def conv_case(draw: st.DrawFn, transpose: bool) -> dict:
+def conv_case(draw: st.DrawFn, transpose: bool, depthwise: bool = False) -> dict:
+    """A random (transpose) convolution and input; ``depthwise``: one input channel per
+    group (``C_in = groups``, ``C_out`` a multiple)."""
     dim = draw(st.sampled_from([1, 2, 3]))
-    groups = draw(st.sampled_from([1, 1, 2]))
-    cin = groups * draw(st.integers(1, 2))
+    groups = draw(st.sampled_from([1, 2, 3] if depthwise else [1, 1, 2]))
+    cin = groups * (1 if depthwise else draw(st.integers(1, 2)))
     cout = groups * draw(st.integers(1, 2 if dim == 3 else 3))
     kmax = 2 if dim == 3 else 3
     k = tuple(draw(st.integers(1, kmax)) for _ in range(dim))
@@ -242,10 +244,34 @@ def test_conv_per_sample_paths(grouped: bool, case: dict) -> None:
     unfolded input — on every configuration (the choice between them is a speed heuristic)."""
     from backprism.rules.conv import _ConvRule
 
-    with mock.patch.object(_ConvRule, "_grouped", lambda self, call: grouped):
+    with (
+        mock.patch.object(_ConvRule, "_depthwise", lambda self, call: False),
+        mock.patch.object(_ConvRule, "_grouped", lambda self, call: grouped),
+    ):
         _check_case(case)
         with mock.patch("backprism.rules.unfold.CHUNK_ELEMENTS", 20):  # in sample chunks
             _check_case(case)
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=conv_case(transpose=False, depthwise=True))
+def test_depthwise_per_sample_path(case: dict) -> None:
+    """``V`` of a depthwise convolution (one input channel per group, channel multipliers,
+    strides, dilations, padding modes, one output position) as a convolution of the input
+    with the columns as kernels — taken on every device here, whole and in sample chunks."""
+    from backprism.rules.conv import _ConvRule
+
+    with (
+        mock.patch.object(_ConvRule, "_depthwise", lambda self, call: True),
+        mock.patch.object(
+            _ConvRule, "_depthwise_samples", autospec=True,
+            side_effect=_ConvRule._depthwise_samples,
+        ) as used,
+    ):
+        _check_case(case)
+        with mock.patch("backprism.rules.unfold.CHUNK_ELEMENTS", 20):
+            _check_case(case)
+    assert used.called
 
 
 @pytest.mark.parametrize("pairs", [True, False])

@@ -84,6 +84,8 @@ class _ConvRule(UnfoldRule):
         ``[1, n·C_in, *S]``, ``g_m`` as ``[1, n·C_out, *S']``, ``groups = n·G`` gives
         ``[n·C_out, C_in/G, *k]`` = ``V_{mn}`` for every sample at once, no unfolded copy —
         else from the unfolded input."""
+        if self._depthwise(call):
+            return self._depthwise_samples(call, g5, sl)
         if not self._grouped(call):
             return super()._samples(call, g5, sl)
         mod = call.module
@@ -104,6 +106,50 @@ class _ConvRule(UnfoldRule):
             )[1]
             cols.append(v.reshape(n, grp, o, -1))
         return torch.stack(cols)
+
+    def _depthwise(self, call: Call) -> bool:
+        """Whether :meth:`_samples` takes :meth:`_depthwise_samples`: one input channel per
+        group (ConvNeXt's and MobileNet's depthwise convolutions), on the CPU, where it was
+        measured 5–40× faster than unfolding (ConvNeXt stages, ``N = 32``: 8×8 maps 2.4 →
+        0.36 ms, 56×56 maps 756 → 59 ms); elsewhere (unmeasured) the unfolded input."""
+        x = call.input
+        return (
+            x.device.type == "cpu" and x.shape[1] == call.module.groups
+            and x.dim() == self.n_spatial + 2
+        )
+
+    def _depthwise_samples(self, call: Call, g5: Tensor, sl: slice) -> Tensor:
+        r"""``V`` (``[M, n, G, O, K]``) of a depthwise convolution (``C_in = G``) for the
+        samples ``sl`` as one convolution, no unfolded copy. With one input channel per group,
+
+        .. math:: V_{mngo}[κ] = Σ_l g_{mngol}\, x̃_{ng}[s·l + d·κ],
+
+        the cross-correlation of the padded input channel ``x̃_{ng}`` with the output
+        gradient ``g_{mngo}`` taken as a kernel whose taps are ``s`` (stride) apart, at
+        output positions ``d`` (dilation) apart: a convolution of ``x̃`` as ``[1, n·G, *S̃]``
+        with the columns as weights ``[n·G·M·O, 1, *S']``, ``groups = n·G``, stride ``d``,
+        dilation ``s``; its first ``k`` output positions per axis are ``V``."""
+        mod = call.module
+        x, pads = _padded(mod, call.input[sl])
+        if any(a for a, _ in pads):
+            x = F.pad(x, [p for pair in reversed(pads) for p in pair])
+        m, _, grp, o = g5.shape[:4]
+        n = x.shape[0]
+        d = len(mod.kernel_size)
+        out_spatial = call.out_shapes[0][2:]
+        if math.prod(out_spatial) == 1:
+            # one output position: Vₘₙ[κ] = gₘₙ x̃ₙ[d·κ], a product (the convolution with a
+            # kernel of one tap is a slow case of PyTorch's: 10 ms against 0.2 ms at N = 128)
+            taps = x[(..., *(slice(0, dl * (k - 1) + 1, dl) for k, dl in zip(
+                mod.kernel_size, mod.dilation)))]
+            return g5[:, sl, :, :, :1] * taps.reshape(1, n, grp, 1, -1).to(g5.dtype)
+        w = g5[:, sl].permute(1, 2, 0, 3, 4).reshape(n * grp * m * o, 1, *out_spatial)
+        v = torch.ops.aten.convolution(
+            x.reshape(1, n * grp, *x.shape[2:]).to(w.dtype), w, None, list(mod.dilation),
+            [0] * d, list(mod.stride), False, [0] * d, n * grp,
+        )
+        v = v[(0, slice(None), *(slice(0, k) for k in mod.kernel_size))]
+        return v.reshape(n, grp, m, o, -1).permute(2, 0, 1, 3, 4)
 
     def _grouped(self, call: Call) -> bool:
         """Whether :meth:`_samples` takes the grouped weight gradient: on the CPU (where it was
