@@ -525,16 +525,22 @@ def test_unfold_rows_is_the_unfold_with_features_first(
     d: int, kernel: tuple, stride: tuple, dilation: tuple, padding: list, mode: str
 ) -> None:
     """The features-first unfold (the Kronecker input factor's operand) against the definition
-    ``X[c·K + κ, n·L + l] = x̃[n, c, s·l + d·κ]``, here through the ``[N, C, K, L]`` unfold,
-    itself checked against the layers' outputs by the other tests."""
+    ``X[c·K + κ, (n, l)] = x̃[n, c, s·l + d·κ]``, here through the ``[N, C, K, L]`` unfold,
+    itself checked against the layers' outputs by the other tests: columns sample-major
+    (``n·L + l``) where the last output axis is long, else position-major (``l·N + n``)."""
     from backprism.rules.unfold import unfold_conv, unfold_conv_rows
 
     torch.manual_seed(0)
-    x = torch.randn(3, 2, *([7] * d), dtype=torch.float64)
-    full = unfold_conv(x, kernel, stride, dilation, padding, mode)  # [N, C, K, L]
-    rows = unfold_conv_rows(x, kernel, stride, dilation, padding, mode)
-    n, c, k, length = full.shape
-    assert torch.equal(rows, full.permute(1, 2, 0, 3).reshape(c * k, n * length))
+    for size in (7, 20):
+        x = torch.randn(3, 2, *([size] * d), dtype=torch.float64)
+        full = unfold_conv(x, kernel, stride, dilation, padding, mode)  # [N, C, K, L]
+        rows = unfold_conv_rows(x, kernel, stride, dilation, padding, mode)
+        n, c, k, length = full.shape
+        last = (size + sum(padding[-1]) - dilation[-1] * (kernel[-1] - 1) - 1) // stride[-1] + 1
+        if last < 16 and length > 1:
+            assert torch.equal(rows, full.permute(1, 2, 3, 0).reshape(c * k, length * n))
+        else:
+            assert torch.equal(rows, full.permute(1, 2, 0, 3).reshape(c * k, n * length))
 
 
 @pytest.mark.parametrize(
