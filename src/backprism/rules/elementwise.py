@@ -17,16 +17,18 @@ transpose of the rebuild's Jacobian. Both are computed for all columns and sampl
 without a per-sample recomputation: ``q`` is given an explicit ``[M, N]`` lead (one copy per
 column and sample, the size of ``g``), the operation is run once on ``x`` with a leading axis
 of 1 (elementwise operations broadcast it), and one ``autograd.grad`` with cotangent ``g``
-gives ``∂/∂q`` per column and sample. ``r`` is a pure view of the parameter (``reshape``,
-``view``, ``[None]``, ``expand``, a transpose, a slice): an index map of its elements, so
-``J_rᵀ`` adds each entry into the parameter's element it shows (``index_add``). The scaling is
-that of ``g`` (first order: ``g[0] = ∂L/∂out``).
+gives ``∂/∂q`` per column and sample. Where ``r`` is a pure view of the parameter
+(``reshape``, ``view``, ``[None]``, ``expand``, a transpose, a slice), an index map of its
+elements, ``J_rᵀ`` adds each entry into the parameter's element it shows (``index_add``);
+for a derived operand (``exp(θ)``, ``1 + θ``, a dtype conversion) it is the rebuild's own
+vector-Jacobian product, batched over the ``M·N`` columns (``is_grads_batched``). The scaling
+is that of ``g`` (first order: ``g[0] = ∂L/∂out``).
 
-Anything else — a derived operand (``exp(θ)``, a dtype conversion), a parameter operand with
-the batch's size on its batch axis, a folded batch, in-place operations, other options — is
-left to the generic ``torch.func`` rule (:func:`per_sample` returns ``None``), which gives the
-same numbers through a ``vmap`` over the samples at several times the cost (about 2 ms of
-Python per call on the CPU).
+Anything else — a parameter operand with the batch's size on its batch axis, a folded batch,
+options other than ``alpha``, a rebuild autograd cannot batch — is left to the generic
+``torch.func`` rule (:func:`per_sample` returns ``None``), which gives the same numbers
+through a ``vmap`` over the samples at several times the cost (about 2 ms of Python per call
+on the CPU).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def per_sample(call: Call, gs: list[Tensor]) -> dict[str, Tensor] | None:
     if g.dim() != len(shape) + 1 or tuple(g.shape[1:]) != shape:
         return None
     params = [module._parameters[f"p{i}"] for i in range(len(module._parameters))]
-    slots: list[tuple[int, Tensor, Tensor]] = []  # (parameter index, q, its leaf)
+    slots: list[tuple[int, Tensor, Tensor, Any]] = []  # (parameter index, q, leaf, rebuild)
     m = g.shape[0]
     items: list[Any] = []
     with torch.no_grad():
@@ -80,32 +82,51 @@ def per_sample(call: Call, gs: list[Tensor]) -> dict[str, Tensor] | None:
                     return None  # per-sample rows of the parameter: the generic rule
                 aligned = q.reshape((1,) * lead + tuple(q.shape))
                 leaf = aligned.unsqueeze(0).expand(m, n, *aligned.shape[1:]).clone()
-                slots.append((item[1], q, leaf))
+                slots.append((item[1], q, leaf, item[2]))
                 items.append(leaf)
             else:
                 items.append(module._value(item, ()))
         if not slots:
             return None
-        maps = [_index_map(params[i].detach(), q) for i, q, _ in slots]
-        if any(i is None for i in maps):
-            return None
+        maps = [_index_map(params[i].detach(), q) for i, q, _, _ in slots]
     kwargs = {k: module._value(v, ()) for k, v in module._kwargs.items()}
     with torch.enable_grad():
-        leaves = [leaf.requires_grad_() for _, _, leaf in slots]
+        leaves = [leaf.requires_grad_() for _, _, leaf, _ in slots]
         out = module._func(*items, **kwargs)
         if not isinstance(out, Tensor) or tuple(out.shape) != (m, *shape) or out.dtype != g.dtype:
             return None
         grads = torch.autograd.grad(out, leaves, g, allow_unused=True)
     result: dict[str, Tensor] = {}
-    for (i, _, leaf), index, grad in zip(slots, maps, grads):
+    for (i, q, leaf, rebuild), index, grad in zip(slots, maps, grads):
         p = params[i]
         cols = (torch.zeros_like(leaf) if grad is None else grad).reshape(m * n, -1)
-        if index is not _IN_ORDER:  # (a reshape of the parameter: its elements in order)
+        if index is None:  # a derived operand: the rebuild's own vector-Jacobian product
+            cols = _pull_back(p, rebuild, cols.reshape(m * n, *q.shape))
+            if cols is None:
+                return None
+        elif index is not _IN_ORDER:  # (a reshape of the parameter: its elements in order)
             cols = cols.new_zeros(m * n, p.numel()).index_add_(1, index, cols)
         v = cols.reshape(m, n, *p.shape)
         key = f"p{i}"
         result[key] = result[key] + v if key in result else v
     return {name: result[name] for name in call.params}
+
+
+def _pull_back(p: Tensor, rebuild: Any, cols: Tensor) -> Tensor | None:
+    """``J_rᵀ c`` for each column ``c`` of ``cols`` (``[K, *q.shape]``) through a rebuild
+    ``q = r(θ)`` that is not a view (``exp(θ)``, ``1 + θ``, a dtype conversion): one
+    vector-Jacobian product batched over the columns (``[K, *θ.shape]``), or ``None`` where
+    autograd cannot batch it (the generic rule then takes the call)."""
+    with torch.enable_grad():
+        leaf = p.detach().requires_grad_()
+        q = rebuild(leaf)
+        if not isinstance(q, Tensor) or not q.requires_grad or q.shape != cols.shape[1:]:
+            return None
+        try:
+            (v,) = torch.autograd.grad(q, leaf, cols.to(q.dtype), is_grads_batched=True)
+        except (RuntimeError, NotImplementedError):
+            return None
+    return v
 
 
 #: :func:`_index_map` of a view that shows the parameter's elements once each, in order
