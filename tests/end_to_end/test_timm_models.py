@@ -348,12 +348,13 @@ def test_diag_hessian_refused_through_layer_norm(name: str) -> None:
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool"])
+@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool", "mobilenet"])
 def test_no_generic_rule_for_convnext_and_vit(name: str, monkeypatch) -> None:
-    """ConvNeXt's ``LayerNorm2d`` (an overriding ``nn.LayerNorm`` subclass) and the parameters
-    its blocks and the ViT use directly (``gamma``, ``cls_token``, ``pos_embed``) are attributed
-    where they enter, in closed form: no generic-rule warning (shown once per type and
-    process, so the record of earlier warnings is emptied first)."""
+    """ConvNeXt's ``LayerNorm2d`` (an overriding ``nn.LayerNorm`` subclass), MobileNetV3's
+    ``BatchNormAct2d`` (an overriding ``nn.BatchNorm2d`` subclass, in eval mode) and the
+    parameters the ConvNeXt blocks and the ViT use directly (``gamma``, ``cls_token``,
+    ``pos_embed``) are attributed where they enter, in closed form: no generic-rule warning
+    (shown once per type and process, so the record of earlier warnings is emptied first)."""
     from backprism.rules import generic
 
     monkeypatch.setattr(generic, "_ANNOUNCED", set())
@@ -410,6 +411,17 @@ def test_resnet_train_mode_whole_batch() -> None:
             _run(model, x, y, ext())
         for p in model.parameters():
             assert p.grad is None and not hasattr(p, ext().savefield)
+
+
+def test_mobilenet_train_mode_refused_before_writing() -> None:
+    """MobileNetV3's ``BatchNormAct2d`` in train mode normalises with the batch's statistics:
+    per-sample quantities are refused before anything is written."""
+    model, x, y = setup("mobilenet")
+    model.train()
+    with pytest.raises(RuntimeError, match=r"train mode mixes the samples.*model\.eval\(\)"):
+        _run(model, x, y, BatchL2Grad())
+    for p in model.parameters():
+        assert p.grad is None and not hasattr(p, "batch_l2")
 
 
 def test_resnet_uses_closed_form_rules_only() -> None:

@@ -220,3 +220,114 @@ def test_norm_normalizes_once_per_call(monkeypatch):
 def test_norm(kind):
     model, X = norm_model(kind, seed=3)
     run_family(model, X, labels(N, seed=3), {"chunk_size": 2})
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d`` in short: a BatchNorm2d subclass whose own forward calls
+    ``F.batch_norm`` (running statistics in eval mode) and then an activation."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        use_batch = self.training or self.running_mean is None
+        x = torch.nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, use_batch,
+            0.1, self.eps,
+        )
+        return self.act(x)
+
+
+class FunctionalBatchNorm(nn.Module):
+    """``F.batch_norm`` with the container's own scale and shift (keywords) and running
+    statistics as buffers."""
+
+    def __init__(self, channels: int, training: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, channels, 3)
+        self.gamma = nn.Parameter(torch.rand(channels) + 0.5)
+        self.beta = nn.Parameter(torch.randn(channels))
+        self.register_buffer("mean", torch.randn(channels) * 0.1)
+        self.register_buffer("var", torch.rand(channels) + 0.5)
+        self.head = nn.Linear(channels * 4, 3)
+        self.batch_stats = training
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.nn.functional.batch_norm(
+            self.conv(x), self.mean, self.var, weight=self.gamma, bias=self.beta,
+            training=self.batch_stats, eps=1e-3,
+        )
+        return self.head(torch.tanh(h).flatten(1))
+
+
+def _bn_act_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = randomize(_conv_model(BatchNormAct(4)).double(), 7).eval()
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def _count_generic(monkeypatch) -> list:
+    from backprism.rules import generic
+
+    seen: list = []
+    real = generic.GenericRule._compute
+    monkeypatch.setattr(
+        generic.GenericRule, "_compute",
+        lambda self, call, g: seen.append(type(call.module).__name__) or real(self, call, g),
+    )
+    return seen
+
+
+def test_batchnorm_subclass_with_its_own_forward(monkeypatch):
+    """timm's ``BatchNormAct2d`` pattern in eval mode: its ``F.batch_norm`` is attributed in
+    closed form (no generic rule), first order and GGN diagonals as the references."""
+    from backprism.extensions import BatchDiagGGNExact, DiagGGNExact
+
+    generic_calls = _count_generic(monkeypatch)
+    model = _bn_act_model()
+    x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    check_first_order_e2e(model, nn.CrossEntropyLoss(), x, y)
+    batch = batch_diag_ggn_loop(model, nn.CrossEntropyLoss(), x, y)
+    loss_fn = backprism.extend(nn.CrossEntropyLoss())
+    with backprism.collect(DiagGGNExact(), BatchDiagGGNExact()):
+        loss_fn(model(x), y).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            close(p.diag_ggn_exact_batch, batch[name])
+            close(p.diag_ggn_exact, batch[name].sum(0))
+    assert generic_calls == []
+
+
+def test_batchnorm_subclass_in_train_mode_is_refused_before_writing():
+    """Batch statistics mix the samples: per-sample quantities are refused before any
+    ``.grad`` or result is written, as for ``nn.BatchNorm2d``."""
+    model = backprism.extend(_bn_act_model().train())
+    loss_fn = backprism.extend(nn.CrossEntropyLoss())
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"train mode.*eval"), backprism.collect(BatchGrad()):
+        loss_fn(model(x), torch.tensor([0, 2, 1])).backward()
+    assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())
+
+
+@pytest.mark.parametrize("batch_stats", [False, True])
+def test_functional_batch_norm(batch_stats: bool, monkeypatch):
+    """``F.batch_norm`` on a container's own parameters (passed by keyword): the BatchNorm
+    closed form with the running statistics; with ``training=True`` (batch statistics)
+    refused before writing."""
+    generic_calls = _count_generic(monkeypatch)
+    torch.manual_seed(0)
+    model = FunctionalBatchNorm(4, batch_stats).double()
+    x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    if not batch_stats:
+        check_first_order_e2e(model, nn.CrossEntropyLoss(), x, y)
+        assert generic_calls == []
+        return
+    backprism.extend(model)
+    loss_fn = backprism.extend(nn.CrossEntropyLoss())
+    with pytest.raises(RuntimeError, match=r"train mode.*eval"), backprism.collect(BatchGrad()):
+        loss_fn(model(x), y).backward()
+    assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())

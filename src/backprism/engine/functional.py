@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -302,6 +303,77 @@ def _new_norm_stand_in(
     return m
 
 
+#: ``F.batch_norm``'s arguments in order (``torch.batch_norm``, also named ``batch_norm``,
+#: orders them differently: only ``F.batch_norm`` itself is taken)
+_BATCH_NORM_ARGS = (
+    "input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"
+)
+_BATCH_NORM_DEFAULTS = (None, None, None, None, None, False, 0.1, 1e-5)
+_BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _batch_norm(
+    func: Any, args: tuple, kwargs: dict, x: Tensor, outs: list[Tensor], owned: frozenset[int]
+) -> bool:
+    """Capture ``F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
+    eps)`` with parameter ``weight``/``bias`` (timm's ``BatchNormAct2d``, any BatchNorm
+    subclass with a forward of its own, released by the generic rule in eval mode) as a call
+    of a BatchNorm stand-in with the same running statistics, ``eps`` and mode: the BatchNorm
+    rule's closed form ``y = x̂ ⊙ w + b`` with ``x̂`` from the running statistics, and the
+    engine's refusal of batch statistics (``training=True``, or no running statistics: they
+    mix the samples) as for ``nn.BatchNorm2d`` (``True``), else ``False``."""
+    if func is not F.batch_norm or len(args) > len(_BATCH_NORM_ARGS):
+        return False
+    if not set(kwargs) <= set(_BATCH_NORM_ARGS[len(args) :]):
+        return False
+    full = list(args) + [
+        kwargs.get(k, d) for k, d in zip(_BATCH_NORM_ARGS[len(args) :],
+                                         _BATCH_NORM_DEFAULTS[len(args) :])
+    ]
+    if full[0] is not x or x.dim() not in _BATCH_NORMS or not isinstance(full[5], bool):
+        return False
+    found: dict[str, nn.Parameter] = {}
+    for key, a in (("weight", full[3]), ("bias", full[4])):
+        v = _pv(a, owned) if a is not None else None
+        if v is not None and v[2] == "param" and v[0].dim() == 1:
+            found[key] = v[0]
+        elif not (a is None or _frozen(a, owned)):
+            return False
+    stats = full[1:3]
+    if not found or any(s is not None and not isinstance(s, Tensor) for s in stats):
+        return False
+    eps = full[7]
+    key = _options(x.dim(), eps)
+    weight, bias = found.get("weight"), found.get("bias")
+    module = _stand_in(
+        None if key is None else ("batch_norm", key, *(id(s) for s in stats)),
+        (weight, bias),
+        lambda: _new_batch_norm_stand_in(x.dim(), weight, bias, stats, eps),
+    )
+    if module.running_mean is not stats[0] or module.running_var is not stats[1]:
+        module = _new_batch_norm_stand_in(x.dim(), weight, bias, stats, eps)  # (ids reused)
+    module.training = full[5]
+    _capture_one(module, x, outs, found)
+    return True
+
+
+def _new_batch_norm_stand_in(
+    dim: int, weight: nn.Parameter | None, bias: nn.Parameter | None, stats: list, eps: Any
+) -> nn.Module:
+    cls = _BATCH_NORMS[dim]
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    m.num_features = (weight if weight is not None else bias).shape[0]  # type: ignore[union-attr]
+    m.eps, m.momentum, m.affine = eps, 0.0, True
+    m.track_running_stats = stats[0] is not None
+    m._parameters["weight"] = weight
+    m._parameters["bias"] = bias
+    m._buffers["running_mean"], m._buffers["running_var"] = stats[0], stats[1]
+    m._buffers["num_batches_tracked"] = None
+    m._backprism_name = "batch_norm (a functional use of a parameter)"
+    return m
+
+
 #: positional order and defaults of the functions attributed in closed form, so that
 #: parameters passed by keyword (``F.layer_norm(x, s, weight=self.weight, bias=self.bias)``)
 #: are seen where the closed forms look for them
@@ -509,6 +581,11 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         not kw_views
         and tensors[0][0] == 0
         and _closed_form(name, args, kwargs, views, x, outs, owned)
+    ):
+        return
+    if (
+        name == "batch_norm" and tensors[0][0] == 0
+        and _batch_norm(func, args, kwargs, x, outs, owned)
     ):
         return
     if name == "addmm" and len(args) == 3 and tensors[0][0] == 1 and not kwargs:

@@ -337,6 +337,7 @@ def _memory_budget() -> int:
 
 
 _KEEP = Inside()
+_BATCH_NORM = nn.modules.batchnorm._BatchNorm
 #: layer types whose functional forms (``F.linear`` …) the forward mode attributes in closed
 #: form; a subclass that overrides ``forward`` releases its parameters to them
 _FUNCTIONAL_FORMS = (
@@ -382,10 +383,23 @@ class GenericRule(Rule):
         operation alone) when the module is a container (it has sub-modules: the whole forward
         need not be re-run per sample for, e.g., a ViT's ``pos_embed`` or a ConvNeXt block's
         layer scale ``gamma``), or a subclass of a layer with a closed-form rule whose forward
-        was overridden (timm's ``LayerNorm2d``, ``Conv2dSame``). Other modules keep their
-        parameters: the vmap of their own forward is the natural unit."""
+        was overridden (timm's ``LayerNorm2d``, ``Conv2dSame``; a BatchNorm subclass such as
+        timm's ``BatchNormAct2d`` in eval mode only). Other modules keep their parameters: the
+        vmap of their own forward is the natural unit."""
         cls = type(module)
-        release = False if has_rule(cls) else self._release(cls)  # a rule registered later
+        if isinstance(module, _BATCH_NORM) and not has_rule(cls):
+            # a BatchNorm subclass with a forward of its own (timm's BatchNormAct2d: the norm,
+            # then an activation): in eval mode with running statistics its F.batch_norm is
+            # attributed in closed form; otherwise (the batch's statistics, which mix the
+            # samples) the module keeps its parameters and the engine's BatchNorm checks see it
+            if (
+                module.training or module.running_mean is None or module.running_var is None
+                or self._releases.get(cls) is False  # (a release undone before: keep)
+            ):
+                return _KEEP
+            release: bool | None = True
+        else:
+            release = False if has_rule(cls) else self._release(cls)  # a rule registered later
         if release is False or (release is None and not module._modules):
             return _KEEP
         names = tuple(
