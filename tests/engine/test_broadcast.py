@@ -58,6 +58,16 @@ class Table(nn.Module):
         return self.w[buckets] * self.s
 
 
+class ContainerTable(Table):
+    """:class:`Table` with a sub-module: a container, whose own parameters are released to
+    attribution where they enter (``engine.functional``); its operand ``buckets`` is the same
+    for every sample, so the release is undone and the call is shared by the samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Identity()
+
+
 class SharedBias(nn.Module):
     """``layers`` attention-like layers whose scores get one relative position bias computed
     once from ``[T, T]`` bucket indices (no batch axis), laid out by ``layout``; ``kernel``
@@ -66,7 +76,10 @@ class SharedBias(nn.Module):
     def __init__(self, layout: str, kernel: str, layers: int, table: str) -> None:
         super().__init__()
         self.layout, self.kernel = layout, kernel
-        self.bias = nn.Embedding(3, H) if table == "embedding" else Table()
+        self.bias = (
+            nn.Embedding(3, H) if table == "embedding"
+            else ContainerTable() if table == "container" else Table()
+        )
         self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in range(layers))
         self.head = nn.Linear(D, C)
 
@@ -155,7 +168,7 @@ def _exact(make: Callable[[], nn.Module], n: int, *shape: int) -> None:
     layout=st.sampled_from(LAYOUTS),
     kernel=st.sampled_from(["add", "sdpa"]),
     layers=st.integers(1, 2),
-    table=st.sampled_from(["embedding", "generic"]),
+    table=st.sampled_from(["embedding", "generic", "container"]),
     n=st.integers(2, 4),
     t=st.integers(1, 4),
 )
@@ -165,6 +178,21 @@ def test_shared_bias_first_order(
     """Every parameter's per-sample gradients, their norms, second moment and variance equal
     the definition's (``Σₙ grad_batch = .grad`` included), the shared table's too."""
     model, x, y = _setup(layout, kernel, layers, table, n, t)
+    lossfunc = nn.CrossEntropyLoss()
+    ref = per_sample_grads(model, lossfunc, x, y)
+    extend(model)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_container_table_of_the_batch_size(layout: str, n: int) -> None:
+    """A container's own table indexed by ``[T, T]`` buckets with ``T = N``: the buckets' axis
+    0 is not the batch (before, the release attributed ``w[buckets]`` per row of the buckets:
+    silently wrong here, refused for ``T ≠ N``)."""
+    model, x, y = _setup(layout, "add", 2, "container", n, n)
     lossfunc = nn.CrossEntropyLoss()
     ref = per_sample_grads(model, lossfunc, x, y)
     extend(model)

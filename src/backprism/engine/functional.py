@@ -63,6 +63,7 @@ from backprism.engine.state import (
     AXIS,
     FORWARD,
     FORWARD_LISTENERS,
+    FREE,
     MODE_FREE,
     SHARED,
     UNATTRIBUTED,
@@ -571,6 +572,13 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         for o in outs:
             if o.grad_fn is not None:
                 o.grad_fn.metadata[UNATTRIBUTED] = f"another parameter in '{name}'"
+        return
+    if undoable and all(getattr(t, FREE, None) is not None for _, t in tensors):
+        # every operand is the same for all samples (bucket indices from torch.arange): taken
+        # per sample, its axis 0 would pass for the batch (silently wrong where its size is
+        # the batch's); the module's own call is shared by the samples instead, split per
+        # sample where its output meets them (engine.broadcast)
+        frame[10] = True  # type: ignore[index]
         return
     x = tensors[0][1]
     if x.dim() == 0 or (undoable and not _per_sample(tensors, frame[9])):  # type: ignore[index]
