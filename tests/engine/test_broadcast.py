@@ -37,7 +37,12 @@ from backprism.extensions import (
     SumGradSquared,
     Variance,
 )
-from tests.common import assert_first_order, assert_nothing_written, gather
+from tests.common import (
+    assert_first_order,
+    assert_nothing_written,
+    check_first_order_e2e,
+    gather,
+)
 from tests.reference import batch_diag_ggn_loop, diag_blocks, ggn_blocks, per_sample_grads
 
 DT = torch.float64
@@ -193,12 +198,7 @@ def test_container_table_of_the_batch_size(layout: str, n: int) -> None:
     0 is not the batch (before, the release attributed ``w[buckets]`` per row of the buckets:
     silently wrong here, refused for ``T ≠ N``)."""
     model, x, y = _setup(layout, "add", 2, "container", n, n)
-    lossfunc = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lossfunc, x, y)
-    extend(model)
-    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
-        lossfunc(model(x), y).backward()
-    assert_first_order(model, ref, **TOL)
+    check_first_order_e2e(model, nn.CrossEntropyLoss(), x, y)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
