@@ -322,7 +322,8 @@ def _batch_norm(
     of a BatchNorm stand-in with the same running statistics, ``eps`` and mode: the BatchNorm
     rule's closed form ``y = x̂ ⊙ w + b`` with ``x̂`` from the running statistics, and the
     engine's refusal of batch statistics (``training=True``, or no running statistics: they
-    mix the samples) as for ``nn.BatchNorm2d`` (``True``), else ``False``."""
+    mix the samples) as for ``nn.BatchNorm2d``. Returns whether the use was captured (other
+    arguments: the generic stand-in)."""
     if func is not F.batch_norm or len(args) > len(_BATCH_NORM_ARGS):
         return False
     if not set(kwargs) <= set(_BATCH_NORM_ARGS[len(args) :]):

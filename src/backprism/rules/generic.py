@@ -352,7 +352,9 @@ def _releases(cls: type) -> bool | None:
     :data:`_FUNCTIONAL_FORMS`, ``None`` for types whose containers release (decided per
     module), ``False`` for RNNs (fused kernels taking the weights in a list), BatchNorm and
     InstanceNorm (``F.batch_norm`` in train mode mixes the samples, which only the BatchNorm
-    rule's checks see) and ``nn.MultiheadAttention`` subclasses (sequence-first layouts)."""
+    rule's checks see; :meth:`GenericRule.inside` releases a BatchNorm subclass in eval mode
+    with running statistics all the same) and ``nn.MultiheadAttention`` subclasses
+    (sequence-first layouts)."""
     keep = (nn.RNNBase, nn.modules.batchnorm._NormBase, nn.MultiheadAttention)
     if issubclass(cls, keep):
         return False

@@ -130,11 +130,12 @@ def unfold_conv_rows(
     ``N = 32``: 3.9 → 0.8 ms on 2×2 maps, 1.5 → 0.6 ms on 8×8 (CPU, 2 threads)."""
     d = len(kernel_size)
     n, c = x.shape[:2]
-    v = _patch_view(x, kernel_size, stride, dilation, padding, padding_mode)
+    xp = _padded(x, padding, padding_mode)
+    v = _windows(xp, kernel_size, stride, dilation)
     out_size = v.shape[2 : 2 + d]
     k, length = math.prod(kernel_size), math.prod(out_size)
     if out_size[-1] < 16 and length > 1:
-        xt = _padded(x, padding, padding_mode).movedim(0, -1).contiguous()  # [C, *S̃, N]
+        xt = xp.movedim(0, -1).contiguous()  # [C, *S̃, N]
         v = _windows(xt.unsqueeze(0), kernel_size, stride, dilation)[0]  # [C, *L, N, *k]
         v = v.permute(0, *range(2 + d, 2 + 2 * d), *range(1, 2 + d))
         return v.reshape(c * k, length * n)
