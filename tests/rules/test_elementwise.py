@@ -7,6 +7,7 @@ size are left to the generic rule."""
 
 from __future__ import annotations
 
+import warnings
 from unittest import mock
 
 import pytest
@@ -167,3 +168,139 @@ def test_parameter_rows_of_the_batch_size_take_the_generic_rule() -> None:
     with pytest.raises(RuntimeError, match="cannot find the batch axis of output 0 of OpModule"):
         _run(model, X, y, BatchGrad())
     assert not hasattr(model.theta, "grad_batch")
+
+
+# -- modules whose output is affine in each parameter ---------------------------------------
+class LayerScale(nn.Module):
+    """timm's ``LayerScale``: ``x * γ`` (trailing axis)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(C) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class LayerScale2d(nn.Module):
+    """timm's ``LayerScale2d``: ``x * γ.view(1, -1, 1, 1)`` (channel axis 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.rand(C) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul(self.gamma.view(1, -1, 1, 1))
+
+
+class AffineAB(nn.Module):
+    """ResMLP's ``Affine``: ``β + α ⊙ x`` with ``α, β`` of shape ``[1, 1, C]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.rand(1, 1, C) + 0.5)
+        self.beta = nn.Parameter(torch.randn(1, 1, C))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.addcmul(self.beta, self.alpha, x)
+
+
+class PReLUSlopes(nn.Module):
+    """``F.prelu(x, w)``: affine in ``w`` with a coefficient that depends on the sign of x."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(C) * 2 - 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.prelu(x.transpose(1, 2), self.w).transpose(1, 2)
+
+
+class Squared(nn.Module):
+    """``x * θ²``: not affine in ``θ`` (the probe refuses it; the generic ``vmap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.theta = nn.Parameter(torch.rand(C) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.theta**2
+
+
+class WithLeaf(nn.Module):
+    def __init__(self, leaf: nn.Module, channels_first: bool = False) -> None:
+        super().__init__()
+        self.lin, self.leaf, self.head = nn.Linear(2, C), leaf, nn.Linear(C * T, 3)
+        self.channels_first = channels_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.lin(x))  # [N, T, C]
+        if self.channels_first:
+            h = self.leaf(h.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2)
+        else:
+            h = self.leaf(h)
+        return self.head(torch.tanh(h).flatten(1))
+
+
+LEAVES = {
+    "layer_scale": (LayerScale, False, True),
+    "layer_scale_2d": (LayerScale2d, True, True),
+    "affine": (AffineAB, False, True),
+    "prelu": (PReLUSlopes, False, True),
+    "squared": (Squared, False, False),
+}
+
+
+def _affine_taken(model: nn.Module, X: Tensor, y: Tensor, *extensions) -> list:
+    lf = nn.CrossEntropyLoss()
+    extend(model), extend(lf)
+    taken: list = []
+    real = elementwise.affine_per_sample
+
+    def spy(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the generic rule's notice for the leaf types)
+        with mock.patch.object(elementwise, "affine_per_sample", spy), collect(*extensions):
+            lf(model(X), y).backward()
+    return taken
+
+
+@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("leaf", sorted(LEAVES))
+def test_affine_leaf_modules_first_order(leaf: str, n: int) -> None:
+    """Leaf modules without a rule whose output is affine in each parameter take the closed
+    form ``Σ_r g ⊙ A``; one that is not (``x θ²``) the generic ``vmap``; the same numbers."""
+    make, channels_first, affine = LEAVES[leaf]
+    torch.manual_seed(n)
+    model = WithLeaf(make(), channels_first).to(DT)
+    X, y = torch.randn(n, T, 2, dtype=DT), torch.randint(0, 3, (n,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    taken = _affine_taken(model, X, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert taken and all(t == affine for t in taken), taken
+    assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("leaf", ["layer_scale_2d", "affine", "prelu"])
+def test_affine_leaf_modules_diag_ggn_exact(leaf: str) -> None:
+    make, channels_first, _ = LEAVES[leaf]
+    torch.manual_seed(0)
+    model = WithLeaf(make(), channels_first).to(DT)
+    X, y = torch.randn(4, T, 2, dtype=DT), torch.randint(0, 3, (4,))
+    ref = diag_ggn(model, nn.CrossEntropyLoss(), X, y)
+    assert all(_affine_taken(model, X, y, DiagGGNExact()))
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[k], **TOL)
+
+
+def test_affine_probe_needs_two_samples() -> None:
+    """With one sample the independence of the samples cannot be checked: the ``vmap``."""
+    torch.manual_seed(0)
+    model = WithLeaf(LayerScale()).to(DT)
+    X, y = torch.randn(1, T, 2, dtype=DT), torch.randint(0, 3, (1,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    assert _affine_taken(model, X, y, BatchGrad(), BatchL2Grad()) == [False]
+    torch.testing.assert_close(model.leaf.gamma.grad_batch, ref["leaf.gamma"], **TOL)

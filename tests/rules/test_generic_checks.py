@@ -88,6 +88,16 @@ class SmoothCustom(nn.Module):
         return torch.tanh(x @ self.weight.T) * self.s
 
 
+@pytest.fixture
+def vmap_only(monkeypatch):
+    """The generic rule's ``vmap`` path for every module: ``F.prelu`` is affine in its slopes,
+    which the rule would otherwise compute in closed form (``rules.elementwise``), never
+    reaching the broken batching rule these tests are about."""
+    from backprism.rules import elementwise
+
+    monkeypatch.setattr(elementwise, "affine_per_sample", lambda *args: None)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_generic_state():
     """The generic rule remembers module types (warned, vmap broken) per process."""
@@ -148,7 +158,9 @@ def _prelu_vjps(module: FunctionalPReLU, x: Tensor, g: Tensor) -> Tensor:
 
 
 @pytest.mark.parametrize(("slopes", "columns"), [(1, 1), (6, 1), (1, 4), (6, 4), (6, 3)])
-def test_broken_batching_rule_falls_back_to_the_loop(slopes: int, columns: int) -> None:
+def test_broken_batching_rule_falls_back_to_the_loop(
+    slopes: int, columns: int, vmap_only: None
+) -> None:
     """``per_sample`` with ``M`` columns on ``N = 4`` samples: the nested ``vmap`` of
     ``F.prelu`` is wrong (``M = 1``: wrong shape; ``M = N``: right shape, wrong values off the
     diagonal); the rule notices, warns once and returns the loop's (right) values."""
@@ -174,7 +186,7 @@ def test_broken_batching_rule_falls_back_to_the_loop(slopes: int, columns: int) 
     torch.testing.assert_close(got2, _prelu_vjps(module, x, g2), rtol=1e-10, atol=1e-13)
 
 
-def test_spot_check_catches_right_shapes_with_wrong_values() -> None:
+def test_spot_check_catches_right_shapes_with_wrong_values(vmap_only: None) -> None:
     """``M = N``: the leaked axis has the size of the column axis, so only the spot check of
     an off-diagonal entry sees the error."""
     torch.manual_seed(0)
@@ -203,7 +215,7 @@ def test_no_false_alarm_when_vmap_is_right(dtype: torch.dtype, columns: int) -> 
     assert SmoothCustom not in generic._VMAP_BROKEN
 
 
-def test_broken_batching_end_to_end() -> None:
+def test_broken_batching_end_to_end(vmap_only: None) -> None:
     """First-order extensions and DiagGGNExact through ``F.prelu`` in a custom module (the
     QA's ``Linear → PReLU → Linear``, with the PReLU as generic module)."""
     torch.manual_seed(2)

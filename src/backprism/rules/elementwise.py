@@ -33,6 +33,7 @@ on the CPU).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from backprism.engine.rule import Call
 
-__all__ = ["BROADCASTING_OPS", "per_sample"]
+__all__ = ["BROADCASTING_OPS", "affine_per_sample", "per_sample"]
 
 #: arithmetic operations of two operands that broadcast them elementwise (not in place)
 BROADCASTING_OPS = frozenset(
@@ -151,3 +152,111 @@ def _index_map(p: Tensor, q: Tensor) -> Tensor | None:
         return _IN_ORDER
     flat = torch.arange(p.numel(), device=p.device)
     return flat.as_strided(q.shape, q.stride(), offset).reshape(-1)
+
+
+# -- modules whose output is affine in each parameter, broadcast elementwise ------------------
+#: classes (with their parameters' names and shapes) found not to be of that form
+_NOT_AFFINE: set[tuple] = set()
+#: at most this many parameters per module for the probe
+_MAX_PARAMS = 4
+
+
+def affine_per_sample(
+    call: Call, gs: list[Tensor], primals: dict[str, Tensor], run: Any
+) -> dict[str, Tensor] | None:
+    r"""``{name: [M, N, *θ.shape]}`` for a module call whose output is, in each parameter
+    ``θ`` (the others at their values), ``y = B(x) + A(x) ⊙ bcast(θ)`` with ``θ`` broadcast
+    over the batch aligned with the trailing axes of ``y`` or with the axes after the batch
+    (timm's ``LayerScale`` ``x * γ`` and ``LayerScale2d`` ``x * γ.view(1, -1, 1, 1)``,
+    PoolFormer's ``Scale``, ResMLP's ``Affine`` ``β + α ⊙ x``): then
+    ``Vₘₙ(θ) = Σ_r gₘₙᵣ ⊙ Aₙᵣ`` over the positions ``r`` ``θ`` is broadcast over, with
+    ``A = y(θ = 1) − y(θ = 0)`` from two forwards of the module on the batch — no per-sample
+    ``vmap``. Checked on every call on its first two samples (``y`` at a random ``θ`` is
+    ``y(0) + A ⊙ bcast(θ)`` for exactly one alignment, to ``10⁻⁴`` of ``max |y|``, and
+    sample 0 alone gives its row of the batch); ``None`` (the generic rule's ``vmap``) where
+    the call or the module is not of this form. ``run(params, args, kwargs)`` is the generic
+    rule's functional call of the module."""
+    module = call.module
+    n, m = call.batch_size, gs[0].shape[0]
+    shape = tuple(call.out_shapes[0]) if len(call.out_shapes) == 1 else ()
+    if (
+        call.fold != 1 or call.batch_axis or len(gs) != 1 or not shape or shape[0] != n
+        or n < 2 or not primals or len(primals) > _MAX_PARAMS or len(primals) != len(call.params)
+    ):
+        return None
+    key = (type(module), tuple((k, tuple(p.shape)) for k, p in primals.items()))
+    if key in _NOT_AFFINE:
+        return None
+    tensors = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Tensor)]
+    inner = math.prod(shape[1:])
+    if (
+        not tensors or any(t.dim() == 0 or t.shape[0] != n for t in tensors)
+        or any(not p.is_floating_point() or p.numel() > inner for p in primals.values())
+    ):
+        return None
+
+    def y(params: dict[str, Tensor], rows: slice) -> Tensor | None:
+        args = tuple(a[rows] if isinstance(a, Tensor) else a for a in call.args)
+        kwargs = {k: v[rows] if isinstance(v, Tensor) else v for k, v in call.kwargs.items()}
+        out = run(params, args, kwargs)
+        return out[0] if len(out) == 1 and out[0].is_floating_point() else None
+
+    result: dict[str, Tensor] = {}
+    gen = torch.Generator(device=gs[0].device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in primals.items():
+
+            def at(t: Tensor, rows: slice, name: str = name) -> Tensor | None:
+                return y({**primals, name: t}, rows)  # (the others at their values)
+
+            two = slice(0, 2)
+            try:
+                y0, y1 = at(torch.zeros_like(p), two), at(torch.ones_like(p), two)
+                r = 0.5 + torch.rand(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+                yr, alone = at(r, two), at(r, slice(0, 1))
+            except Exception:  # (a module that does not take such values: the generic rule)
+                _NOT_AFFINE.add(key)
+                return None
+            if y0 is None or y1 is None or yr is None or alone is None or yr.shape[1:] != shape[1:]:
+                _NOT_AFFINE.add(key)
+                return None
+            tol = 1e-4 * float(yr.abs().max()) + 1e-12
+            fits = [
+                b for b in _alignments(p.shape, shape)
+                if bool(((y0 + (y1 - y0) * r.reshape(b) - yr).abs() <= tol).all())
+            ]
+            if len(fits) != 1 or not bool(((alone - yr[:1]).abs() <= tol).all()):
+                _NOT_AFFINE.add(key)
+                return None
+            a, b0 = at(torch.ones_like(p), slice(None)), at(torch.zeros_like(p), slice(None))
+            if a is None or b0 is None:
+                return None
+            a = (a - b0).to(gs[0].dtype)  # A = y(θ = 1) − y(θ = 0), [N, *out]
+            bshape = fits[0]
+            # Σ over the output axes θ is broadcast over (axis i of the output is i + 1 of g)
+            dims = tuple(i + 1 for i in range(1, len(shape)) if bshape[i] == 1 and shape[i] != 1)
+            v = gs[0] * a
+            if dims:
+                v = v.sum(dims, keepdim=True)
+            result[name] = v.reshape(m, n, *p.shape)
+    return {k: result[k] for k in call.params}
+
+
+def _alignments(pshape: torch.Size, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The broadcast shapes of a parameter of shape ``pshape`` against an output ``shape``
+    (batch on axis 0): aligned with the trailing axes, or with the axes after the batch (a
+    channel axis), or as it is where it has the output's rank and an axis 0 of size 1; each
+    only where broadcasting allows it."""
+    d, k = len(shape), len(pshape)
+    out: list[tuple[int, ...]] = []
+    if k > d or (k == d and pshape[0] != 1):
+        return out
+    candidates = (
+        [tuple(pshape)] if k == d  # (its own axis 0 of size 1 against the batch: ResMLP's α)
+        else [(1,) * (d - k) + tuple(pshape), (1, *pshape) + (1,) * (d - 1 - k)]
+    )
+    for b in candidates:
+        ok = all(s in (1, t) for s, t in zip(b, shape))
+        if ok and b not in out:
+            out.append(b)
+    return out
