@@ -74,20 +74,25 @@ class Scaled(nn.Module):
         return self.head(torch.tanh(h).flatten(1))
 
 
-def _run(model: nn.Module, X: Tensor, y: Tensor, *extensions) -> list:
-    """One extended backward pass; the closed form's results (``None``: not taken)."""
+def _run(
+    model: nn.Module, X: Tensor, y: Tensor, *extensions, path: str = "per_sample"
+) -> list:
+    """One extended backward pass; for each call of ``elementwise.<path>`` whether it took
+    the closed form (``False``: it returned ``None``, the generic ``vmap``)."""
     lf = nn.CrossEntropyLoss()
     extend(model), extend(lf)
     taken: list = []
-    real = elementwise.per_sample
+    real = getattr(elementwise, path)
 
     def spy(*args):
         out = real(*args)
         taken.append(out is not None)
         return out
 
-    with mock.patch.object(elementwise, "per_sample", spy), collect(*extensions):
-        lf(model(X), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the generic rule's notice for leaf types)
+        with mock.patch.object(elementwise, path, spy), collect(*extensions):
+            lf(model(X), y).backward()
     return taken
 
 
@@ -252,21 +257,7 @@ LEAVES = {
 
 
 def _affine_taken(model: nn.Module, X: Tensor, y: Tensor, *extensions) -> list:
-    lf = nn.CrossEntropyLoss()
-    extend(model), extend(lf)
-    taken: list = []
-    real = elementwise.affine_per_sample
-
-    def spy(*args):
-        out = real(*args)
-        taken.append(out is not None)
-        return out
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the generic rule's notice for the leaf types)
-        with mock.patch.object(elementwise, "affine_per_sample", spy), collect(*extensions):
-            lf(model(X), y).backward()
-    return taken
+    return _run(model, X, y, *extensions, path="affine_per_sample")
 
 
 @pytest.mark.parametrize("n", [2, 5])
