@@ -574,13 +574,6 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
             if o.grad_fn is not None:
                 o.grad_fn.metadata[UNATTRIBUTED] = f"another parameter in '{name}'"
         return
-    if undoable and all(getattr(t, FREE, None) is not None for _, t in tensors):
-        # every operand is the same for all samples (bucket indices from torch.arange): taken
-        # per sample, its axis 0 would pass for the batch (silently wrong where its size is
-        # the batch's); the module's own call is shared by the samples instead, split per
-        # sample where its output meets them (engine.broadcast)
-        frame[10] = True  # type: ignore[index]
-        return
     x = tensors[0][1]
     if x.dim() == 0 or (undoable and not _per_sample(tensors, frame[9])):  # type: ignore[index]
         if undoable:
@@ -750,7 +743,12 @@ def _per_sample(tensors: list[tuple[int, Tensor]], info: tuple | None) -> bool:
     batch size of the module's input and the ids of its tensor arguments): it carries that
     batch (on its batch axis where known), and it either takes a gradient or is one of the
     module's arguments — a tensor without a gradient made inside the forward (a mask, an
-    index) may have the batch's size by chance."""
+    index) may have the batch's size by chance — and it is not the same for every sample
+    (:data:`~backprism.engine.state.FREE`: bucket indices from ``torch.arange``, whose axis 0
+    would pass for the batch where its size is the batch's; the module's own call is then
+    shared by the samples and split where its output meets them, engine.broadcast)."""
+    if any(getattr(t, FREE, None) is not None for _, t in tensors):
+        return False
     if info is None:
         return True
     n, arg_ids = info

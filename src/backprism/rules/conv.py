@@ -21,7 +21,13 @@ from torch import Tensor, nn
 
 from backprism.engine.rule import Call, register_rule
 from backprism.rules.conv_factor import input_factor_by_shifts, shifts_cheaper
-from backprism.rules.unfold import UnfoldRule, conv_padding, unfold_conv, unfold_conv_rows
+from backprism.rules.unfold import (
+    UnfoldRule,
+    conv_padding,
+    padded_input,
+    unfold_conv,
+    unfold_conv_rows,
+)
 
 __all__ = ["Conv1dRule", "Conv2dRule", "Conv3dRule"]
 
@@ -130,9 +136,7 @@ class _ConvRule(UnfoldRule):
         with the columns as weights ``[n·G·M·O, 1, *S']``, ``groups = n·G``, stride ``d``,
         dilation ``s``; its first ``k`` output positions per axis are ``V``."""
         mod = call.module
-        x, pads = _padded(mod, call.input[sl])
-        if any(a for a, _ in pads):
-            x = F.pad(x, [p for pair in reversed(pads) for p in pair])
+        x = padded_input(call.input[sl], conv_padding(mod), mod.padding_mode)
         m, _, grp, o = g5.shape[:4]
         n = x.shape[0]
         d = len(mod.kernel_size)

@@ -171,11 +171,11 @@ def affine_per_sample(
     PoolFormer's ``Scale``, ResMLP's ``Affine`` ``β + α ⊙ x``): then
     ``Vₘₙ(θ) = Σ_r gₘₙᵣ ⊙ Aₙᵣ`` over the positions ``r`` ``θ`` is broadcast over, with
     ``A = y(θ = 1) − y(θ = 0)`` from two forwards of the module on the batch — no per-sample
-    ``vmap``. Checked on every call on its first two samples (``y`` at a random ``θ`` is
-    ``y(0) + A ⊙ bcast(θ)`` for exactly one alignment, to ``10⁻⁴`` of ``max |y|``, and
-    sample 0 alone gives its row of the batch); ``None`` (the generic rule's ``vmap``) where
-    the call or the module is not of this form. ``run(params, args, kwargs)`` is the generic
-    rule's functional call of the module."""
+    ``vmap``. Checked on every call on its first two samples (``y`` of those two alone at a
+    random ``θ`` is the batch's ``y(0) + A ⊙ bcast(θ)`` in their rows for exactly one
+    alignment, to ``10⁻⁴`` of ``max |y|``, and sample 0 alone gives its row); ``None`` (the
+    generic rule's ``vmap``) where the call or the module is not of this form.
+    ``run(params, args, kwargs)`` is the generic rule's functional call of the module."""
     module = call.module
     n, m = call.batch_size, gs[0].shape[0]
     shape = tuple(call.out_shapes[0]) if len(call.out_shapes) == 1 else ()
@@ -209,29 +209,31 @@ def affine_per_sample(
             def at(t: Tensor, rows: slice, name: str = name) -> Tensor | None:
                 return y({**primals, name: t}, rows)  # (the others at their values)
 
-            two = slice(0, 2)
             try:
-                y0, y1 = at(torch.zeros_like(p), two), at(torch.ones_like(p), two)
+                # on the batch: B = y(θ = 0) and A = y(θ = 1) − B; at a random θ, the first
+                # two samples and sample 0 alone
+                b0, a = at(torch.zeros_like(p), slice(None)), at(torch.ones_like(p), slice(None))
                 r = 0.5 + torch.rand(p.shape, generator=gen, device=p.device, dtype=p.dtype)
-                yr, alone = at(r, two), at(r, slice(0, 1))
+                yr, alone = at(r, slice(0, 2)), at(r, slice(0, 1))
             except Exception:  # (a module that does not take such values: the generic rule)
                 _NOT_AFFINE.add(key)
                 return None
-            if y0 is None or y1 is None or yr is None or alone is None or yr.shape[1:] != shape[1:]:
+            if (
+                b0 is None or a is None or yr is None or alone is None
+                or b0.shape != shape or a.shape != shape or yr.shape[1:] != shape[1:]
+            ):
                 _NOT_AFFINE.add(key)
                 return None
+            a = a - b0
             tol = 1e-4 * float(yr.abs().max()) + 1e-12
             fits = [
                 b for b in _alignments(p.shape, shape)
-                if bool(((y0 + (y1 - y0) * r.reshape(b) - yr).abs() <= tol).all())
+                if bool(((b0[:2] + a[:2] * r.reshape(b) - yr).abs() <= tol).all())
             ]
             if len(fits) != 1 or not bool(((alone - yr[:1]).abs() <= tol).all()):
                 _NOT_AFFINE.add(key)
                 return None
-            a, b0 = at(torch.ones_like(p), slice(None)), at(torch.zeros_like(p), slice(None))
-            if a is None or b0 is None:
-                return None
-            a = (a - b0).to(gs[0].dtype)  # A = y(θ = 1) − y(θ = 0), [N, *out]
+            a = a.to(gs[0].dtype)  # A = y(θ = 1) − y(θ = 0), [N, *out]
             bshape = fits[0]
             # Σ over the output axes θ is broadcast over (axis i of the output is i + 1 of g)
             dims = tuple(i + 1 for i in range(1, len(shape)) if bshape[i] == 1 and shape[i] != 1)
