@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from measure import mib, mib_cell, peak_memory, print_markdown
-from problems import build, describe
+from problems import build, describe, import_transformers
 
 EXTENSIONS = ["BatchL2Grad", "SumGradSquared", "Variance", "BatchGrad", "DiagGGNMC", "KFAC"]
 #: the targets of the issue (CPU, N = 128, transformer and resnet18)
@@ -92,11 +92,7 @@ class LMLogits(nn.Module):
 
 
 def gpt2(n: int, seq: int = 32, vocab: int = 2048, d: int = 64, layers: int = 2, heads: int = 4):
-    import logging
-
-    import transformers
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers = import_transformers()
     cfg = transformers.GPT2Config(
         n_layer=layers, n_head=heads, n_embd=d, vocab_size=vocab, n_positions=seq,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,

@@ -241,7 +241,7 @@ def importable_torchvision() -> None:
         pass
 
 
-def _transformers():
+def import_transformers():
     """``import transformers`` (quiet, :func:`importable_torchvision` first)."""
     import logging
 
@@ -268,7 +268,7 @@ def _hf(kind: str, n: int, seq: int = 64, vocab: int = 1000, d: int = 128, layer
     ``layers`` layers, 4 heads, width ``d``, MLP ``2d``), dropout off, on ``[N, seq]`` tokens."""
     import warnings
 
-    tf = _transformers()
+    tf = import_transformers()
     common = {"vocab_size": vocab, "num_labels": 3}
     if kind == "gpt2":
         cfg = tf.GPT2Config(
