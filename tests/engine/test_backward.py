@@ -226,13 +226,13 @@ def test_thousand_classes_many_chunks():
     torch.testing.assert_close(full[0][idx], ref_batch.sum(0), **FAMILY_TOL)
 
 
-def test_memory_budget_counts_per_sample_gradients(monkeypatch):
-    """The column chunk leaves room for the per-sample gradients the rules build from it: with
-    tied embeddings every column carries an ``[N, V, d]`` gradient of the shared matrix (a
-    2048-token decoder overran a 512 MiB budget 23-fold before). Chunked results are equal."""
+def _chunks_of(monkeypatch, model, lossfunc, X, y, ext, budget: int) -> list[int]:
+    """The column chunks of a pass of ``ext`` under ``budget``; its results equal those of an
+    unbounded pass."""
     from backprism.engine import backward as engine_backward
-    from tests.common import TinyGPT
 
+    backward(model, lossfunc, X, y, ext())
+    full = gather(model, ext.savefield, 0)
     chunks: list[int] = []
     real = engine_backward.backprop_columns
 
@@ -240,21 +240,50 @@ def test_memory_budget_counts_per_sample_gradients(monkeypatch):
         chunks.append(chunk)
         yield from real(origins, cols, outputs, chunk)
 
+    monkeypatch.setattr(engine_backward, "backprop_columns", spy)
+    backward(model, lossfunc, X, y, ext(), memory_budget=budget)
+    torch.testing.assert_close(
+        gather(model, ext.savefield, 0), full, atol=1e-13, rtol=1e-10
+    )
+    assert chunks
+    return chunks
+
+
+def _tied_gpt(vocab: int, d: int, t: int, n: int):
+    from tests.common import TinyGPT
+
     torch.manual_seed(3)
-    vocab, d, t, n = 40, 64, 1, 2  # the tied [V, d] matrix outweighs all outputs
     model = TinyGPT(vocab=vocab, d=d, t_max=t).to(FAMILY_DT)
     lossfunc = nn.CrossEntropyLoss()
     X = torch.randint(0, vocab, (n, t))
     y = torch.randint(0, vocab, (n, t))
     extend(model), extend(lossfunc)
-    backward(model, lossfunc, X, y, DiagGGNExact())
-    full = gather(model, "diag_ggn_exact", 0)
+    return model, lossfunc, X, y
+
+
+def test_memory_budget_counts_per_sample_gradients(monkeypatch):
+    """The column chunk leaves room for the per-sample gradients the rules build from it: with
+    tied embeddings every column of ``BatchDiagGGNExact`` carries an ``[N, V, d]`` gradient of
+    the shared matrix (a 2048-token decoder overran a 512 MiB budget 23-fold before). Chunked
+    results are equal."""
+    vocab, d, t, n = 40, 64, 1, 2  # the tied [V, d] matrix outweighs all outputs
+    model, lossfunc, X, y = _tied_gpt(vocab, d, t, n)
     budget = 2**16
-    monkeypatch.setattr(engine_backward, "backprop_columns", spy)
-    backward(model, lossfunc, X, y, DiagGGNExact(), memory_budget=budget)
-    assert chunks and max(chunks) * n * vocab * d * 8 <= budget  # the tied matrix's share
+    chunks = _chunks_of(monkeypatch, model, lossfunc, X, y, BatchDiagGGNExact, budget)
+    assert max(chunks) * n * vocab * d * 8 <= budget  # the tied matrix's share
     assert max(chunks) < vocab * t  # K = C·T columns per sample: several chunks
-    torch.testing.assert_close(gather(model, "diag_ggn_exact", 0), full, atol=1e-13, rtol=1e-10)
+
+
+def test_memory_budget_without_per_sample_gradients_of_tied_weights(monkeypatch):
+    """``DiagGGNExact`` combines the two uses of a tied matrix from their outer factors
+    (``engine.tied``): its columns need no room for ``[N, V, d]`` gradients, so a budget that
+    could not hold one per column still takes several columns at once."""
+    vocab, d, t, n = 400, 64, 1, 2
+    model, lossfunc, X, y = _tied_gpt(vocab, d, t, n)
+    budget = 2**19
+    chunks = _chunks_of(monkeypatch, model, lossfunc, X, y, DiagGGNExact, budget)
+    assert n * vocab * d * 8 > budget // 2  # two columns' dense gradients would not fit
+    assert max(chunks) > 2
 
 
 class _Checkpointed(nn.Module):

@@ -26,9 +26,11 @@ to the end of the pass, and ``needs_param_grad`` partials are finished with the 
 **Several forwards, one backward.** The pass covers every call its graph contains, whatever
 forward produced it. A sample index ``n`` that appears in several forwards is one sample: its
 contributions add (``grad_batch[n] = ∇(Σ_f ℓ_{f,n})/N``) and statistics are taken of the sum. A
-parameter used by several calls of the pass takes the dense path (per-sample gradients summed
-over calls before squaring). Forwards with different batch sizes are refused for per-sample
-extensions.
+parameter used by several calls of the pass (tied weights too) gets quadratic statistics of the
+sum of its calls' contributions: from the calls' own statistics and their cross terms where
+every call's rule has outer factors (:mod:`backprism.engine.tied`), else from dense per-sample
+gradients summed over the calls before squaring. Forwards with different batch sizes are
+refused for per-sample extensions.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from backprism.engine.state import (
     forget_mode_free,
     sequence_first,
 )
+from backprism.engine.tied import Use, Uses
 
 __all__ = ["BackwardPass", "current_pass"]
 
@@ -174,8 +177,8 @@ class BackwardPass:
         self.n_samples = 0
         self.fired: Counter[int] = Counter()
         self.module_fired: Counter[int] = Counter()
-        # param id -> [param, call, dense [1, N, *p]] (parameters used by several calls)
-        self.dense: dict[int, list] = {}
+        #: param id -> (param, its uses so far) of parameters used by several calls
+        self.tied: dict[int, tuple[nn.Parameter, Uses]] = {}
         #: (param id, savefield) → (param, extension) of every result this pass stored
         self.stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
         self.touched: dict[int, nn.Module] = {}
@@ -788,9 +791,8 @@ class BackwardPass:
             for param, ext in self.stored.values():
                 value = getattr(param, ext.savefield)
                 setattr(param, ext.savefield, ext.whole_batch_result(value, self._rows))
-        for key in list(self.dense):
-            param, call, dense = self.dense.pop(key)
-            self._finalize_dense(param, call, dense)
+        for key in list(self.tied):  # (a use that got no output gradient)
+            self._finish_tied(*self.tied.pop(key))
         for pid in list(self.partials):  # the parameter got no gradient (autograd.grad w.r.t. x)
             for ext, partial, module, fallback in self.partials.pop(pid):
                 p = next(q for q in module.parameters() if id(q) == pid)
@@ -823,10 +825,42 @@ class BackwardPass:
             if self.distributed is not None:  # distributed: reduced in end()
                 self.distributed.stored_result(param, ext)
 
-    def _finalize_dense(self, param: nn.Parameter, call: Call, dense: Tensor) -> None:
-        for ext in self.first:
-            if not ext.additive:
-                self.store(param, ext, ext.from_dense(dense, call, None))
+    def _tied_results(
+        self, p: nn.Parameter, uses: Uses, exts: list[Any], weights: Tensor | None
+    ) -> list[tuple[Any, Any]]:
+        """The non-additive extensions' results for ``p`` from all its ``uses`` (see
+        :mod:`backprism.engine.tied`): from the rules' statistics and cross terms where every
+        use has outer factors and the extension says which statistic it takes, else from the
+        dense per-sample gradients summed over the uses."""
+        call = uses.items[0].call
+        stats: dict[str, Tensor] = {}
+        dense: Tensor | None = None
+        out = []
+        for ext in exts:
+            if ext.additive:
+                continue
+            kind = ext.tied_statistic
+            if kind is not None and uses.factored:
+                if kind not in stats:
+                    stats[kind] = _to_param_dtype(uses.statistic(kind, weights), p)
+                out.append((ext, ext.from_statistic(stats[kind], call)))
+            else:
+                if dense is None:
+                    dense = _to_param_dtype(uses.dense(), p)
+                out.append((ext, ext.from_dense(dense, call, weights)))
+        return out
+
+    def _finish_tied(self, p: nn.Parameter, uses: Uses) -> None:
+        """First order: store the results of ``p``, used by several calls, all of which fired
+        (or the pass ended); a ``needs_param_grad`` result from the statistic waits for the
+        parameter's gradient like a single call's."""
+        for ext, value in self._tied_results(p, uses, self.first, None):
+            if ext.needs_param_grad and ext.tied_statistic is not None and uses.factored:
+                last = uses.items[-1]
+                item = (ext, value, last.call.hook_module, _tied_fallback(uses))
+                self.partials.setdefault(id(p), []).append(item)
+            else:
+                self.store(p, ext, value)
 
     # -- first order -------------------------------------------------------------------------
     def on_output_grad(self, call: Call, grads: tuple[Tensor | None, ...]) -> None:
@@ -876,17 +910,10 @@ class BackwardPass:
                     else:
                         self.store(params[name], ext, value)
             if multi and any(not e.additive for e in self.first):
-                dense = rule.per_sample(rcall, g)
-                for name, p in multi.items():
-                    d = _to_param_dtype(dense[name], p)
-                    entry = self.dense.get(id(p))
-                    if entry is not None:
-                        entry[2] = entry[2] + d
-                    else:
-                        self.dense[id(p)] = [p, rcall, d]
+                self._add_uses(self.tied, rule, rcall, g, multi, self.first)
+                for p in multi.values():
                     if self.fired[id(p)] >= self.param_count[id(p)]:
-                        p_, c_, d_ = self.dense.pop(id(p))
-                        self._finalize_dense(p_, c_, d_)
+                        self._finish_tied(*self.tied.pop(id(p)))
             self.touched[id(module)] = module
             if self.distributed is not None:  # distributed: send finished results now
                 self._send_finished(params.values())
@@ -902,7 +929,7 @@ class BackwardPass:
             if (
                 self.fired[pid] >= self.param_count[pid]
                 and pid not in self.partials
-                and pid not in self.dense
+                and pid not in self.tied
             ):
                 self.distributed.ready(p)  # type: ignore[union-attr]
 
@@ -920,7 +947,7 @@ class BackwardPass:
         if any(
             self.fired[id(p)] < self.param_count[id(p)]
             or id(p) in self.partials
-            or id(p) in self.dense
+            or id(p) in self.tied
             for p in self.module_params.get(id(module), ())
         ):
             return
@@ -1095,7 +1122,7 @@ class BackwardPass:
                 break
             start, flat = item
             w = None if weights is None else weights[start : start + _chunk_width(flat)]
-            dense: dict[int, list] = {}
+            tied: dict[int, tuple[nn.Parameter, Uses]] = {}
             i = 0
             for call, edges in calls:
                 gs = []
@@ -1130,17 +1157,30 @@ class BackwardPass:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
                 if multi and any(not e.additive for e in exts):
-                    ps = rule.per_sample(rcall, g)
-                    for name, p in multi.items():
-                        if id(p) in dense:
-                            dense[id(p)][2] = dense[id(p)][2] + ps[name]
-                        else:
-                            dense[id(p)] = [p, rcall, ps[name]]
+                    self._add_uses(tied, rule, rcall, g, multi, exts)
                 self.touched[id(call.hook_module)] = call.hook_module
-            for p, call, d in dense.values():
-                for ext in exts:
-                    if not ext.additive:
-                        self.store(p, ext, ext.from_dense(d, call, w))
+            for p, uses in tied.values():
+                for ext, value in self._tied_results(p, uses, exts, w):
+                    self.store(p, ext, value)
+
+    @staticmethod
+    def _add_uses(
+        tied: dict[int, tuple[nn.Parameter, Uses]],
+        rule: Any,
+        call: Call,
+        g: Any,
+        multi: dict[str, nn.Parameter],
+        exts: list[Any],
+    ) -> None:
+        """Record one call's use of each of the parameters ``multi`` (used by several calls),
+        with the rule's outer factors where an extension can take its statistic from them."""
+        wanted = any(not e.additive and e.tied_statistic is not None for e in exts)
+        outer = rule.outer_factors(call, g) if wanted else {}
+        for name, p in multi.items():
+            entry = tied.get(id(p))
+            if entry is None:
+                entry = tied[id(p)] = (p, Uses())
+            entry[1].items.append(Use(rule, call, g, name, outer.get(name)))
 
 
 class _WholeBatch(Rule):
@@ -1274,7 +1314,9 @@ def _column_bytes(
     parameter shared by several calls (held until its last call).
 
     Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
-    budget 23-fold: each column carries an ``[N, V, d]`` gradient of the tied matrix."""
+    budget 23-fold: each column carried an ``[N, V, d]`` gradient of the tied matrix. A shared
+    parameter whose calls all have outer factors, for extensions that take their statistic from
+    them, costs the cross terms' ``[N, T, T']`` instead (:mod:`backprism.engine.tied`)."""
     elem = 4
     total = 0
     for call, edges in calls:
@@ -1285,22 +1327,47 @@ def _column_bytes(
             if e is not None:
                 total += shape.numel() * elem
     n = max((c.batch_size for c, _ in calls), default=1)
-    dense = any(not e.additive for e in exts)
-    built, shared, seen = 0, 0, set()
+    squared = [e for e in exts if not e.additive]
+    factored = all(e.tied_statistic is not None for e in squared)
+    built = 0
+    uses: dict[int, tuple[nn.Parameter, list[Call]]] = {}
     for call, _ in calls:
         rule = get_rule(call.module)
         builds = any(e.builds_per_sample(rule, call) for e in exts)
         for p in call.params.values():
             if builds:
                 built = max(built, p.numel())
-            if dense and count[id(p)] > 1 and id(p) not in seen:
-                seen.add(id(p))
-                shared += p.numel()
+            if squared and count[id(p)] > 1:
+                uses.setdefault(id(p), (p, []))[1].append(call)
+    shared = 0
+    for p, users in uses.values():
+        if factored and all(_has_outer_factors(c) for c in users):
+            # the cross terms' row products [N, T, T'] (engine.tied), not [N, *p]
+            t = max(c.out_shapes[0].numel() // max(1, n * c.out_shapes[0][-1]) for c in users)
+            shared += t * t
+        else:
+            shared += p.numel()
     return max(1, total + n * elem * (built + shared))
+
+
+def _has_outer_factors(call: Call) -> bool:
+    """Whether the rule of ``call`` gives its parameters outer factors (:mod:`engine.tied`)."""
+    return type(get_rule(call.module)).outer_factors is not Rule.outer_factors
 
 
 def _summed_fallback(rule: Any, call: Call, g: Any, name: str) -> Callable[[], Tensor]:
     return lambda: rule.summed(call, g)[name][0]
+
+
+def _tied_fallback(uses: Uses) -> Callable[[], Tensor]:
+    """The gradient of a parameter used by several calls, summed over its uses (a pass whose
+    parameter got no gradient, e.g. ``autograd.grad`` with respect to the inputs)."""
+
+    def summed() -> Tensor:
+        parts = [u.rule.summed(u.call, u.g)[u.name][0] for u in uses.items]
+        return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
+
+    return summed
 
 
 def _chunk_width(grads: tuple[Tensor | None, ...]) -> int:

@@ -3,10 +3,12 @@
 An extension names a parameter attribute (``savefield``) and computes it either
 
 * directly from a layer rule for one call (:meth:`Extension.from_rule`), or
-* from dense per-sample, per-column gradients ``P`` of shape ``[M, N, *param.shape]``
-  (:meth:`Extension.from_dense`), which the engine builds when a parameter is used by several
-  calls in one backward pass (RNN unrolling, tied weights, several forwards) so that the
-  contributions of one sample are summed *before* squaring.
+* for a parameter used by several calls in one backward pass (RNN unrolling, tied weights,
+  several forwards), where the contributions of one sample must be summed *before* squaring:
+  from the rule statistic it names (:attr:`Extension.tied_statistic`) of the sum, which the
+  engine assembles from the calls' own statistics and cross terms when every call's rule has
+  outer factors (:meth:`Extension.from_statistic`), else from dense per-sample, per-column
+  gradients ``P`` of shape ``[M, N, *param.shape]`` (:meth:`Extension.from_dense`).
 
 Extensions whose result is linear in the per-call contributions (``additive = True``: per-sample
 gradients, Kronecker factors) skip the dense path and are summed over calls directly.
@@ -147,6 +149,11 @@ class Extension:
     #: :meth:`from_rule` returns a *partial* result per parameter that :meth:`finish` completes
     #: with the parameter's gradient of the same backward pass (Variance takes the mean from it)
     needs_param_grad: bool = False
+    #: the rule statistic the result is a function of (``"batch_l2"`` or ``"sum_squared"``,
+    #: :meth:`from_statistic`); a parameter used by several calls then gets it from the calls'
+    #: own statistics and their cross terms (:mod:`backprism.engine.tied`) instead of from
+    #: dense per-sample gradients. ``None``: always the dense path (:meth:`from_dense`)
+    tied_statistic: str | None = None
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict[str, Any]:
         """The result per parameter name of ``call`` from the rule's statistics of ``g``
@@ -157,6 +164,12 @@ class Extension:
         """The result from dense per-sample, per-column gradients ``[M, N, *p]`` (summed over
         the calls that use the parameter)."""
         raise NotImplementedError
+
+    def from_statistic(self, statistic: Tensor, call: Call) -> Any:
+        """The result from the :attr:`tied_statistic` of a parameter used by several calls
+        (``call`` is one of them; a ``needs_param_grad`` extension returns its partial result).
+        Default: the statistic itself."""
+        return statistic
 
     def finish(self, partial: Any, grad: Tensor) -> Any:
         """Complete a partial result with the parameter's gradient (``needs_param_grad``)."""

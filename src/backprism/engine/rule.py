@@ -18,6 +18,7 @@ the signs of the Hessian residual terms used by ``DiagHessian``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from backprism.engine.state import Call, Inside
 __all__ = [
     "KRONECKER_DIAGONAL_MAX_BYTES",
     "Call",
+    "Outer",
     "Rule",
     "get_rule",
     "has_rule",
@@ -39,6 +41,31 @@ __all__ = [
 
 
 _NOTHING_INSIDE = Inside()
+
+
+@dataclass(frozen=True)
+class Outer:
+    r"""A call's per-sample, per-column gradients of one parameter as sums of outer products,
+
+        ``Vₘₙ = Σₜ rₘₙₜ cₘₙₜᵀ``  (``[R, C]``, reshaped to the parameter's shape),
+
+    which lets the engine combine the calls of a parameter used several times (tied weights)
+    without building ``Vₘₙ`` (:mod:`backprism.engine.tied`).
+
+    Attributes:
+        rows: ``[M or 1, N, T, R]``; or, for one-hot rows (``e_{iₙₜ}``, an embedding's
+            looked-up tokens), the integer indices ``iₙₜ`` ``[N, T]`` into the ``R`` rows.
+        cols: ``[M or 1, N, T, C]``.
+        size: ``R``, the number of rows (needed for one-hot rows).
+    """
+
+    rows: Tensor
+    cols: Tensor
+    size: int
+
+    @property
+    def one_hot(self) -> bool:
+        return not self.rows.is_floating_point()
 
 
 class Rule:
@@ -137,6 +164,12 @@ class Rule:
             for k, v in vectors.items()
             if k in ps
         }
+
+    def outer_factors(self, call: Call, g: Any) -> dict[str, Outer]:
+        """The per-sample gradients of the parameters that have an outer-product form
+        (:class:`Outer`), by name; a parameter left out is combined with its other calls
+        through dense per-sample gradients when it is used several times. Default: none."""
+        return {}
 
     # -- Kronecker factors (KFAC / KFLR / KFRA) ------------------------------------------------
     def kfac_input(self, call: Call) -> dict[str, Tensor]:

@@ -143,6 +143,7 @@ class BatchL2Grad(PerSampleRows, FirstOrderExtension):
 
     savefield = "batch_l2"
     distributed_degree = 2.0
+    tied_statistic = "batch_l2"
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.batch_l2(call, g)
@@ -156,6 +157,7 @@ class SumGradSquared(SummedOverSamples, FirstOrderExtension):
 
     savefield = "sum_grad_squared"
     distributed_degree = 2.0
+    tied_statistic = "sum_squared"
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.sum_squared(call, g)
@@ -172,10 +174,14 @@ class Variance(FirstOrderExtension):
     #: the mean gradient comes from the parameter's gradient of the same backward pass, so
     #: only ``Σₙ grad_batch[n]²`` needs an extra pass over inputs and output gradients
     needs_param_grad = True
+    tied_statistic = "sum_squared"
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         n = call.batch_size
         return {k: (v, n) for k, v in rule.sum_squared(call, g).items()}
+
+    def from_statistic(self, statistic: Tensor, call: Call) -> Any:
+        return statistic, call.batch_size
 
     def finish(self, partial: tuple[Tensor, int], grad: Tensor) -> Tensor:
         """``partial = (Σₙ gbₙ², N)`` and ``grad = Σₙ gbₙ`` → the biased variance."""

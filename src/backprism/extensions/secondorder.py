@@ -86,6 +86,7 @@ class _MC(SecondOrderExtension):
 class _Diag(SummedOverSamples):
     #: the whole batch's GGN diagonal is defined when BatchNorm mixes the samples
     whole_batch = True
+    tied_statistic = "sum_squared"
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         return rule.sum_squared(call, g, weights)

@@ -17,7 +17,9 @@ one row per distinct ``(sample, token)`` pair that occurs (at most ``N·T`` rows
 * ``Σₘₙ wₘₙ Vₘₙ²`` has row ``v`` equal to ``Σₘₙ wₘₙ Gₘₙᵥ²`` (``sum_squared``; ``batch_sum_squared``
   keeps ``n``);
 * ``⟨Vₘₙ, Vₘₖ⟩ = Σᵥ ⟨Gₘₙᵥ, Gₘₖᵥ⟩`` over the tokens present in the batch (``batch_dot``);
-* ``Σₙ Vₘₙ`` scatters every ``gₘₙₜ`` into row ``iₙₜ`` (``summed``).
+* ``Σₙ Vₘₙ`` scatters every ``gₘₙₜ`` into row ``iₙₜ`` (``summed``);
+* a weight tied to other calls (an output layer ``h Wᵀ``) combines with them through the outer
+  factors ``e_{iₙₜ} gₘₙₜᵀ`` (:mod:`backprism.engine.tied`).
 
 Kronecker factors, **in the weight's axis order** ``[V, D]`` (unlike BackPACK's ``[B, A]`` for
 Linear, whose weight is ``[out, in]``)::
@@ -45,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from backprism.engine.gram import gram
-from backprism.engine.rule import Call, Rule, register_rule
+from backprism.engine.rule import Call, Outer, Rule, register_rule
 
 __all__ = ["EmbeddingRule"]
 
@@ -186,6 +188,18 @@ class EmbeddingRule(Rule):
         dense = tk.g.new_zeros(m, tk.n * k, d).index_add_(1, tk.sample * k + local, tk.g)
         dense = dense.view(m, tk.n, k * d)
         return {"weight": torch.einsum("mni,mki->nk", dense, dense)}
+
+    def outer_factors(self, call: Call, g: Tensor) -> dict[str, Outer]:
+        """``Vₘₙ = Σₜ e_{iₙₜ} gₘₙₜᵀ``: one-hot rows (the indices), columns ``g`` (zero at
+        padding positions)."""
+        module = call.module
+        _check_options(module)
+        n = call.batch_size
+        idx = call.input.reshape(n, -1).long()
+        g = g.reshape(g.shape[0], n, idx.shape[1], g.shape[-1])
+        if module.padding_idx is not None:
+            g = g * (idx != module.padding_idx)[None, :, :, None].to(g.dtype)
+        return {"weight": Outer(idx, g, module.num_embeddings)}
 
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
         """``A_tokens = diag(token counts) / N`` (``[V, V]``), padding positions left out."""

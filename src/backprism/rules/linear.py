@@ -7,6 +7,8 @@ weight gradient,
 * ``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ`` (``[O, I]``) and bias ``Σₜ gₘₙₜ``;
 * without middle axes, ``‖Vₘₙ‖² = ‖gₘₙ‖² ‖xₙ‖²``, ``Σₘₙ wₘₙ Vₘₙ² = Σₙ (Σₘ wₘₙ gₘₙ²) (xₙ²)ᵀ`` and
   ``⟨Vₘₙ, Vₘₖ⟩ = ⟨gₘₙ, gₘₖ⟩⟨xₙ, xₖ⟩`` — no ``[N, O, I]`` tensor is built;
+* ``Vₘₙ`` as outer products ``gₘₙₜ xₙₜᵀ`` for a weight tied to other calls
+  (:mod:`backprism.engine.tied`);
 * with middle axes, ``‖Vₘₙ‖² = Σₜₛ ⟨gₘₙₜ, gₘₙₛ⟩⟨xₙₜ, xₙₛ⟩`` (Gram form, cost ``N T² (O + I)``) or
   by materialising ``Vₘₙ`` (cost ``N T O I``), whichever is cheaper; ``Σₘₙ wₘₙ Vₘₙ²`` from
   ``Vₘₙ`` built in sample chunks (batched BLAS), squared in place and reduced over ``(m, n)`` by
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from backprism.engine.gram import gram
-from backprism.engine.rule import Call, Rule, register_rule
+from backprism.engine.rule import Call, Outer, Rule, register_rule
 
 #: elements of a per-sample weight-gradient chunk ``[M, n, O, I]`` built at once (sequences)
 CHUNK_ELEMENTS = 2**22
@@ -109,7 +111,9 @@ class LinearRule(Rule):
     differentiable = True
 
     def builds_per_sample(self, call: Call) -> bool:
-        return call.input.dim() != 2  # without middle axes every statistic has a closed form
+        # without middle axes (or with one position) every statistic has a closed form
+        x = call.input
+        return x.dim() > 2 and x[0].numel() != x.shape[-1]
 
     def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
         x, g = _flat(call, g)
@@ -226,6 +230,14 @@ class LinearRule(Rule):
             out["weight"] = (gs * (x @ w.t())).sum((1, 2))
         if "bias" in vectors and call.module.bias is not None:
             out["bias"] = gs.sum(1) @ vectors["bias"].to(gs.dtype)
+        return out
+
+    def outer_factors(self, call: Call, g: Tensor) -> dict[str, Outer]:
+        """``Vₘₙ = Σₜ gₘₙₜ xₙₜᵀ`` (rows ``g``, columns ``x``); the bias ``Σₜ gₘₙₜ · 1``."""
+        x, g = _flat(call, g)
+        out = {"weight": Outer(g, x[None], g.shape[-1])}
+        if call.module.bias is not None:
+            out["bias"] = Outer(g, x.new_ones(1, *x.shape[:2], 1), g.shape[-1])
         return out
 
     def kfac_input(self, call: Call) -> dict[str, Tensor]:
