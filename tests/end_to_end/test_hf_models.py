@@ -325,6 +325,32 @@ def test_swin_windows_and_its_shared_bias_tables(attention: str):
     _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL)
 
 
+@pytest.mark.parametrize("depths", [[1], [2, 1]])
+def test_swin_forwards_outside_collect(depths: list[int]):
+    """Swin forwards outside ``collect``, then a collecting backward, against loop references.
+    Without shifted windows (``depths=[1]``) the model runs without the forward mode: its bias
+    table, a call without inputs added to the scores ``[N·windows, …]``, is widened by the
+    backward pass at the addition, which reads the fold of the samples from the scores it met.
+    With shifted windows the bias first meets the constant window mask, whose rows only the
+    mode follows, so the model keeps the mode (before, it ran without it and the collecting
+    backward refused the folded rows)."""
+    from backprism.engine.state import MODE_FREE
+
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=4, depths=depths, num_heads=[1, 2][: len(depths)],
+        window_size=4, num_labels=3, attn_implementation="eager",
+    )
+    model = Logits(_quiet(lambda: transformers.SwinForImageClassification(cfg))).to(DT).eval()
+    x, y = torch.randn(N, 3, 16, 16, dtype=DT), torch.randint(0, 3, (N,))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    lossfunc(model(x), y).backward()  # recorded, outside collect
+    assert (MODE_FREE[model][False] is not None) == (len(depths) == 1)
+    model.zero_grad()
+    _against_loops(model, lossfunc, x, y, TOL)
+
+
 class _Seq2SeqLogits(nn.Module):
     """T5 on one tensor ``[N, S + T]``: encoder ids (id 0 is padding, masked) then decoder
     ids; ``.logits`` ``[N, T, V]``."""

@@ -545,3 +545,75 @@ def test_a_users_mode_around_a_child_is_left_in_place():
     with collect(*(e() for e in FIRST)):
         loss.backward()
     assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------ forwards inside collect()
+def test_forwards_inside_collect_learn_and_run_without_the_mode():
+    """Inside a ``collect()`` that records no nonlinearities (no DiagHessian) and needs no
+    double backward, the model's first forward is recorded and its later ones run without the
+    mode, exact; what they learned is kept apart from what forwards outside ``collect`` (which
+    record nonlinearities) learn, and a DiagHessian ``collect`` keeps the mode."""
+    torch.manual_seed(1)
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    ref = per_sample_grads(model, lf, X, y)
+    ggn = diag_ggn(model, lf, X, y)
+    with _mode_calls() as calls:
+        for step in range(2):
+            model.zero_grad()
+            with collect(*(e() for e in FIRST), DiagGGNExact()):
+                lf(model(X), y).backward()
+            assert (calls.call_count > 0) == (step == 0)
+            calls.reset_mock()
+            assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
+        assert set(MODE_FREE[model]) == {("unrecorded", True)}
+        calls.reset_mock()
+        model(X)  # outside collect: learns for itself
+        assert calls.call_count > 0 and MODE_FREE[model][True] is not None
+        calls.reset_mock()
+        model.zero_grad()
+        with collect(DiagHessian()):
+            lf(model(X), y).backward()
+        assert calls.call_count > 0
+    _check_diag_h(model, lf, X, y)
+    assert not FORWARD.modes and not FORWARD.unrecorded
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_forward_without_the_mode_inside_collect_is_unrecorded():
+    """Like a recorded forward inside a ``collect()`` without DiagHessian, one without the
+    mode leaves its nonlinearities unrecorded: a DiagHessian backward of its graph refuses
+    before writing."""
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    for _ in range(2):
+        with collect(BatchGrad()):
+            loss = lf(model(X), y)
+            loss.backward(retain_graph=True)
+    assert MODE_FREE[model][("unrecorded", True)] is not None
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(RuntimeError, match="without a DiagHessian-family"), collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    assert not FORWARD.unrecorded
+
+
+def test_a_new_functional_parameter_use_inside_collect_is_refused_then_recorded():
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    X, y = _data()
+    with collect(BatchGrad()):
+        lf(model(X), y).backward()
+    model.extra = "weight"
+    for p in model.parameters():
+        p.grad = None
+        del p.grad_batch
+    with pytest.raises(RuntimeError, match=r"'b\.weight'.*recorded again"), collect(BatchGrad()):
+        lf(model(X), y).backward()
+    assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())
+    ref = per_sample_grads(model, lf, X, y)
+    with collect(*(e() for e in FIRST)):
+        lf(model(X), y).backward()
+    assert_first_order(model, ref, rtol=1e-10, atol=1e-12)

@@ -380,7 +380,9 @@ class BackwardPass:
         output meets the samples only in an addition that broadcasts it over them (``tok +
         pos``, ``h += pos``): widened here to the addition's ``N`` rows, with the addition's
         output as their output — its gradient's row ``n`` is sample ``n``'s gradient at its
-        copy of the call's output, and the call's inputs are the same for every sample."""
+        copy of the call's output, and the call's inputs are the same for every sample. The
+        addition's other operand is what it met (:attr:`Call.meets`): rows that fold the
+        samples with another axis (Swin's windows) are read from it."""
         ones = {
             (id(edges[0][0]), edges[0][1]): call
             for call, edges in self.calls.items()
@@ -405,12 +407,16 @@ class BackwardPass:
             if float(getattr(add, "_saved_alpha", 1)) != 1.0:
                 continue  # (x + α·pos: the gradient at pos is α times the sum's)
             n = out[0]
+            met = tuple(
+                GradientEdge(f, nr) for f, nr in add.next_functions
+                if f is not None and (id(f), nr) != key
+            )
             wide = dataclasses.replace(
                 call,
                 args=tuple(expand_rows(a, n) for a in call.args),
                 kwargs={k: expand_rows(v, n) for k, v in call.kwargs.items()},
                 out_shapes=[torch.Size(out)], batch_size=n, live=None, widened_from=call,
-                unsplit=None if call.unsplit == NO_INPUT else call.unsplit,
+                unsplit=None if call.unsplit == NO_INPUT else call.unsplit, meets=met,
             )
             del self.calls[call]
             self.calls[wide] = [(add, 0)]

@@ -543,8 +543,11 @@ def _widen_shared(
         return None
     call.superseded = True
     FORWARD.acted += 1
-    if added and batch_one and replay is None and not expanded.input_edges:
-        FORWARD.deferred_acts += 1  # (BackwardPass._widen_batch_one does the same)
+    if added and batch_one and replay is None and not expanded.input_edges and expanded.meets:
+        # (BackwardPass._widen_batch_one does the same, from the addition's other operand;
+        # not where that operand is a constant, as Swin's shifted-window mask: the rows are
+        # then read from what the sum meets next, which only the mode follows)
+        FORWARD.deferred_acts += 1
     FORWARD.widened[key] = (call, wide)
     copies = _replayed(wide, replay, batch_one, n, aligned)
     if against and not expanded.meets:  # met constants only: what it meets next tells its rows

@@ -1170,6 +1170,9 @@ _DIRECT = DirectAttribution()
 
 #: a model not seen yet for a ``training`` flag (:data:`~backprism.engine.state.MODE_FREE`)
 _UNSEEN = object()
+#: :data:`~backprism.engine.state.MODE_FREE`'s keys ``(_UNRECORDED, training)``: learned from
+#: forwards inside ``collect()`` that record no nonlinearities, used by such forwards only
+_UNRECORDED = "unrecorded"
 
 
 def _functorch_level() -> Any:
@@ -1201,21 +1204,33 @@ def _enter(root: nn.Module) -> None:
         return
     record = residual.recording_wanted()
     ctx = active()
-    learn = False
-    if ctx is None and record and _functorch_level() is None:
-        known = MODE_FREE.get(root, {}).get(root.training, _UNSEEN)
+    math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
+    learn: Any = None
+    # outside collect() a forward that records nonlinearities; inside one, a forward that
+    # records none (no DiagHessian-family extension) and needs no double backward. What such a
+    # forward learns serves it alone: a forward that records may not trust operations seen by
+    # one that did not (the refusals among them carry no site there)
+    key: Any = root.training if ctx is None else (_UNRECORDED, root.training)
+    if (record if ctx is None else not record and not math) and _functorch_level() is None:
+        table = MODE_FREE.get(root, {})
+        known = table.get(root.training, _UNSEEN)
+        if known is _UNSEEN and ctx is not None:
+            known = table.get(key, _UNSEEN)
         if known is not _UNSEEN and known is not None:
             FORWARD.modes.append(None)  # activation modules' hooks record their sites
             FORWARD.free_ops = known  # type: ignore[assignment]
+            if ctx is not None and residual.recording_enabled():
+                FORWARD.unrecorded += 1  # its calls are marked, as the mode marks them
+                FORWARD.free_unrecorded = True
             return
         # learn from a forward with the model's own (extended) parameters only, not one
         # through torch.func.functional_call's stand-ins
-        learn = known is _UNSEEN and all(
+        if known is _UNSEEN and all(
             getattr(p, "_backprism_hooked", False)  # (ids of dropped parameters get reused)
             for p in root.parameters()
             if p.requires_grad
-        )
-    math = ctx is not None and any(e.needs_double_backward for e in ctx.extensions)
+        ):
+            learn = key
     mode = ForwardMode(record, math)
     mode.learn = learn  # type: ignore[attr-defined]
     FORWARD.acted = FORWARD.residual_acts = FORWARD.deferred_acts = 0
@@ -1232,6 +1247,9 @@ def _exit(root: nn.Module, output: Any) -> None:
     FORWARD.free_ops = None
     FORWARD.widened.clear()
     FORWARD.rows_pending = 0
+    if FORWARD.free_unrecorded:
+        FORWARD.free_unrecorded = False
+        FORWARD.unrecorded -= 1
     if FORWARD.modes:
         mode = FORWARD.modes.pop()
         if mode is None:
@@ -1239,14 +1257,14 @@ def _exit(root: nn.Module, output: Any) -> None:
         FORWARD.recording -= int(mode.record)
         FORWARD.unrecorded -= int(mode.skipped)  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
-        if mode.learn and torch.is_grad_enabled():  # type: ignore[attr-defined]
+        if mode.learn is not None and torch.is_grad_enabled():  # type: ignore[attr-defined]
             # (only Hessian residual records, or widenings a backward pass does as well)
             free = (
                 FORWARD.acted == FORWARD.residual_acts + FORWARD.deferred_acts
                 and not FORWARD.layouts
             )
             known = MODE_FREE.setdefault(root, {})
-            known[root.training] = (
+            known[mode.learn] = (  # type: ignore[attr-defined]
                 residual.node_ops(output, refused_only=FORWARD.residual_acts > 0)
                 if free
                 else None

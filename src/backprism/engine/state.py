@@ -388,6 +388,9 @@ class _ForwardState(threading.local):
         self.deferred_acts = 0
         #: in a top-level forward run without the mode: :data:`MODE_FREE`'s entry for it
         self.free_ops: frozenset[str] | None = None
+        #: a top-level forward without the mode inside a ``collect()`` that records no
+        #: nonlinearities is in progress (it counts once in :attr:`unrecorded`)
+        self.free_unrecorded = False
 
 
 FORWARD = _ForwardState()
@@ -401,8 +404,10 @@ FORWARD_LISTENERS: list[
 
 #: Extended root models whose forward does not need the forward mode, per ``training`` flag:
 #: the names of the graph nodes (:func:`backprism.engine.residual.node_op`) its recorded
-#: forward produced, or ``None`` where the mode is needed (``engine.functional``).
-MODE_FREE: weakref.WeakKeyDictionary[nn.Module, dict[bool, frozenset[str] | None]] = (
+#: forward produced, or ``None`` where the mode is needed (``engine.functional``). Keys
+#: ``("unrecorded", training)`` hold what forwards inside ``collect()`` that record no
+#: nonlinearities learned, for such forwards alone.
+MODE_FREE: weakref.WeakKeyDictionary[nn.Module, dict[Any, frozenset[str] | None]] = (
     weakref.WeakKeyDictionary()
 )
 
