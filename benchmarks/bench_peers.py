@@ -23,9 +23,10 @@ Configurations (each on its own copy of the model, same weights and data):
 * ``backprism <Extension>`` — one extension inside ``collect``; ``--generic`` adds the same with
   the attention / ``Conv1D`` / HF-norm rules switched off (what the generic ``torch.func`` rule
   costs, i.e. the state before those rules);
-* ``backprism KFAC (Linear/Conv)`` — KFAC with only ``nn.Linear`` / ``nn.Conv2d`` parameters
-  trainable (what curvlinops supports), next to ``curvlinops KFAC (Linear/Conv)``
-  (``KFACLinearOperator(...).compute_kronecker_factors()``, MC Fisher, one sample);
+* ``backprism KFAC (Linear/Conv)`` — ``KFAC(kfac_approx="expand")`` with only ``nn.Linear`` /
+  ``nn.Conv2d`` parameters trainable (what curvlinops supports), next to ``curvlinops KFAC
+  (Linear/Conv)`` (``KFACLinearOperator(..., kfac_approx="expand").compute_kronecker_factors()``,
+  MC Fisher, one sample): the same factors over positions;
 * ``opacus GradSampleModule`` — per-sample gradients (``p.grad_sample``) on
   ``ModuleValidator.fix(model)`` (``nn.MultiheadAttention`` → ``DPMultiheadAttention``,
   BatchNorm → GroupNorm), ``opacus plain (fixed model)`` its plain step for reference;
@@ -57,6 +58,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -210,6 +212,11 @@ def make_runner(problem: str, tool: str, method: str, n: int) -> Runner | None:
         backprism.extend(model)
         lf = backprism.extend(lossfunc)
         ext = getattr(E, name)
+        if method == "KFAC (Linear/Conv)":  # curvlinops' convention over positions
+
+            def ext() -> Any:
+                return E.KFAC(kfac_approx="expand")
+
         ctx = generic_rules if tool == "backprism-generic" else contextlib.nullcontext
 
         def run() -> None:
@@ -275,7 +282,7 @@ def make_runner(problem: str, tool: str, method: str, n: int) -> Runner | None:
             def run() -> None:
                 op = KFACLinearOperator(
                     model, lossfunc, params, [(X, y)], check_deterministic=False,
-                    fisher_type="mc", mc_samples=1,
+                    fisher_type="mc", mc_samples=1, kfac_approx="expand",
                 )
                 op.compute_kronecker_factors()
 

@@ -120,6 +120,7 @@ class _Memo:
                 self._cache[key] = hit
             return hit[1]
 
+        cached.__wrapped__ = fn  # type: ignore[attr-defined]  (its signature: rule.with_approx)
         return cached
 
     def provide(self, name: str, call: Call, *args: Any, value: Any) -> None:

@@ -18,6 +18,7 @@ the signs of the Hessian residual terms used by ``DiagHessian``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.nn.utils import parametrize
 from backprism.engine.state import Call, Inside
 
 __all__ = [
+    "KFAC_APPROXIMATIONS",
     "KRONECKER_DIAGONAL_MAX_BYTES",
     "Call",
     "Outer",
@@ -37,6 +39,7 @@ __all__ = [
     "params_of",
     "register_rule",
     "set_generic_rule",
+    "with_approx",
 ]
 
 
@@ -172,7 +175,20 @@ class Rule:
         return {}
 
     # -- Kronecker factors (KFAC / KFLR / KFRA) ------------------------------------------------
-    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+    # ``approx`` names how a weight shared over the positions ``t`` of a call (a sequence's
+    # tokens, a convolution's output pixels) is factored (Eschenhagen et al. 2023, "Kronecker-
+    # Factored Approximate Curvature for Modern Neural Network Architectures"):
+    #
+    # * ``None`` (BackPACK's convention): ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``, ``B = Σₘₙ ḡₘₙ ḡₘₙᵀ``
+    #   with ``ḡₘₙ = Σₜ gₘₙₜ``;
+    # * ``"expand"`` (every position a sample of its own): ``A = (1/(N·T)) Σₙₜ xₙₜ xₙₜᵀ``,
+    #   ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ``;
+    # * ``"reduce"`` (positions aggregated first): ``A = (1/N) Σₙ x̄ₙ x̄ₙᵀ`` with
+    #   ``x̄ₙ = (1/T) Σₜ xₙₜ``, ``B = Σₘₙ ḡₘₙ ḡₘₙᵀ``.
+    #
+    # With one position all three agree. Rules that know no ``approx`` are called without it
+    # for BackPACK's convention and refused for the others (:func:`with_approx`).
+    def kfac_input(self, call: Call, approx: str | None = None) -> dict[str, Tensor]:
         """Input-side Kronecker factor ``A`` per weight-like parameter (KFAC/KFLR/KFRA)."""
         raise NotImplementedError(
             f"backprism: {type(call.module).__name__}'s rule ({type(self).__name__}) defines no "
@@ -180,7 +196,7 @@ class Rule:
             "parameters the single diagonal factor (kronecker_diagonal) instead"
         )
 
-    def kfac_output(self, call: Call, g: Any) -> dict[str, Tensor]:
+    def kfac_output(self, call: Call, g: Any, approx: str | None = None) -> dict[str, Tensor]:
         """Output-side Kronecker factor ``B = Σₘ Σₙ gₘₙ gₘₙᵀ`` per parameter (KFAC/KFLR)."""
         raise NotImplementedError(
             f"backprism: {type(call.module).__name__}'s rule ({type(self).__name__}) defines no "
@@ -199,15 +215,18 @@ class Rule:
         cls = type(self)
         return cls.kfac_input is not Rule.kfac_input or cls.kfac_output is not Rule.kfac_output
 
-    def kronecker_factors(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
+    def kronecker_factors(
+        self, call: Call, g: Any, approx: str | None = None
+    ) -> dict[str, list[Tensor]]:
         """Kronecker factors per parameter in BackPACK's order: ``[B, A]`` for a weight-like
         parameter (``B`` output side, ``A`` input side, so the block is ``≈ B ⊗ A``) and ``[B]``
-        for a bias. Rules whose parameter axes differ (Embedding) override this. Without a
-        Kronecker form (:meth:`kronecker_form`), the single diagonal factor of
-        :meth:`kronecker_diagonal`."""
+        for a bias, in the convention ``approx`` (see above). Rules whose parameter axes
+        differ (Embedding) override this. Without a Kronecker form (:meth:`kronecker_form`),
+        the single diagonal factor of :meth:`kronecker_diagonal`."""
         if not self.kronecker_form(call):
             return self.kronecker_diagonal(call, g)
-        a, b = self.kfac_input(call), self.kfac_output(call, g)
+        a = with_approx(self.kfac_input, call, approx=approx)
+        b = with_approx(self.kfac_output, call, g, approx=approx)
         return {k: [b[k], a[k]] if k in a else [b[k]] for k in b}
 
     def kronecker_diagonal(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
@@ -243,6 +262,35 @@ class Rule:
         """Which of :meth:`kronecker_factors`' factors depend on the backpropagated columns
         (summed over column chunks) rather than on the inputs only (computed once per call)."""
         return [True] + [False] * (n_factors - 1)
+
+
+#: the conventions of :meth:`Rule.kronecker_factors` besides BackPACK's (``None``)
+KFAC_APPROXIMATIONS = ("expand", "reduce")
+
+
+def with_approx(method: Any, *args: Any, approx: str | None) -> Any:
+    """``method(*args, approx=approx)``, or ``method(*args)`` for BackPACK's convention
+    (``approx=None``), so that rules written without the argument keep working with it; such
+    a rule is refused by name for the other conventions (its factors would be BackPACK's)."""
+    if approx is None:
+        return method(*args)
+    target = inspect.unwrap(method)  # (through the engine's per-call memo)
+    func = getattr(target, "__func__", target)
+    takes = _TAKES_APPROX.get(func)
+    if takes is None:
+        takes = _TAKES_APPROX[func] = "approx" in inspect.signature(func).parameters
+    if not takes:
+        owner = getattr(target, "__self__", None)
+        raise NotImplementedError(
+            f"backprism: the rule {type(owner).__name__} computes its Kronecker factors "
+            f"({getattr(func, '__name__', 'kfac')}) without an approx argument, so it has no "
+            f"kfac_approx={approx!r} factors. Give its kfac_input/kfac_output (or "
+            "kronecker_factors) an approx argument (engine/rule.py), or use kfac_approx=None"
+        )
+    return method(*args, approx=approx)
+
+
+_TAKES_APPROX: dict[Any, bool] = {}
 
 
 #: largest single diagonal Kronecker factor ``[P, P]`` (bytes) that :meth:`Rule.kronecker_diagonal`

@@ -10,6 +10,21 @@ list ``[B, A]`` (``param.kfac`` / ``param.kflr``), for a bias as ``[B]``, follow
 
 For ``N = 1`` and no positions, ``B ⊗ A`` equals the exact GGN block of the weight (KFLR).
 
+**Positions** (``t`` over a call's middle axes: a sequence's tokens, a convolution's output
+pixels; ``T`` of them). The factors above are BackPACK's convention (``kfac_approx=None``).
+``KFAC(kfac_approx=...)`` and ``KFLR(kfac_approx=...)`` also give the two approximations of
+Eschenhagen et al. (2023) for weights shared over positions, as curvlinops does:
+
+* ``"expand"`` — every position a sample of its own (losses over positions, as a language
+  model's): ``A = (1/(N·T)) Σₙₜ xₙₜ xₙₜᵀ``, ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (the bias gets this ``B``);
+* ``"reduce"`` — positions aggregated first (a pooled output, as a classifier's):
+  ``A = (1/N) Σₙ x̄ₙ x̄ₙᵀ`` with ``x̄ₙ = (1/T) Σₜ xₙₜ``, ``B = Σₘₙ (Σₜ gₘₙₜ)(Σₜ gₘₙₜ)ᵀ``.
+
+For one position (no middle axes, a 1×1 output map) the three agree. Embedding weights:
+``A_tokens = diag(counts)/N`` (``"expand"``: ``/T``; ``"reduce"``: the mean one-hot inputs'
+``(1/N) Σₙ c̄ₙ c̄ₙᵀ``, dense), ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``"reduce"``: of the summed columns).
+KFRA takes BackPACK's convention only.
+
 A parameter used by several calls (weight sharing) gets the sums of the calls' ``A`` and ``B``
 factors (the "expand" convention for shared weights). Embedding weights ``[V, D]`` store
 ``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
@@ -44,7 +59,7 @@ from torch import Tensor, nn
 
 from backprism.engine.extension import GlobalBatch, SumPart
 from backprism.engine.loss_hessian import loss_hessian_sqrt
-from backprism.engine.rule import Call, Rule, get_rule
+from backprism.engine.rule import KFAC_APPROXIMATIONS, Call, Rule, get_rule, with_approx
 from backprism.engine.state import suspended
 from backprism.extensions.base import SecondOrderExtension
 from backprism.extensions.secondorder import _check_mc
@@ -62,13 +77,24 @@ class KroneckerFactors(list):
         self.grad_side = grad_side  # which factors depend on the backpropagated columns
 
 
+def _check_approx(kfac_approx: str | None) -> str | None:
+    if kfac_approx is not None and kfac_approx not in KFAC_APPROXIMATIONS:
+        raise ValueError(
+            f"kfac_approx must be None (BackPACK's convention), 'expand' or 'reduce'; got "
+            f"{kfac_approx!r}"
+        )
+    return kfac_approx
+
+
 class _Kronecker(SecondOrderExtension):
     additive = True
+    #: how weights shared over positions are factored (None: BackPACK's convention)
+    kfac_approx: str | None = None
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         if weights is not None:
             raise ValueError(f"{type(self).__name__} does not take signed columns")
-        factors = rule.kronecker_factors(call, g)
+        factors = with_approx(rule.kronecker_factors, call, g, approx=self.kfac_approx)
         out = {}
         for name, fs in factors.items():
             side = rule.kronecker_grad_side(call, name, len(fs))
@@ -109,12 +135,24 @@ class KFAC(_Kronecker):
     diagonal of the same ``mc_samples`` columns as a ``[P, P]`` diagonal matrix:
     ``D = diag(Σₘ Σₙ vec(Vₘₙ)²)``, ``Vₘₙ = Jₙᵀ gₘₙ`` with the columns scaled ``1/√M`` (and
     ``1/√N`` for a mean loss), so ``E[D]`` is the exact GGN diagonal.
+
+    Args:
+        mc_samples: sampled labels per sample.
+        kfac_approx: how a weight shared over a call's positions (a sequence's tokens, a
+            convolution's output pixels) is factored: ``None`` (BackPACK's convention,
+            ``A = (1/N) Σₙₜ xₙₜxₙₜᵀ``, ``B`` from the positions' summed columns), ``"expand"``
+            (every position a sample: ``A = (1/(NT)) Σₙₜ xₙₜxₙₜᵀ``, ``B = Σₘₙₜ gₘₙₜgₘₙₜᵀ``; for
+            losses over positions, as language models) or ``"reduce"`` (positions aggregated:
+            ``A`` of the position means ``x̄ₙ``, ``B`` from the summed columns; for a pooled
+            output, as classifiers), after Eschenhagen et al. (2023). With one position all
+            agree. See the module docstring.
     """
 
     savefield = "kfac"
 
-    def __init__(self, mc_samples: int = 1) -> None:
+    def __init__(self, mc_samples: int = 1, kfac_approx: str | None = None) -> None:
         self.mc_samples = _check_mc(mc_samples)
+        self.kfac_approx = _check_approx(kfac_approx)
 
     def column_key(self) -> Hashable:
         return ("mc", self.mc_samples)
@@ -126,9 +164,17 @@ class KFLR(_Kronecker):
 
     Layers and formats as :class:`KFAC`; parameters without Kronecker structure (norm scales
     and shifts, generic modules) get ``[D]`` with ``D`` the exact GGN diagonal
-    (``diag(diag_ggn_exact)``, ``[P, P]``)."""
+    (``diag(diag_ggn_exact)``, ``[P, P]``).
+
+    Args:
+        kfac_approx: ``None`` (BackPACK's convention), ``"expand"`` or ``"reduce"``, as for
+            :class:`KFAC`.
+    """
 
     savefield = "kflr"
+
+    def __init__(self, kfac_approx: str | None = None) -> None:
+        self.kfac_approx = _check_approx(kfac_approx)
 
     def column_key(self) -> Hashable:
         return ("exact",)

@@ -735,10 +735,12 @@ class MultiheadAttentionRule(GenericRule):
             out.update(_Fixed(pieces.dense).batch_dot_with(call, g, dense))
         return out
 
-    def kronecker_factors(self, call: Call, g: Any) -> dict[str, list[Tensor]]:
+    def kronecker_factors(
+        self, call: Call, g: Any, approx: str | None = None
+    ) -> dict[str, list[Tensor]]:
         """The Linear rule's factors per projection; ``bias_k``/``bias_v``: ``[B]``."""
         if not self._supported(call):
-            return super().kronecker_factors(call, g)
+            return super().kronecker_factors(call, g, approx)
         pieces = self._pieces(call, g)
         out: dict[str, list[Tensor]] = {}
         for pc in pieces.linear:
@@ -750,14 +752,22 @@ class MultiheadAttentionRule(GenericRule):
                     "the block is no single Kronecker product. Use kdim/vdim (separate "
                     "q/k/v_proj_weight) or a diagonal curvature extension (DiagGGNExact/MC)"
                 )
-            res = _LINEAR.kronecker_factors(pc.call, pc.g)
+            res = _LINEAR.kronecker_factors(pc.call, pc.g, approx)
             if pc.weight is not None and "weight" in res:
                 out[pc.weight] = list(res["weight"])
             if pc.bias is not None and "bias" in res and pc.rows is None:
                 out[pc.bias] = list(res["bias"])
         split = {pc.bias for pc in pieces.linear if pc.bias is not None and pc.rows is not None}
         for k in split:  # in_proj_bias of three projections: B of the concatenated gradient
-            f = self._apply("per_sample", call, g)[k].flatten(0, 1)
+            if approx == "expand":  # per position: the projections' columns side by side
+                parts = sorted(
+                    (pc.rows.start, pc.g) for pc in pieces.linear
+                    if pc.bias == k and pc.rows is not None
+                )
+                f = torch.cat([gp for _, gp in parts], -1)
+                f = f.reshape(-1, f.shape[-1])
+            else:
+                f = self._apply("per_sample", call, g)[k].flatten(0, 1)
             out[k] = [gram(f.t())]
         for k, v in pieces.dense.items():
             f = v.reshape(-1, v[0, 0].numel())

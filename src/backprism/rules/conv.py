@@ -54,14 +54,15 @@ class _ConvRule(UnfoldRule):
             mod.padding_mode,
         )
 
-    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+    def kfac_input(self, call: Call, approx: str | None = None) -> dict[str, Tensor]:
         """As :meth:`UnfoldRule.kfac_input`; with stride 1 and one group, from shifted
         products of the input where they are cheaper than the unfold
         (:mod:`backprism.rules.conv_factor`)."""
         mod = call.module
         out = call.out_shapes[0][2:]
         if (
-            self._has_weight(call)
+            approx != "reduce"
+            and self._has_weight(call)
             and mod.groups == 1
             and all(s == 1 for s in mod.stride)
             and call.input.dim() == self.n_spatial + 2
@@ -71,8 +72,9 @@ class _ConvRule(UnfoldRule):
             factor = input_factor_by_shifts(
                 x, mod.kernel_size, mod.dilation, [a for a, _ in pads], out
             )
-            return {"weight": factor / call.input.shape[0]}
-        return super().kfac_input(call)
+            scale = call.input.shape[0] * (math.prod(out) if approx == "expand" else 1)
+            return {"weight": factor / scale}
+        return super().kfac_input(call, approx)
 
     def weight_grad(self, call: Call, g: Tensor) -> Tensor:
         mod = call.module

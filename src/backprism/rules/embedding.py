@@ -201,25 +201,53 @@ class EmbeddingRule(Rule):
             g = g * (idx != module.padding_idx)[None, :, :, None].to(g.dtype)
         return {"weight": Outer(idx, g, module.num_embeddings)}
 
-    def kfac_input(self, call: Call) -> dict[str, Tensor]:
-        """``A_tokens = diag(token counts) / N`` (``[V, V]``), padding positions left out."""
+    def kfac_input(self, call: Call, approx: str | None = None) -> dict[str, Tensor]:
+        """``A_tokens = diag(token counts) / N`` (``[V, V]``), padding positions left out;
+        ``"expand"``: divided by the ``T`` positions; ``"reduce"``: ``(1/N) Σₙ c̄ₙ c̄ₙᵀ``
+        with ``c̄ₙ`` sample ``n``'s token counts over ``T`` (the mean one-hot input)."""
         module = call.module
         _check_options(module)
-        token = call.input.reshape(-1).long()
-        if module.padding_idx is not None:
-            token = token[token != module.padding_idx]
-        counts = torch.bincount(token, minlength=module.num_embeddings)
-        return {"weight": torch.diag(counts.to(module.weight.dtype) / call.batch_size)}
+        n, v = call.batch_size, module.num_embeddings
+        idx = call.input.reshape(n, -1).long()
+        t = idx.shape[1]
+        dtype = module.weight.dtype
+        keep = None if module.padding_idx is None else idx != module.padding_idx
+        if approx == "reduce" and t > 1:
+            rows = (torch.arange(n, device=idx.device)[:, None] * v + idx).reshape(-1)
+            ones = torch.ones(rows.shape, dtype=dtype, device=idx.device)
+            if keep is not None:
+                ones = ones * keep.reshape(-1).to(dtype)
+            counts = torch.zeros(n * v, dtype=dtype, device=idx.device).index_add_(0, rows, ones)
+            mean = counts.view(n, v) / t
+            return {"weight": gram(mean.t()) / n}
+        token = idx.reshape(-1) if keep is None else idx[keep]
+        counts = torch.bincount(token, minlength=v)
+        scale = n * t if approx == "expand" else n
+        return {"weight": torch.diag(counts.to(dtype) / scale)}
 
-    def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
-        """``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``[D, D]``) over the non-padding positions."""
+    def kfac_output(
+        self, call: Call, g: Tensor, approx: str | None = None
+    ) -> dict[str, Tensor]:
+        """``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``[D, D]``) over the non-padding positions (also
+        ``"expand"``); ``"reduce"``: ``Σₘₙ ḡₘₙ ḡₘₙᵀ`` of the sums ``ḡₘₙ = Σₜ gₘₙₜ``."""
         tk = _tokens(call, g)
-        f = tk.g.reshape(-1, tk.g.shape[-1])
+        if approx == "reduce":
+            m, _, d = tk.g.shape
+            f = tk.g.new_zeros(m, tk.n, d).index_add_(1, tk.sample, tk.g).reshape(-1, d)
+        else:
+            f = tk.g.reshape(-1, tk.g.shape[-1])
         return {"weight": gram(f.t())}
 
-    def kronecker_factors(self, call: Call, g: Tensor) -> dict[str, list[Tensor]]:
+    def kronecker_factors(
+        self, call: Call, g: Tensor, approx: str | None = None
+    ) -> dict[str, list[Tensor]]:
         """``{"weight": [A_tokens, B]}`` in the weight's axis order: ``weight ≈ A_tokens ⊗ B``."""
-        return {"weight": [self.kfac_input(call)["weight"], self.kfac_output(call, g)["weight"]]}
+        return {
+            "weight": [
+                self.kfac_input(call, approx)["weight"],
+                self.kfac_output(call, g, approx)["weight"],
+            ]
+        }
 
     def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
         """``B`` (second) depends on the columns and is summed over column chunks; ``A_tokens``

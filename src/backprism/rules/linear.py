@@ -16,7 +16,9 @@ weight gradient,
 
 Kronecker factors (BackPACK's convention, which for middle axes follows its convolution rule):
 ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ`` and ``B = Σₘₙ (Σₜ gₘₙₜ)(Σₜ gₘₙₜ)ᵀ`` — the exact (KFLR) / MC (KFAC)
-GGN of the bias (the ``1/N`` of a mean loss sits in ``g``); the bias gets ``[B]``.
+GGN of the bias (the ``1/N`` of a mean loss sits in ``g``); the bias gets ``[B]``. KFAC-expand
+(``A/T``, ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ``) and KFAC-reduce (``A`` of the position means) on request
+(:meth:`~backprism.engine.rule.Rule.kronecker_factors`).
 """
 
 from __future__ import annotations
@@ -240,15 +242,25 @@ class LinearRule(Rule):
             out["bias"] = Outer(g, x.new_ones(1, *x.shape[:2], 1), g.shape[-1])
         return out
 
-    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+    def kfac_input(self, call: Call, approx: str | None = None) -> dict[str, Tensor]:
+        """``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``; ``"expand"``: divided by ``T``; ``"reduce"``:
+        ``(1/N) Σₙ x̄ₙ x̄ₙᵀ`` of the position means ``x̄ₙ``."""
         x = call.input
         n = x.shape[0]
-        x = x.reshape(-1, x.shape[-1])
-        return {"weight": gram(x.t()) / n}
+        x = x.reshape(n, -1, x.shape[-1])
+        t = x.shape[1]
+        if approx == "reduce" and t > 1:
+            return {"weight": gram(x.mean(1).t()) / n}
+        a = gram(x.reshape(-1, x.shape[-1]).t()) / n
+        return {"weight": a / t if approx == "expand" and t > 1 else a}
 
-    def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+    def kfac_output(
+        self, call: Call, g: Tensor, approx: str | None = None
+    ) -> dict[str, Tensor]:
+        """``B = Σₘₙ ḡₘₙ ḡₘₙᵀ`` (``ḡ = Σₜ g``, the exact/MC GGN block of the bias);
+        ``"expand"``: ``Σₘₙₜ gₘₙₜ gₘₙₜᵀ``, the bias's factor too."""
         _, g = _flat(call, g)
-        f = g.sum(2).flatten(0, 1)  # [M * N, O]
+        f = g.flatten(0, 2) if approx == "expand" else g.sum(2).flatten(0, 1)  # [·, O]
         b = gram(f.t())
         out = {"weight": b}
         if call.module.bias is not None:

@@ -111,9 +111,11 @@ class Conv1DRule(Rule):
             call, _LINEAR.batch_dot_with(self._sub(call), g, vec), transpose=False
         )
 
-    def kronecker_factors(self, call: Call, g: Tensor) -> dict[str, list[Tensor]]:
+    def kronecker_factors(
+        self, call: Call, g: Tensor, approx: str | None = None
+    ) -> dict[str, list[Tensor]]:
         """``[A, B]`` for the ``[in, out]`` weight (its axis order), ``[B]`` for the bias."""
-        res = _LINEAR.kronecker_factors(self._sub(call), g)
+        res = _LINEAR.kronecker_factors(self._sub(call), g, approx)
         out = {}
         for k, fs in res.items():
             if k in call.params:

@@ -501,25 +501,39 @@ class UnfoldRule(Rule):
                 "diagonal curvature extension (DiagGGNExact/DiagGGNMC) for this layer."
             )
 
-    def kfac_input(self, call: Call) -> dict[str, Tensor]:
+    def kfac_input(self, call: Call, approx: str | None = None) -> dict[str, Tensor]:
         r"""``A = (1/N) Σ_{n,l} X_{nl} X_{nl}ᵀ`` over the unfolded input, ``[I, I]``; with
-        ``G > 1`` groups one factor per group, ``[G, I, I]`` (``I = (C_in/G)·K``)."""
+        ``G > 1`` groups one factor per group, ``[G, I, I]`` (``I = (C_in/G)·K``).
+        ``"expand"``: divided by the ``L`` output positions; ``"reduce"``:
+        ``(1/N) Σₙ X̄ₙ X̄ₙᵀ`` of the patches averaged over the positions."""
         self._refuse_groups(call)
         if not self._has_weight(call):
             return {}
         n, groups = call.input.shape[0], call.module.groups
+        length = math.prod(call.out_shapes[0][2:])
+        if approx == "reduce" and length > 1:
+            xm = self._x(call).mean(-1).transpose(0, 1)  # [G, N, I]
+            a = gram(xm.transpose(1, 2)) / n  # [G, I, I]
+            return {"weight": a[0] if groups == 1 else a}
         rows = self.unfold_rows(call)  # [C_in·K, N·L]
+        scale = n * length if approx == "expand" else n
         if groups == 1:
-            return {"weight": gram(rows) / n}
-        return {"weight": gram(rows.reshape(groups, -1, rows.shape[-1])) / n}  # [G, I, I]
+            return {"weight": gram(rows) / scale}
+        return {"weight": gram(rows.reshape(groups, -1, rows.shape[-1])) / scale}  # [G, I, I]
 
-    def kfac_output(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+    def kfac_output(
+        self, call: Call, g: Tensor, approx: str | None = None
+    ) -> dict[str, Tensor]:
         r"""``B = Σ_{m,n} (Σ_l g_{mnl})(Σ_l g_{mnl})ᵀ``, ``[C_out, C_out]`` (BackPACK): the
         bias's factor; with ``G > 1`` groups the weight's factor is its diagonal blocks,
         ``[G, O, O]`` (``O = C_out/G``), as the weight's curvature is block-diagonal over the
-        groups (``B[g] ⊗ A[g]`` approximates the block of group ``g``)."""
+        groups (``B[g] ⊗ A[g]`` approximates the block of group ``g``). ``"expand"``:
+        ``Σ_{m,n,l} g_{mnl} g_{mnl}ᵀ``, for the bias too."""
         self._refuse_groups(call)
-        b = self._bias_cols(g).flatten(0, 1)  # [M·N, C_out]
+        if approx == "expand":  # [M·N·L, C_out]
+            b = g.flatten(3).transpose(2, 3).reshape(-1, g.shape[2])
+        else:
+            b = self._bias_cols(g).flatten(0, 1)  # [M·N, C_out]
         out = {}
         groups = call.module.groups
         if self._has_weight(call):
