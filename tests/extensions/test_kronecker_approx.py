@@ -9,9 +9,9 @@ at positions ``t`` and ``s``. The references are independent of backprism: the i
 recorded by a forward hook on an unextended copy, and ``G`` the dense float64 GGN (looped
 Jacobians and loss Hessians) of a zero offset ``β`` ``[T, O]`` added to the layer's output.
 Linear layers on sequences (a language-model loss over positions and a pooled classifier),
-Conv2d, an Embedding (with padding), self-attention's packed projections and Hugging Face's
-``Conv1D``; MC columns in expectation; BackPACK's convention unchanged, and all three equal for
-one position.
+Conv2d (grouped too) and ConvTranspose2d, an Embedding (with padding), self-attention's packed
+projections and Hugging Face's ``Conv1D``; MC columns in expectation; BackPACK's convention
+unchanged, and all three equal for one position; a rule without ``approx`` refused by name.
 """
 
 from __future__ import annotations
@@ -371,7 +371,72 @@ def test_a_rule_without_the_argument_is_refused_by_name() -> None:
         lossfunc(model(X).transpose(1, 2), y).backward()
     assert len(model[0].weight.kflr) == 2
     model.zero_grad()
-    with pytest.raises(NotImplementedError, match=r"_Legacy.*kfac_approx='expand'"):
-        with collect(KFLR(kfac_approx="expand")):
-            lossfunc(model(X).transpose(1, 2), y).backward()
+    refused = pytest.raises(NotImplementedError, match=r"_Legacy.*kfac_approx='expand'")
+    with refused, collect(KFLR(kfac_approx="expand")):
+        lossfunc(model(X).transpose(1, 2), y).backward()
     assert not hasattr(model[0].weight, "kflr") and model[0].weight.grad is None
+
+
+class Grouped(nn.Module):
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.conv = (
+            nn.ConvTranspose2d(2, 3, 2, stride=2) if transposed else nn.Conv2d(4, 6, 2, groups=2)
+        )
+        self.head = nn.LazyLinear(C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def _weight_inputs(conv: nn.Module, x: Tensor) -> Tensor:
+    """``x̃`` ``[N, L, G, I]`` with ``∂out[n, o, l]/∂W[o's group row, :] = x̃[n, l, g]``, read off
+    the Jacobian of the layer's output with respect to its weight (autograd, no unfolding
+    code): the inputs each output position sees, per group."""
+    w = conv.weight.detach()
+    fn = F.conv_transpose2d if isinstance(conv, nn.ConvTranspose2d) else F.conv2d
+    kw = {"stride": conv.stride, "groups": conv.groups}
+    rows = []
+    for xn in x:
+        J = torch.autograd.functional.jacobian(lambda v, xn=xn: fn(xn[None], v, **kw)[0], w)
+        c_out = J.shape[0]
+        J = J.reshape(c_out, -1, *w.shape)  # [O, L, *W]
+        if isinstance(conv, nn.ConvTranspose2d):  # W [C_in, C_out, k]: column o of each row
+            rows.append(torch.stack([J[o, :, :, o] for o in range(c_out)], 1)[:, :1].flatten(2))
+        else:  # W [C_out, C_in/G, k]: row o; its group's first output channel suffices
+            per = c_out // conv.groups
+            rows.append(torch.stack([J[g * per, :, g * per] for g in range(conv.groups)], 1))
+    return torch.stack(rows).flatten(3)  # [N, L, G, I]
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_and_transposed_convolutions(approx: str, transposed: bool) -> None:
+    """A grouped convolution's factors per group (``[G, O, O]``, ``[G, I, I]``: ``B``'s
+    diagonal blocks, ``A`` of the group's inputs) and a transposed convolution's, with the
+    inputs each output position sees read off autograd's Jacobian."""
+    model = Grouped(transposed)
+    cin = 2 if transposed else 4
+    X = torch.randn(N, cin, 3, 3, dtype=DT)
+    model(X.float())  # (the lazy head's size)
+    model = _randomized(model, seed=10)
+    y = torch.randint(0, C, (N,))
+    G = _output_ggn(model, "conv", X, y, _CHANNELS)  # [N, L, O, L, O]
+    xt = _weight_inputs(model.conv, X)  # [N, L, G, I]
+    n, length, groups, _ = xt.shape
+    per = G.shape[2] // groups
+    if approx == "expand":
+        B = torch.einsum("ntatb->ab", G)
+        A = torch.einsum("ntgi,ntgj->gij", xt, xt) / (n * length)
+    else:
+        B = G.sum((0, 1, 3))
+        xm = xt.mean(1)
+        A = torch.einsum("ngi,ngj->gij", xm, xm) / n
+    Bg = torch.stack([B[g * per : (g + 1) * per, g * per : (g + 1) * per] for g in range(groups)])
+    _run(model, X, y, KFLR(kfac_approx=approx))
+    fb, fa = model.conv.weight.kflr
+    if groups == 1:
+        Bg, A = Bg[0], A[0]
+    torch.testing.assert_close(fb, Bg, **TOL)
+    torch.testing.assert_close(fa, A, **TOL)
+    torch.testing.assert_close(model.conv.bias.kflr[0], B, **TOL)
