@@ -396,6 +396,15 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
             parent.update(id(m) for m in module.modules())
     if not torch.is_grad_enabled() or FORWARD.suspended:
         return
+    if (
+        not module._modules and not kwargs and len(args) == 1 and isinstance(output, Tensor)
+        and frame[2] is _NONE and frame[4] is None and not frame[10]
+    ):
+        x = args[0]
+        if isinstance(x, Tensor) and _plain_leaf_call(module, x, stack):
+            if output.requires_grad:
+                _capture_leaf(module, x, args, output)
+            return
     if isinstance(output, Tensor):  # the common case, without pytree traversals
         if not output.requires_grad:
             return
@@ -458,6 +467,53 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs),
         inner=kept,
     )
+
+
+def _plain_leaf_call(module: nn.Module, x: Tensor, stack: list[list[Any]]) -> bool:
+    """Whether a call of the leaf ``module`` on the one tensor ``x`` takes the common path of
+    :func:`capture` (:func:`_capture_leaf`): its input holds the batch on axis 0 as far as
+    anything knows and is not the same for every sample, the module takes no batch from axis
+    1, and no module in its forward released parameters (which might be this one's)."""
+    return (
+        getattr(x, AXIS, None) is None
+        and getattr(x, FREE, None) is None
+        and not isinstance(module, nn.RNNBase)
+        and not any(f[2] for f in stack)
+    )
+
+
+def _capture_leaf(module: nn.Module, x: Tensor, args: tuple, out: Tensor) -> None:
+    """:func:`capture` for :func:`_plain_leaf_call`'s calls (a Linear, Conv or norm layer on
+    one activation, nearly every call of a model): the same :class:`Call`, built without the
+    checks that cannot apply, as it runs for every such call of every extended forward."""
+    fn = out.grad_fn
+    if fn is None:
+        return
+    seen: set[int] = set()
+    params: dict[str, nn.Parameter] = {}
+    for n, p in module._parameters.items():  # call_params of a leaf
+        if p is not None and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params[n] = p
+    call = Call(
+        module=module,
+        args=(x.detach(),),
+        kwargs={},
+        out_shapes=[out.shape],
+        batch_size=x.shape[0] if x.dim() > 0 else 1,
+        training=module.training,
+        versions=[(x, x._version)],
+        params=params,
+        input_edges=[_edge(x)] if x.requires_grad else [],
+        dtype=_autocast_dtype(x),
+        unrecorded=FORWARD.unrecorded > 0,
+        live=(args, {}),
+    )
+    fn.metadata.setdefault(CALLS, []).append((call, 0, out.output_nr))
+    if params and not call.input_edges:
+        # on an input that needs no gradient: its output may be shared by all samples
+        # (engine.broadcast widens it where it meets them)
+        setattr(out, SHARED, (call, None, None))
 
 
 def capture(
