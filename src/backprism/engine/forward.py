@@ -473,13 +473,18 @@ def _plain_leaf_call(module: nn.Module, x: Tensor, stack: list[list[Any]]) -> bo
     """Whether a call of the leaf ``module`` on the one tensor ``x`` takes the common path of
     :func:`capture` (:func:`_capture_leaf`): its input holds the batch on axis 0 as far as
     anything knows and is not the same for every sample, the module takes no batch from axis
-    1, and no module in its forward released parameters (which might be this one's)."""
-    return (
-        getattr(x, AXIS, None) is None
-        and getattr(x, FREE, None) is None
-        and not isinstance(module, nn.RNNBase)
-        and not any(f[2] for f in stack)
-    )
+    1, and no module in its forward released one of its parameters (a block releasing its
+    own layer scale leaves its children's alone)."""
+    if (
+        getattr(x, AXIS, None) is not None
+        or getattr(x, FREE, None) is not None
+        or isinstance(module, nn.RNNBase)
+    ):
+        return False
+    for f in stack:
+        if f[2] and any(id(p) in f[2] for p in module._parameters.values()):
+            return False
+    return True
 
 
 def _capture_leaf(module: nn.Module, x: Tensor, args: tuple, out: Tensor) -> None:
