@@ -9,7 +9,8 @@
   against the dense GGN, DiagGGNMC within its standard error of it, and the invariants between
   the extensions — an embedding tied to its output layer (module and functional), one Linear
   applied twice (bias included), one embedding looked up twice.
-* A tied parameter's statistics do not build its per-sample gradients.
+* A tied parameter's statistics do not build its per-sample gradients; a convolution and
+  Hugging Face's ``Conv1D`` used twice likewise.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ KINDS = ["one_hot", "dense", "dense_1"]
 @pytest.mark.parametrize("kb", KINDS)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cross_terms_against_the_definition(ka: str, kb: str, weighted: bool) -> None:
-    gen = torch.Generator().manual_seed(hash((ka, kb, weighted)) % 2**31)
+    gen = torch.Generator().manual_seed(10 * KINDS.index(ka) + 2 * KINDS.index(kb) + weighted)
     m, n, r, c = 3, 4, 6, 5
     a = _factor(ka, m, n, 2, r, c, gen)
     b = _factor(kb, m, n, 7, r, c, gen)
@@ -258,3 +259,71 @@ def test_tied_statistics_build_no_per_sample_gradients(monkeypatch: pytest.Monke
     w = model.emb.weight
     torch.testing.assert_close(w.batch_l2, ref.flatten(1).square().sum(1), **TOL)
     torch.testing.assert_close(w.variance, ref.var(0, unbiased=False), **TOL)
+
+
+class TwiceConv(nn.Module):
+    """One convolution (weight and bias) applied to the image and to its 2×-pooled copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 2, padding=1)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.conv(x)).mean((2, 3))
+        b = self.conv(nn.functional.avg_pool2d(x, 2)).amax((2, 3))
+        return self.head(a * b)
+
+
+class TwiceConv1D(nn.Module):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections, weight ``[in, out]``) applied twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.proj = Conv1D(3, 3)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.proj(x)) + self.proj(x[:, :1].sin())).mean(1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 3), size=st.integers(2, 5), seed=st.integers(0, 2**16))
+def test_convolutions_used_twice(n: int, size: int, seed: int) -> None:
+    """A convolution and a ``Conv1D`` each used by two calls: their outer factors' cross terms
+    against float64 per-sample references, without per-sample gradients of the shared weight
+    for ``BatchL2Grad``/``SumGradSquared``/``Variance``."""
+    pytest.importorskip("transformers")
+    from backprism.rules.conv import Conv2dRule
+
+    gen = torch.Generator().manual_seed(seed)
+    cases = [
+        (TwiceConv, torch.randn(n, 2, size, size, dtype=DT, generator=gen), Conv2dRule),
+        (TwiceConv1D, torch.randn(n, size, 3, dtype=DT, generator=gen), LinearRule),
+    ]
+    for make, x, rule in cases:
+        torch.manual_seed(seed)
+        model, lossfunc = extend(make().to(DT)), extend(nn.CrossEntropyLoss())
+        y = torch.randint(0, 4, (n,), generator=gen)
+        ref = per_sample_grads(model, lossfunc, x, y)
+        calls: list[int] = []
+        original = rule.per_sample
+
+        def spy(self, call, g, original=original, calls=calls):
+            calls.append(1)
+            return original(self, call, g)
+
+        rule.per_sample = spy  # type: ignore[method-assign]
+        try:
+            with collect(BatchL2Grad(), SumGradSquared(), Variance()):
+                lossfunc(model(x), y).backward()
+        finally:
+            rule.per_sample = original  # type: ignore[method-assign]
+        assert calls == [], make.__name__
+        for name, p in model.named_parameters():
+            r = ref[name]
+            torch.testing.assert_close(p.batch_l2, r.flatten(1).square().sum(1), **TOL)
+            torch.testing.assert_close(p.sum_grad_squared, r.square().sum(0), **TOL)
+            torch.testing.assert_close(p.variance, r.var(0, unbiased=False), **TOL)

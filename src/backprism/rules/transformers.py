@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from backprism.engine.rule import Call, Rule, register_rule
+from backprism.engine.rule import Call, Outer, Rule, register_rule
 from backprism.engine.state import suspended
 from backprism.rules.generic import GenericRule
 from backprism.rules.linear import LinearRule, linear_shell
@@ -110,6 +110,16 @@ class Conv1DRule(Rule):
         return self._back(
             call, _LINEAR.batch_dot_with(self._sub(call), g, vec), transpose=False
         )
+
+    def outer_factors(self, call: Call, g: Tensor) -> dict[str, Outer]:
+        """The Linear rule's factors of ``Wᵀ``, rows and columns swapped for ``W``
+        ``[in, out]``: ``Vₘₙ = Σₜ xₙₜ gₘₙₜᵀ``."""
+        res = _LINEAR.outer_factors(self._sub(call), g)
+        out = {}
+        for k, o in res.items():
+            if k in call.params:
+                out[k] = Outer(o.cols, o.rows, o.cols.shape[-1]) if k == "weight" else o
+        return out
 
     def kronecker_factors(
         self, call: Call, g: Tensor, approx: str | None = None

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism.engine.gram import gram
-from backprism.engine.rule import Call, Rule
+from backprism.engine.rule import Call, Outer, Rule
 
 __all__ = ["UnfoldRule", "unfold_conv", "unfold_conv_transpose"]
 
@@ -489,6 +489,23 @@ class UnfoldRule(Rule):
         if self._has_bias(call):
             b = self._bias_cols(g)
             out["bias"] = torch.matmul(b, b.transpose(1, 2)).sum(0)
+        return out
+
+    def outer_factors(self, call: Call, g: Tensor) -> dict[str, Outer]:
+        """Convolutions with one group: ``Vₘₙ = Σ_l g_{mnl} X_{nl}ᵀ`` over the output positions
+        (rows the columns ``g``, columns the unfolded input); the bias ``Σ_l g_{mnl} · 1``.
+        Transposed and grouped convolutions have none (their weights are not one such
+        matrix)."""
+        if self.transposed or call.module.groups != 1:
+            return {}
+        rows = self._g(call, g)[:, :, 0].transpose(-1, -2)  # [M, N, L, C_out]
+        out: dict[str, Outer] = {}
+        if self._has_weight(call):
+            x = self._x(call)[:, 0].transpose(-1, -2)  # [N, L, C_in·K]
+            out["weight"] = Outer(rows, x[None], rows.shape[-1])
+        if self._has_bias(call):
+            ones = rows.new_ones(1, *rows.shape[1:3], 1)
+            out["bias"] = Outer(rows, ones, rows.shape[-1])
         return out
 
     # -- Kronecker factors ---------------------------------------------------------------
