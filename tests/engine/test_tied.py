@@ -80,21 +80,37 @@ def test_cross_terms_against_the_definition(ka: str, kb: str, weighted: bool) ->
     va, vb = _dense(a, m), _dense(b, m)
     w = torch.randn(m, n, dtype=DT, generator=gen) if weighted else None
     expected = va * vb * (1 if w is None else w[:, :, None, None])
-    torch.testing.assert_close(cross_sum_squared(a, b, w), expected.sum((0, 1)), **TOL)
     torch.testing.assert_close(cross_batch_l2(a, b), (va * vb).sum((0, 2, 3)), **TOL)
+    if a.one_hot or b.one_hot:
+        torch.testing.assert_close(cross_sum_squared(a, b, w), expected.sum((0, 1)), **TOL)
+    else:
+        with pytest.raises(ValueError, match="one-hot"):
+            cross_sum_squared(a, b, w)
 
 
-def test_dense_sides_in_sample_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two dense sides whose Gram form costs more (long sequences, small matrices) are built a
-    chunk of samples at a time."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_statistics_of_the_sum_in_sample_chunks(monkeypatch: pytest.MonkeyPatch, weighted):
+    """Where the cross terms would build per-sample gradients, the statistic of the sum is
+    taken from them a chunk of samples at a time: one-hot and dense uses together."""
     import backprism.engine.tied as tied
 
-    monkeypatch.setattr(tied, "CHUNK_ELEMENTS", 7)
+    monkeypatch.setattr(tied, "CHUNK_ELEMENTS", 70)
     gen = torch.Generator().manual_seed(3)
-    a, b = _factor("dense", 2, 5, 9, 2, 3, gen), _factor("dense_1", 2, 5, 8, 2, 3, gen)
-    va, vb = _dense(a, 2), _dense(b, 2)
-    torch.testing.assert_close(cross_batch_l2(a, b), (va * vb).sum((0, 2, 3)), **TOL)
-    torch.testing.assert_close(cross_sum_squared(a, b, None), (va * vb).sum((0, 1)), **TOL)
+    m, n, r, c = 2, 5, 3, 4
+    outers = [
+        _factor("dense", m, n, 9, r, c, gen),
+        _factor("dense_1", m, n, 8, r, c, gen),
+        _factor("one_hot", m, n, 2, r, c, gen),
+    ]
+    v = sum(_dense(o, m) for o in outers)
+    w = torch.randn(m, n, dtype=DT, generator=gen) if weighted else None
+    sq = v.square() * (1 if w is None else w[:, :, None, None])
+    torch.testing.assert_close(
+        tied.summed_in_chunks(outers, "batch_l2", None), v.square().sum((0, 2, 3)), **TOL
+    )
+    torch.testing.assert_close(
+        tied.summed_in_chunks(outers, "sum_squared", w), sq.sum((0, 1)), **TOL
+    )
 
 
 # ---------------------------------------------------------------------------------- models

@@ -849,7 +849,7 @@ class BackwardPass:
             kind = ext.tied_statistic
             if kind is not None and uses.factored:
                 if kind not in stats:
-                    stats[kind] = _to_param_dtype(uses.statistic(kind, weights), p)
+                    stats[kind] = _to_param_dtype(uses.statistic(kind, p.shape, weights), p)
                 out.append((ext, ext.from_statistic(stats[kind], call)))
             else:
                 if dense is None:

@@ -19,7 +19,12 @@ the calls' outer-product factors (:class:`~backprism.engine.rule.Outer`,
   ``N T V d`` of the dense per-sample gradients);
 * ``Σₘₙ wₘₙ Vᵏₘₙ ⊙ Vˡₘₙ`` with one-hot rows ``e_{iₙₜ}`` on side ``k``: row ``v`` is
   ``Σₘₙ wₘₙ Σ_{t: iₙₜ = v} cᵏₘₙₜ ⊙ (Σₛ rˡₘₙₛ[v] cˡₘₙₛ)``, one batched product and a scatter into
-  the rows; two dense sides build ``Vᵏₘₙ`` and ``Vˡₘₙ`` a chunk of samples at a time.
+  the rows.
+
+Where a pair has no such form (two dense sides of ``sum_squared``; of ``batch_l2`` where the
+Gram form costs more than building them), the statistic of the sum is taken from the uses'
+per-sample gradients built from their factors a chunk of samples at a time, each once
+(:func:`summed_in_chunks`): never more work than the dense path, and never all of them.
 
 A parameter whose calls do not all have outer factors takes the dense path (the sum of the
 calls' per-sample gradients, :meth:`~backprism.engine.extension.Extension.from_dense`).
@@ -36,7 +41,14 @@ from torch import Tensor
 from backprism.engine.rule import Outer, Rule
 from backprism.engine.state import Call
 
-__all__ = ["Use", "Uses", "cross_batch_l2", "cross_sum_squared"]
+__all__ = [
+    "Use",
+    "Uses",
+    "cross_batch_l2",
+    "cross_sum_squared",
+    "gram_cheaper",
+    "summed_in_chunks",
+]
 
 #: elements of the per-sample gradients ``[M, n, R, C]`` built at once where two dense sides
 #: are multiplied elementwise
@@ -58,50 +70,72 @@ def _row_gram(a: Outer, b: Outer) -> Tensor:
 
 
 def _dense(o: Outer, sl: slice) -> Tensor:
-    """``Vₘₙ`` of the samples ``sl``: ``[M or 1, n, R, C]`` (dense rows only)."""
-    return o.rows[:, sl].transpose(-1, -2) @ o.cols[:, sl]
+    """``Vₘₙ`` of the samples ``sl``: ``[M or 1, n, R, C]``."""
+    cols = o.cols[:, sl]
+    if not o.one_hot:
+        return o.rows[:, sl].transpose(-1, -2) @ cols
+    m, n, t, c = cols.shape  # row iₙₜ of sample n gets cₘₙₜ
+    rows = (torch.arange(n, device=cols.device)[:, None] * o.size + o.rows[sl]).reshape(-1)
+    v = cols.new_zeros(m, n * o.size, c).index_add_(1, rows, cols.reshape(m, n * t, c))
+    return v.view(m, n, o.size, c)
 
 
-def _sample_chunks(a: Outer, b: Outer) -> list[slice]:
-    n = a.cols.shape[1]
-    m = max(a.rows.shape[0], a.cols.shape[0], b.rows.shape[0], b.cols.shape[0])
-    per_sample = m * a.size * a.cols.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // max(1, per_sample))
-    return [slice(s, min(n, s + step)) for s in range(0, n, step)]
+def gram_cheaper(a: Outer, b: Outer) -> bool:
+    """Whether ``⟨Vᵃ, Vᵇ⟩`` by the Gram form (``Tₐ T_b (R + C)`` per sample and column, or
+    ``Tₐ T_b C`` with one-hot rows) costs less than building both (``(Tₐ + T_b) R C``)."""
+    if a.one_hot or b.one_hot:
+        return True
+    ta, tb = a.cols.shape[2], b.cols.shape[2]
+    r, c = a.size, a.cols.shape[-1]
+    return ta * tb * (r + c) <= (ta + tb) * r * c
 
 
 def cross_batch_l2(a: Outer, b: Outer) -> Tensor:
-    """``Σₘ ⟨Vᵃₘₙ, Vᵇₘₙ⟩``: ``[N]``, by the Gram form or, for two dense sides where it costs
-    less, from the per-sample gradients built a chunk of samples at a time."""
-    ta, tb = a.cols.shape[2], b.cols.shape[2]
-    r, c = a.size, a.cols.shape[-1]
-    if a.one_hot or b.one_hot or ta * tb * (r + c) <= (ta + tb) * r * c:
-        return (_row_gram(a, b) * (a.cols @ b.cols.transpose(-1, -2))).sum((2, 3)).sum(0)
-    parts = [
-        (_dense(a, sl) * _dense(b, sl)).sum((2, 3)).sum(0) for sl in _sample_chunks(a, b)
-    ]
-    return torch.cat(parts)
+    """``Σₘ ⟨Vᵃₘₙ, Vᵇₘₙ⟩``: ``[N]``, by the Gram form."""
+    return (_row_gram(a, b) * (a.cols @ b.cols.transpose(-1, -2))).sum((2, 3)).sum(0)
 
 
 def cross_sum_squared(a: Outer, b: Outer, weights: Tensor | None) -> Tensor:
-    """``Σₘₙ wₘₙ Vᵃₘₙ ⊙ Vᵇₘₙ``: ``[R, C]``."""
+    """``Σₘₙ wₘₙ Vᵃₘₙ ⊙ Vᵇₘₙ``: ``[R, C]``, for one side with one-hot rows: row ``iₙₜ`` of
+    side ``a`` gets ``cᵃₘₙₜ ⊙ Σₛ rᵇₘₙₛ[iₙₜ] cᵇₘₙₛ``."""
     if b.one_hot and not a.one_hot:
         a, b = b, a
-    r, c = a.size, a.cols.shape[-1]
-    if a.one_hot:
-        # row iₙₜ gets cᵃₘₙₜ ⊙ Σₛ rᵇₘₙₛ[iₙₜ] cᵇₘₙₛ
-        prod = (_row_gram(a, b) @ b.cols) * a.cols  # [M, N, Tₐ, C]
-        if weights is not None:
-            prod = prod * weights[:, :, None, None].to(prod.dtype)
-        prod = prod.sum(0).reshape(-1, c)
-        return prod.new_zeros(r, c).index_add_(0, a.rows.reshape(-1), prod)
+    if not a.one_hot:
+        raise ValueError("cross_sum_squared needs one side with one-hot rows")
+    c = a.cols.shape[-1]
+    prod = (_row_gram(a, b) @ b.cols) * a.cols  # [M, N, Tₐ, C]
+    if weights is not None:
+        prod = prod * weights[:, :, None, None].to(prod.dtype)
+    prod = prod.sum(0).reshape(-1, c)
+    return prod.new_zeros(a.size, c).index_add_(0, a.rows.reshape(-1), prod)
+
+
+def summed_in_chunks(outers: list[Outer], kind: str, weights: Tensor | None) -> Tensor:
+    """The ``kind`` statistic of ``Σₖ Vᵏ``, each ``Vᵏ`` built from its factors a chunk of
+    samples at a time (``[N]``, or ``[R, C]`` for ``"sum_squared"``): where the cross terms
+    would build the per-sample gradients anyway, every use's are built once, and their sum
+    never whole."""
+    first = outers[0]
+    n, r, c = first.cols.shape[1], first.size, first.cols.shape[-1]
+    m = max(max(o.cols.shape[0], 1 if o.one_hot else o.rows.shape[0]) for o in outers)
+    step = max(1, CHUNK_ELEMENTS // max(1, m * r * c))
+    parts: list[Tensor] = []
     total: Tensor | None = None
-    for sl in _sample_chunks(a, b):
-        prod = _dense(a, sl) * _dense(b, sl)  # [M, n, R, C]
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        v = _dense(outers[0], sl)
+        for o in outers[1:]:
+            v = v + _dense(o, sl)  # [M, n, R, C]
+        sq = v.square()
+        if kind == "batch_l2":
+            parts.append(sq.sum((2, 3)).sum(0))
+            continue
         if weights is not None:
-            prod = prod * weights[:, sl, None, None].to(prod.dtype)
-        part = prod.sum((0, 1))
+            sq = sq * weights[:, sl, None, None].to(sq.dtype)
+        part = sq.sum((0, 1))
         total = part if total is None else total + part
+    if kind == "batch_l2":
+        return torch.cat(parts)
     assert total is not None
     return total
 
@@ -130,9 +164,22 @@ class Uses:
         """Every use has outer factors: quadratic statistics need no dense gradients."""
         return all(u.outer is not None for u in self.items)
 
-    def statistic(self, kind: str, weights: Tensor | None = None) -> Tensor:
+    def statistic(self, kind: str, shape: torch.Size, weights: Tensor | None = None) -> Tensor:
         """The parameter's ``kind`` statistic (``"batch_l2"``, ``"sum_squared"``) over all its
-        uses: each use's own closed form plus twice the cross terms (needs :attr:`factored`)."""
+        uses (needs :attr:`factored`): each use's own closed form plus twice the cross terms
+        where these need no per-sample gradients (``batch_l2``: the Gram form is cheaper for
+        every pair; ``sum_squared``: every pair has one-hot rows on one side), else
+        :func:`summed_in_chunks`. ``shape``: the parameter's."""
+        outers = [u.outer for u in self.items]
+        assert all(o is not None for o in outers)
+        pairs = [(a, b) for k, a in enumerate(outers) for b in outers[k + 1 :]]
+        if kind == "batch_l2":
+            by_terms = all(gram_cheaper(a, b) for a, b in pairs)  # type: ignore[arg-type]
+        else:
+            by_terms = all(a.one_hot or b.one_hot for a, b in pairs)  # type: ignore[union-attr]
+        if not by_terms:
+            out = summed_in_chunks(outers, kind, weights)  # type: ignore[arg-type]
+            return out if kind == "batch_l2" else out.reshape(shape)
         total: Tensor | None = None
         for u in self.items:
             own = (
@@ -142,16 +189,13 @@ class Uses:
             )[u.name]
             total = own if total is None else total + own
         assert total is not None
-        shape = total.shape
-        for k, a in enumerate(self.items):
-            for b in self.items[k + 1 :]:
-                assert a.outer is not None and b.outer is not None
-                cross = (
-                    cross_batch_l2(a.outer, b.outer)
-                    if kind == "batch_l2"
-                    else cross_sum_squared(a.outer, b.outer, weights).reshape(shape)
-                )
-                total = total + 2 * cross
+        for a, b in pairs:
+            cross = (
+                cross_batch_l2(a, b)  # type: ignore[arg-type]
+                if kind == "batch_l2"
+                else cross_sum_squared(a, b, weights).reshape(shape)  # type: ignore[arg-type]
+            )
+            total = total + 2 * cross
         return total
 
     def dense(self) -> Tensor:
