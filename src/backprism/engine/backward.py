@@ -834,11 +834,12 @@ class BackwardPass:
 
     def _tied_results(
         self, p: nn.Parameter, uses: Uses, exts: list[Any], weights: Tensor | None
-    ) -> list[tuple[Any, Any]]:
+    ) -> list[tuple[Any, Any, bool]]:
         """The non-additive extensions' results for ``p`` from all its ``uses`` (see
-        :mod:`backprism.engine.tied`): from the rules' statistics and cross terms where every
-        use has outer factors and the extension says which statistic it takes, else from the
-        dense per-sample gradients summed over the uses."""
+        :mod:`backprism.engine.tied`), each with whether it came from the statistic: from the
+        rules' statistics and cross terms where every use has outer factors and the extension
+        says which statistic it takes, else from the dense per-sample gradients summed over the
+        uses."""
         call = uses.items[0].call
         stats: dict[str, Tensor] = {}
         dense: Tensor | None = None
@@ -850,19 +851,19 @@ class BackwardPass:
             if kind is not None and uses.factored:
                 if kind not in stats:
                     stats[kind] = _to_param_dtype(uses.statistic(kind, p.shape, weights), p)
-                out.append((ext, ext.from_statistic(stats[kind], call)))
+                out.append((ext, ext.from_statistic(stats[kind], call), True))
             else:
                 if dense is None:
                     dense = _to_param_dtype(uses.dense(), p)
-                out.append((ext, ext.from_dense(dense, call, weights)))
+                out.append((ext, ext.from_dense(dense, call, weights), False))
         return out
 
     def _finish_tied(self, p: nn.Parameter, uses: Uses) -> None:
         """First order: store the results of ``p``, used by several calls, all of which fired
         (or the pass ended); a ``needs_param_grad`` result from the statistic waits for the
         parameter's gradient like a single call's."""
-        for ext, value in self._tied_results(p, uses, self.first, None):
-            if ext.needs_param_grad and ext.tied_statistic is not None and uses.factored:
+        for ext, value, from_statistic in self._tied_results(p, uses, self.first, None):
+            if ext.needs_param_grad and from_statistic:
                 last = uses.items[-1]
                 item = (ext, value, last.call.hook_module, _tied_fallback(uses))
                 self.partials.setdefault(id(p), []).append(item)
@@ -1167,7 +1168,7 @@ class BackwardPass:
                     self._add_uses(tied, rule, rcall, g, multi, exts)
                 self.touched[id(call.hook_module)] = call.hook_module
             for p, uses in tied.values():
-                for ext, value in self._tied_results(p, uses, exts, w):
+                for ext, value, _ in self._tied_results(p, uses, exts, w):
                     self.store(p, ext, value)
 
     @staticmethod
