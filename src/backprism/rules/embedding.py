@@ -219,7 +219,7 @@ class EmbeddingRule(Rule):
                 ones = ones * keep.reshape(-1).to(dtype)
             counts = torch.zeros(n * v, dtype=dtype, device=idx.device).index_add_(0, rows, ones)
             mean = counts.view(n, v) / t
-            return {"weight": gram(mean.t()) / n}
+            return {"weight": gram(mean.t(), n)}
         token = idx.reshape(-1) if keep is None else idx[keep]
         counts = torch.bincount(token, minlength=v)
         scale = n * t if approx == "expand" else n

@@ -250,9 +250,9 @@ class LinearRule(Rule):
         x = x.reshape(n, -1, x.shape[-1])
         t = x.shape[1]
         if approx == "reduce" and t > 1:
-            return {"weight": gram(x.mean(1).t()) / n}
-        a = gram(x.reshape(-1, x.shape[-1]).t()) / n
-        return {"weight": a / t if approx == "expand" and t > 1 else a}
+            return {"weight": gram(x.mean(1).t(), n)}
+        scale = n * t if approx == "expand" else n
+        return {"weight": gram(x.reshape(-1, x.shape[-1]).t(), scale)}
 
     def kfac_output(
         self, call: Call, g: Tensor, approx: str | None = None

@@ -530,13 +530,13 @@ class UnfoldRule(Rule):
         length = math.prod(call.out_shapes[0][2:])
         if approx == "reduce" and length > 1:
             xm = self._x(call).mean(-1).transpose(0, 1)  # [G, N, I]
-            a = gram(xm.transpose(1, 2)) / n  # [G, I, I]
+            a = gram(xm.transpose(1, 2), n)  # [G, I, I]
             return {"weight": a[0] if groups == 1 else a}
         rows = self.unfold_rows(call)  # [C_in·K, N·L]
         scale = n * length if approx == "expand" else n
         if groups == 1:
-            return {"weight": gram(rows) / scale}
-        return {"weight": gram(rows.reshape(groups, -1, rows.shape[-1])) / scale}  # [G, I, I]
+            return {"weight": gram(rows, scale)}
+        return {"weight": gram(rows.reshape(groups, -1, rows.shape[-1]), scale)}  # [G, I, I]
 
     def kfac_output(
         self, call: Call, g: Tensor, approx: str | None = None
