@@ -7,7 +7,7 @@
 
 from backprism import extensions, rules  # noqa: F401  (registers the layer rules)
 from backprism.cpu_memory import retain_freed_memory
-from backprism.engine import collect, extend
+from backprism.engine import collect, extend, keeps_samples_apart
 
 __version__ = "0.1.0"
 
@@ -16,6 +16,7 @@ __all__ = [
     "collect",
     "extend",
     "extensions",
+    "keeps_samples_apart",
     "monitor",
     "plot",
     "retain_freed_memory",

@@ -12,6 +12,7 @@ draws the reshapes, transposes and rolls, and the sizes, including ``T = N``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -293,6 +294,18 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: h[torch.arange(3), torch.tensor([0, 3, 1])], (0, 1)),  # GPT-2's pooling
         (lambda h: h[torch.tensor([True, True, True])], (0, 1)),
         (lambda h: torch.cdist(h, torch.ones(2, 6)), (0, 1)),
+        (lambda h: h.reshape(3, 24).t(), (1, 1)),
+        (lambda h: h.reshape(-1).t(), (0, 24)),
+        (lambda h: h.repeat(1, 2, 1), (0, 1)),
+        (lambda h: h.repeat(2, 1, 1, 1), (1, 1)),
+        (lambda h: F.logsigmoid(h) + 2**h - torch.lerp(h, h.exp(), 0.5), (0, 1)),
+        (lambda h: F.hardtanh(h).log1p().clamp(min=h), (0, 1)),
+        (lambda h: F.glu(h, -1), (0, 1)),
+        (lambda h: F.glu(h.reshape(-1, 4, 6)[:2], 0), None),
+        (lambda h: torch.empty(3, 4, 6).copy_(h * 2), (0, 1)),
+        (lambda h: torch.empty(2, 3, 4, 6).copy_(h), (1, 1)),
+        (lambda h: (h + 1).as_strided((3, 4, 6), (24, 6, 1)), (0, 1)),
+        (lambda h: (h + 1).as_strided((3, 4, 6), (1, 3, 12)), None),  # samples interleaved
     ],
 )
 def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:
@@ -332,11 +345,13 @@ class Mixing(nn.Module):
         lambda h: h.index_select(0, torch.tensor([0, 0, 1, 2, 3])),  # a sample repeated
         lambda h: h.gather(0, torch.tensor([[1, 0, 0, 0]] * 5)),
         lambda h: h * torch.cdist(h, h + 1.0).sum(1, keepdim=True),  # (no zero distance)
+        lambda h: h.repeat(2, 1).reshape(5, 2, 4).sum(1),  # samples repeated, then paired
     ],
     ids=[
         "centring", "softmax_over_samples", "attention_across_samples", "flip", "roll",
         "cumsum", "sort", "cummax", "topk", "mean_of_all", "norm_of_all", "std_over_samples",
         "amax_over_samples", "permutation", "repeat_by_index", "gather_over_samples", "cdist",
+        "repeat",
     ],
 )
 def test_mixing_inside_the_model(mix: Callable[[Tensor], Tensor]) -> None:
@@ -381,3 +396,66 @@ def test_operations_along_other_axes_are_not_refused(keep: Callable[[Tensor], Te
     torch.manual_seed(0)
     model = Mixing(keep).to(DT)
     _first_order_exact(model, torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,)))
+
+
+class _Centre(torch.autograd.Function):
+    """Subtracts the batch mean: mixes the samples behind a node the analysis cannot read."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        return h - h.mean(0, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g - g.mean(0, keepdim=True)
+
+
+class _Cube(torch.autograd.Function):
+    """``h³`` sample by sample (``torch.func``-ready, for the reference)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(h: Tensor) -> Tensor:
+        return h**3
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple[Tensor], output: Tensor) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        return 3 * h**2 * g
+
+
+def test_custom_functions_are_named_until_declared() -> None:
+    """A custom ``autograd.Function`` on the samples' way stops the analysis: a per-sample
+    pass warns, naming it (a mixing one is not detected — the warning is all there is); once
+    declared with ``keeps_samples_apart`` it is followed like an elementwise operation, which
+    both silences the warning and finds a mixing behind it."""
+    from backprism import keeps_samples_apart
+    from backprism.engine import UncheckedOperationWarning
+
+    torch.manual_seed(0)
+    x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
+    lossfunc = nn.CrossEntropyLoss()
+    for fn in (_Centre, _Cube):
+        model = extend(Mixing(fn.apply).to(DT))
+        named = rf"autograd\.Function {fn.__name__}"
+        with pytest.warns(UncheckedOperationWarning, match=named), collect(BatchGrad()):
+            lossfunc(model(x), y).backward()
+    with pytest.raises(TypeError, match=r"subclass of torch\.autograd\.Function"):
+        keeps_samples_apart(lambda h: h)
+
+    class Cube(_Cube):
+        pass
+
+    assert keeps_samples_apart(Cube) is Cube
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedOperationWarning)
+        _first_order_exact(Mixing(Cube.apply).to(DT), x, y)
+        model = extend(Mixing(lambda h: Cube.apply(h) - h.mean(0)).to(DT))
+        with pytest.raises(RuntimeError, match="mixes the samples"), collect(BatchGrad()):
+            lossfunc(model(x), y).backward()
+        assert_nothing_written(model, grad_too=True)

@@ -52,6 +52,7 @@ from backprism.engine.columns import Columns, backprop_columns
 from backprism.engine.extension import Extension, SecondOrderExtension
 from backprism.engine.fold import (
     FoldAnalysis,
+    UncheckedOperationWarning,
     fold_sizes,
     output_shape,
     sample_mixing,
@@ -326,7 +327,7 @@ class BackwardPass:
             ):  # normalised with the batch's statistics
                 mixing = f"{call.name} in train mode"
         if mixing is None and per_sample:
-            mixing = self._mixing()
+            mixing = self._mixing(per_sample)
             way_out = (
                 "Per-sample quantities of a computation that combines samples (a loss that "
                 "compares them, InfoNCE or CLIP; a statistic over the batch) do not exist; use "
@@ -496,10 +497,12 @@ class BackwardPass:
         }
         return FoldAnalysis(n, anchors)
 
-    def _mixing(self) -> str | None:
+    def _mixing(self, per_sample: list[Any]) -> str | None:
         """An operation that mixes the samples between the calls of this pass, or between
         them and a loss (:func:`~backprism.engine.fold.sample_mixing`: the logits
-        ``z1 @ z2.T`` of a contrastive loss, ``h - h.mean(0)``), described, or ``None``."""
+        ``z1 @ z2.T`` of a contrastive loss, ``h - h.mean(0)``), described, or ``None``; where
+        none is found but the samples pass through operations the analysis does not know, an
+        :class:`~backprism.engine.fold.UncheckedOperationWarning` names them."""
         if not self.n_samples or self._batch_off_axis_0():  # (axis 0 is not the batch there)
             return None
         analysis = self._fold_analysis(self.n_samples)
@@ -518,6 +521,18 @@ class BackwardPass:
                 found = sample_mixing(analysis, [(edge.node, edge.output_nr)])
                 if found is not None:
                     return f"{found} before {call.name}"
+        if analysis.unchecked:
+            ops = ", ".join(analysis.unchecked)
+            warnings.warn(
+                f"backprism: the samples pass through {ops}, whose treatment of the batch axis "
+                f"backprism cannot read; the results of {_names(per_sample)} assume that it keeps "
+                "the samples apart (Σₙ grad_batch = .grad holds either way). If it mixes them (a "
+                "statistic of the batch), these are not per-sample quantities. Declare a custom "
+                "autograd.Function that keeps them apart with @backprism.keeps_samples_apart, "
+                "or filter backprism.engine.UncheckedOperationWarning",
+                UncheckedOperationWarning,
+                stacklevel=2,
+            )
         return None
 
     def _check_folds(self, folded: list[Call]) -> None:

@@ -41,15 +41,56 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from typing import Any
 
 import torch
 
 from backprism.engine.state import CALLS
 
-__all__ = ["FoldAnalysis", "fold_sizes", "output_shape", "sample_mixing", "saved_dim", "saved_int"]
+__all__ = [
+    "FoldAnalysis",
+    "UncheckedOperationWarning",
+    "fold_sizes",
+    "keeps_samples_apart",
+    "output_shape",
+    "sample_mixing",
+    "saved_dim",
+    "saved_int",
+]
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
+
+#: backward node classes of the custom ``autograd.Function`` s declared sample-wise
+_SAMPLE_WISE_FUNCTIONS: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+class UncheckedOperationWarning(UserWarning):
+    """Per-sample results pass through an operation whose treatment of the batch axis the
+    analysis cannot read (a custom ``autograd.Function``); they assume it keeps samples apart."""
+
+
+def keeps_samples_apart(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Declare that the custom ``autograd.Function`` ``function`` treats the samples of a batch
+    independently, row by row like an elementwise operation: every operand that carries the
+    samples has them on the same axis, and the other operands are broadcast over them (or
+    computed from parameters alone). The batch-axis analysis then follows the samples through
+    it — finding a mixing behind it, or a fold of the batch — instead of stopping there with an
+    :class:`UncheckedOperationWarning`. Usable as a class decorator; returns ``function``."""
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise TypeError(
+            "backprism.keeps_samples_apart: expected a subclass of torch.autograd.Function, got "
+            f"{function!r}"
+        )
+    _SAMPLE_WISE_FUNCTIONS.add(function._backward_cls)
+    return function
+
+
+def _describe(node: Any) -> str:
+    forward = getattr(type(node), "_forward_cls", None)
+    if forward is not None:
+        return f"the autograd.Function {forward.__qualname__}"
+    return re.sub(r"Backwards?\d*$", "", type(node).__name__)
 
 #: reshapes: the output is the input in another row-major shape
 _RESHAPES = frozenset(
@@ -70,10 +111,23 @@ _ROW_WISE = frozenset(
      "ExpandBackward0", "AbsBackward0", "ErfBackward0", "SinBackward0",
      "CosBackward0", "ReciprocalBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
      "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionBackward0",
-     "ScaledDotProductCudnnAttentionBackward0", "MaximumBackward0", "MinimumBackward0"}
+     "ScaledDotProductCudnnAttentionBackward0", "MaximumBackward0", "MinimumBackward0",
+     "LogSigmoidBackward0", "PowBackward2", "HardtanhBackward0", "Log1PBackward0",
+     "Expm1Backward0", "Exp2Backward0", "Log2Backward0", "Log10Backward0", "AtanBackward0",
+     "Atan2Backward0", "TanBackward0", "SinhBackward0", "CoshBackward0", "AsinBackward0",
+     "AcosBackward0", "ErfcBackward0", "ErfinvBackward0", "LogitBackward0", "SignBackward0",
+     "SgnBackward0", "SoftshrinkBackward0", "HardshrinkBackward0", "CeluBackward0",
+     "RreluWithNoiseBackward0", "LerpBackward0", "LerpBackward1", "AddcmulBackward0",
+     "AddcdivBackward0", "XlogyBackward0", "ClampBackward0", "RsubBackward0", "RsubBackward1",
+     "DivBackward2", "NanToNumBackward0", "SincBackward0", "HypotBackward0", "FmaxBackward0",
+     "FminBackward0", "CopysignBackward0", "LogaddexpBackward0", "FmodBackward0",
+     "RemainderBackward0", "RoundBackward0", "FloorBackward0", "CeilBackward0",
+     "TruncBackward0", "FracBackward0"}
 )
 #: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
-_OVER_AXIS = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0"})
+_OVER_AXIS = frozenset(
+    {"SoftmaxBackward0", "LogSoftmaxBackward0", "SafeSoftmaxBackward0", "GluBackward0"}
+)
 #: pooling and interpolation over the trailing ``k`` (spatial) axes: ``kind → k``
 _SPATIAL_RE = re.compile(r"^(Upsample\w+|\w*Pool)([123])D(WithIndices)?Backward0$")
 #: reductions over ``_saved_dim`` (one axis, a list, or ``None``: all; with
@@ -178,6 +232,9 @@ class FoldAnalysis:
         #: the first product of two per-sample tensors found that mixes samples (a
         #: contrastive loss's ``z1 @ z2.T``), described; ``None`` if none was met
         self.mixing: str | None = None
+        #: operations the analysis does not know whose input carries the samples, described
+        #: in the order met: whether they keep samples apart is not checked
+        self.unchecked: dict[str, None] = {}
         self._held: list[Any] = []  # nodes of memoised ids, held so that ids stay unique
         self._free: dict[tuple[str, int], bool] = {}
 
@@ -247,6 +304,29 @@ class FoldAnalysis:
             d0, d1 = saved_dim(node._saved_dim0, len(out)), saved_dim(node._saved_dim1, len(out))
             axis = {d0: d1, d1: d0}.get(status[0], status[0])
             return (axis, status[1])
+        if kind == "TBackward0":  # (``.t()`` of at most two axes)
+            status, _ = self._in(node, 0, depth)
+            if status is None or len(out) < 2:
+                return status
+            return (1 - status[0], status[1])
+        if kind == "RepeatBackward0":
+            return self._repeat(node, out, depth)
+        if kind in ("AsStridedBackward0", "AsStridedBackward1"):
+            # (a tensor re-strided in place, or a view replayed from its base): followed only
+            # where it reads the input's elements in their row-major order, unchanged
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp != out or node._saved_storage_offset not in (None, 0):
+                return None
+            want = [math.prod(out[k + 1 :]) for k in range(len(out))]
+            strides = [saved_int(v) for v in node._saved_stride]
+            same = all(a == b or n == 1 for a, b, n in zip(strides, want, out, strict=True))
+            return status if same else None
+        if kind == "CopyBackwards":  # ``x.copy_(src)``: the rows are src's, broadcast to x
+            status, inp = self._in(node, 1, depth)
+            if status is None or inp is None:
+                return None
+            axis = status[0] + len(out) - len(inp)
+            return (axis, status[1]) if out[axis] == inp[status[0]] else None
         if kind in ("UnbindBackward0", "SelectBackward0"):
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None:
@@ -361,7 +441,24 @@ class FoldAnalysis:
             if status[0] >= len(out) - int(spatial.group(2)) or out[status[0]] != inp[status[0]]:
                 return None
             return status
+        if type(node) in _SAMPLE_WISE_FUNCTIONS:
+            return self._row_wise(node, out, depth)
+        if any(f is not None and self.status(f, k, depth + 1) for f, k in node.next_functions):
+            self.unchecked.setdefault(_describe(node), None)
         return None
+
+    def _repeat(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
+        """``x.repeat(*r)``: new leading axes shift the batch axis; repeating along it
+        repeats every sample (as ``h[idx]`` with repeated indices does), which mixes them."""
+        status, inp = self._in(node, 0, depth)
+        if status is None or inp is None:
+            return None
+        repeats = [saved_int(r) for r in node._saved_repeats]
+        axis = status[0] + len(repeats) - len(inp)
+        if repeats[axis] != 1:
+            self.mixing = f"a repeat of the samples (repeat {repeats[axis]}x along dim {axis})"
+            return None
+        return (axis, status[1])
 
     def _sample_index(self, index: Any, status: Status, kind: str) -> Status | None:
         """An index along the batch axis (``index_select``, ``gather``, ``x[idx]``): every
