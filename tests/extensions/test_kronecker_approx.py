@@ -178,6 +178,14 @@ def _run(model: nn.Module, X: Tensor, y: Tensor, ext) -> None:
         lossfunc(model(X), y).backward()
 
 
+def _assert_kflr(model: nn.Module, X: Tensor, y: Tensor, approx: str, p: Tensor, *want) -> None:
+    """``KFLR(kfac_approx=approx)``'s factors of ``p`` are ``want``, in the rule's order."""
+    _run(model, X, y, KFLR(kfac_approx=approx))
+    assert len(p.kflr) == len(want)
+    for got, expected in zip(p.kflr, want, strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
 # ------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
 @pytest.mark.parametrize("pool", [False, True])
@@ -211,10 +219,7 @@ def test_embedding(approx: str, padding: bool) -> None:
     # (B over the positions that touch the weight, as backprism's Embedding factors)
     counted = X != 1 if padding else None
     B, A = _expected(model, "emb", X, y, approx, x_rows=lambda _: one_hot(X), counted=counted)
-    _run(model, X, y, KFLR(kfac_approx=approx))
-    fa, fb = model.emb.weight.kflr
-    torch.testing.assert_close(fa, A, **TOL)
-    torch.testing.assert_close(fb, B, **TOL)
+    _assert_kflr(model, X, y, approx, model.emb.weight, A, B)
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
@@ -222,10 +227,7 @@ def test_conv2d(approx: str) -> None:
     model = _randomized(Pixels(), seed=3)
     X, y = _data(model, 3)
     B, A = _expected(model, "conv", X, y, approx, view=_CHANNELS, x_rows=_patches(model.conv))
-    _run(model, X, y, KFLR(kfac_approx=approx))
-    fb, fa = model.conv.weight.kflr
-    torch.testing.assert_close(fb, B, **TOL)
-    torch.testing.assert_close(fa, A, **TOL)
+    _assert_kflr(model, X, y, approx, model.conv.weight, B, A)
     torch.testing.assert_close(model.conv.bias.kflr[0], B, **TOL)
 
 
@@ -296,10 +298,7 @@ def test_hugging_face_conv1d(approx: str) -> None:
         model.lin.bias.normal_(0, 0.8)
     X, y = _data(model, 5)
     B, A = _expected(model, "lin", X, y, approx)
-    _run(model, X, y, KFLR(kfac_approx=approx))
-    fa, fb = model.lin.weight.kflr
-    torch.testing.assert_close(fa, A, **TOL)
-    torch.testing.assert_close(fb, B, **TOL)
+    _assert_kflr(model, X, y, approx, model.lin.weight, A, B)
 
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
@@ -433,10 +432,7 @@ def test_grouped_and_transposed_convolutions(approx: str, transposed: bool) -> N
         xm = xt.mean(1)
         A = torch.einsum("ngi,ngj->gij", xm, xm) / n
     Bg = torch.stack([B[g * per : (g + 1) * per, g * per : (g + 1) * per] for g in range(groups)])
-    _run(model, X, y, KFLR(kfac_approx=approx))
-    fb, fa = model.conv.weight.kflr
     if groups == 1:
         Bg, A = Bg[0], A[0]
-    torch.testing.assert_close(fb, Bg, **TOL)
-    torch.testing.assert_close(fa, A, **TOL)
+    _assert_kflr(model, X, y, approx, model.conv.weight, Bg, A)
     torch.testing.assert_close(model.conv.bias.kflr[0], B, **TOL)
