@@ -443,7 +443,10 @@ class FoldAnalysis:
             return status
         if type(node) in _SAMPLE_WISE_FUNCTIONS:
             return self._row_wise(node, out, depth)
-        if any(f is not None and self.status(f, k, depth + 1) for f, k in node.next_functions):
+        if any(
+            f is not None and self.status(f, k, depth + 1) is not None
+            for f, k in node.next_functions
+        ):
             self.unchecked.setdefault(_describe(node), None)
         return None
 
