@@ -306,6 +306,11 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: torch.empty(2, 3, 4, 6).copy_(h), (1, 1)),
         (lambda h: (h + 1).as_strided((3, 4, 6), (24, 6, 1)), (0, 1)),
         (lambda h: (h + 1).as_strided((3, 4, 6), (1, 3, 12)), None),  # samples interleaved
+        (lambda h: torch.tril(h) + torch.triu(h, 1), (0, 1)),
+        (lambda h: F.prelu(h.transpose(1, 2), torch.tensor([0.2])), (0, 1)),
+        (lambda h: h.unfold(2, 2, 2).flatten(2), (0, 1)),
+        (lambda h: h.unfold(0, 2, 1), None),  # windows over the samples
+        (lambda h: F.unfold(h[:, None], (2, 2)), (0, 1)),
     ],
 )
 def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:
@@ -346,12 +351,13 @@ class Mixing(nn.Module):
         lambda h: h.gather(0, torch.tensor([[1, 0, 0, 0]] * 5)),
         lambda h: h * torch.cdist(h, h + 1.0).sum(1, keepdim=True),  # (no zero distance)
         lambda h: h.repeat(2, 1).reshape(5, 2, 4).sum(1),  # samples repeated, then paired
+        lambda h: torch.cat([h.unfold(0, 2, 1).sum(-1), h[-1:]]),  # neighbours' windows
     ],
     ids=[
         "centring", "softmax_over_samples", "attention_across_samples", "flip", "roll",
         "cumsum", "sort", "cummax", "topk", "mean_of_all", "norm_of_all", "std_over_samples",
         "amax_over_samples", "permutation", "repeat_by_index", "gather_over_samples", "cdist",
-        "repeat",
+        "repeat", "unfold_over_samples",
     ],
 )
 def test_mixing_inside_the_model(mix: Callable[[Tensor], Tensor]) -> None:
@@ -459,3 +465,21 @@ def test_custom_functions_are_named_until_declared() -> None:
         with pytest.raises(RuntimeError, match="mixes the samples"), collect(BatchGrad()):
             lossfunc(model(x), y).backward()
         assert_nothing_written(model, grad_too=True)
+
+
+def test_in_place_operation_on_a_view_is_named() -> None:
+    """Autograd's node for an in-place operation on a view (``CopySlices``) does not say which
+    operation ran: ``h[:, 0].cumsum_(0)`` mixes the samples where ``h[:, 0] = 0`` does not, so
+    both are named rather than followed."""
+    from backprism.engine import UncheckedOperationWarning
+
+    def cumsum_in_view(h: Tensor) -> Tensor:
+        h = h * 1
+        h[:, 0].cumsum_(0)
+        return h
+
+    torch.manual_seed(0)
+    model = extend(Mixing(cumsum_in_view).to(DT))
+    x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
+    with pytest.warns(UncheckedOperationWarning, match="CopySlices"), collect(BatchGrad()):
+        nn.CrossEntropyLoss()(model(x), y).backward()

@@ -122,7 +122,8 @@ _ROW_WISE = frozenset(
      "DivBackward2", "NanToNumBackward0", "SincBackward0", "HypotBackward0", "FmaxBackward0",
      "FminBackward0", "CopysignBackward0", "LogaddexpBackward0", "FmodBackward0",
      "RemainderBackward0", "RoundBackward0", "FloorBackward0", "CeilBackward0",
-     "TruncBackward0", "FracBackward0"}
+     "TruncBackward0", "FracBackward0", "TrilBackward0", "TriuBackward0",
+     "PreluKernelBackward0"}
 )
 #: operations over one axis (``_saved_dim``) of their input, row by row elsewhere
 _OVER_AXIS = frozenset(
@@ -321,6 +322,17 @@ class FoldAnalysis:
             strides = [saved_int(v) for v in node._saved_stride]
             same = all(a == b or n == 1 for a, b, n in zip(strides, want, out, strict=True))
             return status if same else None
+        if kind == "UnfoldBackward0":  # ``x.unfold(dim, size, step)``: windows along dim
+            status, inp = self._in(node, 0, depth)
+            if status is None or inp is None:
+                return None
+            if saved_dim(node._saved_dimension, len(inp)) == status[0]:
+                self.mixing = f"windows over the samples (unfold along dim {status[0]})"
+                return None
+            return status
+        if kind == "Im2ColBackward0":  # ``F.unfold``: [N, C, *S] → [N, C·K, L]
+            status, _ = self._in(node, 0, depth)
+            return status if status is not None and status[0] == 0 else None
         if kind == "CopyBackwards":  # ``x.copy_(src)``: the rows are src's, broadcast to x
             status, inp = self._in(node, 1, depth)
             if status is None or inp is None:
