@@ -323,13 +323,7 @@ class FoldAnalysis:
             same = all(a == b or n == 1 for a, b, n in zip(strides, want, out, strict=True))
             return status if same else None
         if kind == "UnfoldBackward0":  # ``x.unfold(dim, size, step)``: windows along dim
-            status, inp = self._in(node, 0, depth)
-            if status is None or inp is None:
-                return None
-            if saved_dim(node._saved_dimension, len(inp)) == status[0]:
-                self.mixing = f"windows over the samples (unfold along dim {status[0]})"
-                return None
-            return status
+            return self._along(node, node._saved_dimension, "unfold windows", depth)
         if kind == "Im2ColBackward0":  # ``F.unfold``: [N, C, *S] → [N, C·K, L]
             status, _ = self._in(node, 0, depth)
             return status if status is not None and status[0] == 0 else None
@@ -366,13 +360,7 @@ class FoldAnalysis:
                 return None
             return status
         if kind in _ALONG_AXIS:
-            status, inp = self._in(node, 0, depth)
-            if status is None or inp is None:
-                return None
-            if saved_dim(node._saved_dim, len(inp)) == status[0]:
-                self.mixing = f"a {kind[:-9].lower()} over the samples (dim {status[0]})"
-                return None
-            return status
+            return self._along(node, node._saved_dim, f"a {kind[:-9].lower()}", depth)
         if kind in ("IndexSelectBackward0", "GatherBackward0"):
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None:
@@ -461,6 +449,17 @@ class FoldAnalysis:
         ):
             self.unchecked.setdefault(_describe(node), None)
         return None
+
+    def _along(self, node: Any, dim: Any, what: str, depth: int) -> Status | None:
+        """An operation along axis ``dim`` of its input, row by row along the others: along
+        the batch axis it is ``what`` over the samples, which mixes them."""
+        status, inp = self._in(node, 0, depth)
+        if status is None or inp is None:
+            return None
+        if saved_dim(dim, len(inp)) == status[0]:
+            self.mixing = f"{what} over the samples (dim {status[0]})"
+            return None
+        return status
 
     def _repeat(self, node: Any, out: tuple[int, ...], depth: int) -> Status | None:
         """``x.repeat(*r)``: new leading axes shift the batch axis; repeating along it
