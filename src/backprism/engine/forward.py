@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -328,7 +329,7 @@ def keep_linear(p: Tensor, x: Any, out: Any) -> None:
 
 
 def call_params(
-    module: nn.Module, ran: set[int], released: frozenset[int] = _NONE
+    module: nn.Module, ran: AbstractSet[int], released: frozenset[int] = _NONE
 ) -> dict[str, nn.Parameter]:
     """Parameters a call of ``module`` is responsible for: its own, plus those of descendants
     whose forward did not run during the call (e.g. ``MultiheadAttention.out_proj``, used
@@ -347,7 +348,7 @@ def call_params(
 
 
 def _descendant_params(
-    module: nn.Module, prefix: str, ran: set[int], released: frozenset[int],
+    module: nn.Module, prefix: str, ran: AbstractSet[int], released: frozenset[int],
     params: dict[str, nn.Parameter], seen: set[int],
 ) -> None:
     """``named_modules()`` order (each module once) over ``module``'s descendants: the
@@ -494,12 +495,7 @@ def _capture_leaf(module: nn.Module, x: Tensor, args: tuple, out: Tensor) -> Non
     fn = out.grad_fn
     if fn is None:
         return
-    seen: set[int] = set()
-    params: dict[str, nn.Parameter] = {}
-    for n, p in module._parameters.items():  # call_params of a leaf
-        if p is not None and p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params[n] = p
+    params = call_params(module, _NONE)  # (a leaf: no descendants ran or not)
     call = Call(
         module=module,
         args=(x.detach(),),
