@@ -155,14 +155,21 @@ def _expected(
         G = G * keep[:, :, None, None, None] * keep[:, None, None, :, None]
     x = _inputs(model, layer, X)
     x = x_rows(x) if x_rows is not None else x.reshape(x.shape[0], -1, x.shape[-1])
+    return _definitions(G, x, approx)
+
+
+def _definitions(G: Tensor, x: Tensor, approx: str) -> tuple[Tensor, Tensor]:
+    """``(B, A)`` in the convention ``approx`` from the output GGN ``G`` ``[N, T, O, T, O]``
+    and the inputs ``x`` ``[N, T, *G, I]`` each position sees (``*G``: groups, one ``A`` per
+    group)."""
     n, t = x.shape[:2]
     if approx == "expand":
         B = torch.einsum("ntatb->ab", G)
-        A = torch.einsum("nti,ntj->ij", x, x) / (n * t)
+        A = torch.einsum("nt...i,nt...j->...ij", x, x) / (n * t)
     else:
         B = G.sum((0, 1, 3))
         xm = x.mean(1)
-        A = xm.t() @ xm / n
+        A = torch.einsum("n...i,n...j->...ij", xm, xm) / n
     return B, A
 
 
@@ -422,15 +429,9 @@ def test_grouped_and_transposed_convolutions(approx: str, transposed: bool) -> N
     y = torch.randint(0, C, (N,))
     G = _output_ggn(model, "conv", X, y, _CHANNELS)  # [N, L, O, L, O]
     xt = _weight_inputs(model.conv, X)  # [N, L, G, I]
-    n, length, groups, _ = xt.shape
+    groups = xt.shape[2]
     per = G.shape[2] // groups
-    if approx == "expand":
-        B = torch.einsum("ntatb->ab", G)
-        A = torch.einsum("ntgi,ntgj->gij", xt, xt) / (n * length)
-    else:
-        B = G.sum((0, 1, 3))
-        xm = xt.mean(1)
-        A = torch.einsum("ngi,ngj->gij", xm, xm) / n
+    B, A = _definitions(G, xt, approx)
     Bg = torch.stack([B[g * per : (g + 1) * per, g * per : (g + 1) * per] for g in range(groups)])
     if groups == 1:
         Bg, A = Bg[0], A[0]
