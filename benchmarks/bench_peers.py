@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -58,7 +59,6 @@ import time
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -213,10 +213,7 @@ def make_runner(problem: str, tool: str, method: str, n: int) -> Runner | None:
         lf = backprism.extend(lossfunc)
         ext = getattr(E, name)
         if method == "KFAC (Linear/Conv)":  # curvlinops' convention over positions
-
-            def ext() -> Any:
-                return E.KFAC(kfac_approx="expand")
-
+            ext = functools.partial(E.KFAC, kfac_approx="expand")
         ctx = generic_rules if tool == "backprism-generic" else contextlib.nullcontext
 
         def run() -> None:
