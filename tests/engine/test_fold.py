@@ -250,7 +250,8 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
     w = torch.randn(6, requires_grad=True)
     h = torch.randn(n, 4, 6) * w
     out = make(h)
-    return FoldAnalysis(n, {(id(h.grad_fn), h.output_nr)}).status(out.grad_fn, out.output_nr)
+    anchors = {(id(h.grad_fn), h.output_nr): (0, 1)}
+    return FoldAnalysis(n, anchors).status(out.grad_fn, out.output_nr)
 
 
 @pytest.mark.parametrize(

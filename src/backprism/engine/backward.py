@@ -60,7 +60,7 @@ from backprism.engine.fold import (
 from backprism.engine.graph import GraphView
 from backprism.engine.loss_hessian import check_supported, loss_hessian_sqrt
 from backprism.engine.parametrized import Parametrized, parametrized
-from backprism.engine.rule import Rule, get_rule
+from backprism.engine.rule import Rule, get_rule, move_batch_axis
 from backprism.engine.state import (
     NO_INPUT,
     UNATTRIBUTED,
@@ -300,6 +300,11 @@ class BackwardPass:
                 "backprism: the batch is empty (N = 0); per-sample quantities and curvature of "
                 "an empty batch are undefined. Skip empty batches before the forward pass"
             )
+        if sizes and exts:
+            counts = Counter(c.batch_size for c in self.calls if c.params)
+            self.n_samples = counts.most_common(1)[0][0]
+            self._check_layouts(exts)  # (may move calls to the samples' axis)
+            sizes = sorted({c.batch_size for c in self.calls if c.params})
         if sizes:
             counts = Counter(c.batch_size for c in self.calls if c.params)
             self.n_samples = counts.most_common(1)[0][0]
@@ -489,13 +494,59 @@ class BackwardPass:
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""
         anchors = {
-            (id(e[0]), e[1])
+            (id(e[0]), e[1]): (axis, 1)
             for call, edges in self.calls.items()
-            if call.batch_size == n and not call.batch_axis and call.fold == 1
-            for e in edges
+            if call.batch_size == n and call.fold == 1
+            for e, axis in zip(edges, call.output_axes(), strict=True)
             if e is not None
         }
         return FoldAnalysis(n, anchors)
+
+    def _check_layouts(self, exts: list[Extension]) -> None:
+        """Read from the graph which axis of each call's first input holds the samples: the
+        statuses of :class:`FoldAnalysis`, anchored at the outputs of the calls before it
+        (every call is recorded after those it computes from, ``Call.seq``), each output on
+        its own axis (an RNN's ``h_n`` ``[layers, N, H]`` on axis 1). A call that took them
+        from another axis — a Linear on ``h_n``, on ``h.transpose(0, 1)`` — takes them from the
+        right one where its rule acts on trailing feature axes only
+        (:func:`~backprism.engine.rule.move_batch_axis`), and is refused otherwise; its
+        outputs anchor the calls after it on the axes it then has. A call whose input's axis
+        is not known stays as recorded (:meth:`_check_assumed_axes`)."""
+        roots = Counter(
+            c.batch_size for c in self.calls
+            if c.params and c.versions and not c.versions[0][0].requires_grad
+        )
+        n = (roots or Counter([self.n_samples])).most_common(1)[0][0]
+        if n < 2:
+            return
+        analysis = FoldAnalysis(n, {})
+        for call in sorted(self.calls, key=lambda c: c.seq):
+            first = call.versions[0][0] if call.versions else None
+            if (
+                first is not None and first.requires_grad and call.params
+                and call.owner is None and call.widened_from is None and not call.superseded
+            ):
+                edge = call.input_edges[0]
+                status = analysis.status(edge.node, edge.output_nr)
+                want = call.input_axis
+                movable = not want and not sequence_first(call.module)
+                if status is not None and status[0] != want and not (
+                    movable and move_batch_axis(call, status[0])
+                ):
+                    raise RuntimeError(
+                        f"backprism: the samples reach the input of {call.name} on axis "
+                        f"{status[0]} (followed through the graph from the layers before "
+                        "it: an RNN's h_n/c_n [layers, N, H] hold them on axis 1 whatever "
+                        "batch_first says, a transpose moves them), but "
+                        f"{call.name} takes them from axis {want}, so {_names(exts)} "
+                        "would take another axis for the samples. Move the samples to "
+                        f"axis {want} before {call.name} (h_n[-1], x.transpose(0, 1))"
+                    )
+            if call.batch_size == n and call.fold == 1:
+                edges = self.calls[call]
+                for e, axis in zip(edges, call.output_axes(), strict=True):
+                    if e is not None:
+                        analysis.anchors[(id(e[0]), e[1])] = (axis, 1)
 
     def _mixing(self, per_sample: list[Any]) -> str | None:
         """An operation that mixes the samples between the calls of this pass, or between
@@ -503,7 +554,7 @@ class BackwardPass:
         ``z1 @ z2.T`` of a contrastive loss, ``h - h.mean(0)``), described, or ``None``; where
         none is found but the samples pass through operations the analysis does not know, an
         :class:`~backprism.engine.fold.UncheckedOperationWarning` names them."""
-        if not self.n_samples or self._batch_off_axis_0():  # (axis 0 is not the batch there)
+        if not self.n_samples:
             return None
         analysis = self._fold_analysis(self.n_samples)
         losses = [
@@ -516,7 +567,7 @@ class BackwardPass:
         if found is not None:
             return f"{found} between the model's outputs and the loss"
         for call in self.calls:
-            if call.params and call.input_edges and not call.batch_axis:
+            if call.params and call.input_edges:
                 edge = call.input_edges[0]
                 found = sample_mixing(analysis, [(edge.node, edge.output_nr)])
                 if found is not None:

@@ -9,7 +9,8 @@ per-sample quantities are exact sums over groups of ``g`` rows; if it is not (a 
 
 :class:`FoldAnalysis` decides this from the graph alone. It follows the *batch status* of a
 tensor — ``(axis, g)``: the batch is on ``axis``, whose size is ``g·N`` in sample-major groups
-of ``g`` — from the outputs of calls of batch size ``N`` (status ``(0, 1)``) through the
+of ``g`` — from the outputs of calls of batch size ``N`` (status ``(0, 1)``; ``(1, 1)`` for
+the outputs that hold the samples on axis 1, ``h_n`` of an RNN say) through the
 operations between them and the folded call's input, by the shapes autograd keeps for every
 edge (``Node._input_metadata``) and the arguments it saves:
 
@@ -222,11 +223,12 @@ class FoldAnalysis:
 
     Args:
         n: the batch size ``N`` of the samples.
-        anchors: ``(id(node), output_nr)`` of outputs of calls of batch size ``N`` whose batch
-            is on axis 0 (status ``(0, 1)``).
+        anchors: ``(id(node), output_nr)`` of outputs of calls of batch size ``N``, each with
+            its status ``(axis, 1)``: the axis that holds the samples there (axis 0 but for
+            RNNs, and calls that took their batch from another axis).
     """
 
-    def __init__(self, n: int, anchors: set[tuple[int, int]]) -> None:
+    def __init__(self, n: int, anchors: dict[tuple[int, int], Status]) -> None:
         self.n = n
         self.anchors = anchors
         self._memo: dict[tuple[int, int], Status | None] = {}
@@ -256,7 +258,7 @@ class FoldAnalysis:
     def status(self, node: Any, nr: int, depth: int = 0) -> Status | None:
         key = (id(node), nr)
         if key in self.anchors:
-            return (0, 1)
+            return self.anchors[key]
         if key in self._memo:
             return self._memo[key]
         if depth > 400:

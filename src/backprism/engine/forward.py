@@ -35,7 +35,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from backprism.engine.parametrized import originals
-from backprism.engine.rule import get_rule
+from backprism.engine.rule import get_rule, move_batch_axis, moves_batch_axis
 from backprism.engine.state import (
     AXIS,
     CALLS,
@@ -535,7 +535,7 @@ def capture(
     first = arg_tensors[0] if arg_tensors else outs[0]
     axis = getattr(first, AXIS, None) if arg_tensors else None
     moved = 0
-    if axis and axis > 0 and not layout_ok and _moves_batch_axis(module, first, axis):
+    if axis and axis > 0 and not layout_ok and moves_batch_axis(module, first, axis):
         # the batch on another axis of the first input (Linear after a batch_first=False RNN):
         # the call keeps that input with the batch on axis 0
         moved, layout_ok = axis, True
@@ -640,16 +640,6 @@ def _edge(a: Tensor) -> GradientEdge:
     return get_gradient_edge(a)
 
 
-def _moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
-    """Whether ``module``'s rule computes from inputs whose batch is moved to axis 0 (it acts on
-    the trailing feature axes only), and ``axis`` is not one of those."""
-    if first.dim() <= axis or not get_rule(module).moves_batch_axis:
-        return False
-    shape = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
-    trailing = len(shape) if isinstance(shape, (tuple, list)) else 1
-    return first.is_floating_point() is False or axis < first.dim() - trailing
-
-
 def _batch_first_args(args: tuple, axis: int) -> tuple:
     """``args`` with the first (the batch-carrying input) moved from ``axis`` to axis 0."""
     return (args[0].movedim(axis, 0), *args[1:])
@@ -665,13 +655,7 @@ def _batch_on_axis_one(x: Tensor) -> None:
     for call, _, nr in fn.metadata.get(CALLS, ()):
         if nr != x.output_nr or call.batch_axis or not call.assumed_axis or not call.args:
             continue
-        arg = call.args[0]
-        if isinstance(arg, Tensor) and _moves_batch_axis(call.module, arg, 1):
-            call.args = _batch_first_args(call.args, 1)
-            if call.live is not None:
-                call.live = (_batch_first_args(call.live[0], 1), call.live[1])
-            call.batch_size, call.batch_axis, call.assumed_axis = arg.shape[1], 1, False
-        else:
+        if not move_batch_axis(call, 1):
             call.layout_error = _layout_message(call.module, 1)
     setattr(x, AXIS, 1)
 

@@ -36,6 +36,8 @@ __all__ = [
     "Rule",
     "get_rule",
     "has_rule",
+    "move_batch_axis",
+    "moves_batch_axis",
     "params_of",
     "register_rule",
     "set_generic_rule",
@@ -350,6 +352,33 @@ def get_rule(module: nn.Module) -> Rule:
     if not _GENERIC:  # backprism.rules installs it; a bare engine has no fallback
         raise NotImplementedError(f"no rule for {type(module).__name__}")
     return _GENERIC[0]
+
+
+def moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
+    """Whether ``module``'s rule computes from inputs whose batch is moved to axis 0 (it acts on
+    the trailing feature axes only, :attr:`Rule.moves_batch_axis`), and ``axis`` of its first
+    input ``first`` is not one of those."""
+    if first.dim() <= axis or not get_rule(module).moves_batch_axis:
+        return False
+    shape = getattr(module, "normalized_shape", None)  # LayerNorm, RMSNorm
+    trailing = len(shape) if isinstance(shape, (tuple, list)) else 1
+    return first.is_floating_point() is False or axis < first.dim() - trailing
+
+
+def move_batch_axis(call: Call, axis: int) -> bool:
+    """Have ``call``, recorded with the batch on axis 0 of its first input, take the batch from
+    ``axis`` instead: ``args`` (and ``live``) keep that input with the batch moved to axis 0,
+    and ``batch_axis`` tells the engine to move the output gradients' the same way. ``False``
+    (nothing changed) where the call's rule cannot (:func:`moves_batch_axis`)."""
+    arg = call.args[0] if call.args else None
+    if not isinstance(arg, Tensor) or not moves_batch_axis(call.module, arg, axis):
+        return False
+    call.args = (arg.movedim(axis, 0), *call.args[1:])
+    if call.live is not None:
+        live = call.live[0]
+        call.live = ((live[0].movedim(axis, 0), *live[1:]), call.live[1])
+    call.batch_size, call.batch_axis, call.assumed_axis = arg.shape[axis], axis, False
+    return True
 
 
 def params_of(call: Call) -> dict[str, nn.Parameter]:

@@ -31,6 +31,7 @@ when it ends.
 from __future__ import annotations
 
 import contextvars
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -140,6 +141,11 @@ def sequence_first(module: nn.Module) -> bool:
     return isinstance(module, (nn.RNNBase, nn.MultiheadAttention)) and not module.batch_first
 
 
+#: creation order of calls: a call is recorded after its forward returned, so every call whose
+#: output another's input was computed from has a smaller number (a topological order)
+_CALL_SEQ = itertools.count()
+
+
 @dataclass(eq=False)
 class Call:
     """What the engine keeps of one forward call of an extended module (or of one functional
@@ -193,6 +199,8 @@ class Call:
             ``g`` (a batch folded with another axis, :mod:`backprism.engine.fold`), set by the
             backward pass that found it.
         pass_: the backward pass processing this call right now (set and cleared by it).
+        seq: the call's place in the order calls were recorded (:data:`_CALL_SEQ`); a call
+            widened over the samples keeps the number of the call it replaces.
     """
 
     module: nn.Module
@@ -219,6 +227,7 @@ class Call:
     widened_from: Call | None = None
     meets: tuple[Any, ...] = ()
     unsplit: str | None = None
+    seq: int = field(default_factory=lambda: next(_CALL_SEQ))
 
     @property
     def hook_module(self) -> nn.Module:
@@ -237,6 +246,29 @@ class Call:
     def name(self) -> str:
         """The module's type name (or the functional op it stands for)."""
         return getattr(self.module, "_backprism_name", None) or type(self.module).__name__
+
+    @property
+    def input_axis(self) -> int:
+        """The axis of the first input (as passed, before ``args`` moved it) that the call
+        takes the samples from: 1 for a sequence-first module on a 3-d input, else
+        :attr:`batch_axis`."""
+        if sequence_first(self.module) and self.out_shapes and len(self.out_shapes[0]) == 3:
+            return 1
+        return self.batch_axis
+
+    def output_axes(self) -> list[int]:
+        """The axis that holds the samples in each output (``out_shapes`` order): an RNN's
+        ``h_n``/``c_n`` ``[layers, N, H]`` hold them on axis 1 whatever ``batch_first``
+        says, its output on axis 0 or 1; ``nn.MultiheadAttention(batch_first=False)``'s output
+        on axis 1, its averaged weights ``[N, L, S]`` on axis 0; other calls on
+        :attr:`batch_axis` in every output."""
+        k = len(self.out_shapes)
+        batched = bool(self.out_shapes) and len(self.out_shapes[0]) == 3
+        if isinstance(self.module, nn.RNNBase) and batched:
+            return [0 if self.module.batch_first else 1] + [1] * (k - 1)
+        if sequence_first(self.module) and batched:  # (MultiheadAttention)
+            return [1] + [0] * (k - 1)
+        return [self.batch_axis] * k
 
     def check_unmodified(self) -> None:
         """Raise if an input was modified in place between forward and backward."""
