@@ -83,7 +83,6 @@ def input_factor_by_shifts(
     flat = xp.reshape(c, total)
     kappas = list(itertools.product(*(range(k) for k in kernel)))
     k = len(kappas)
-    res = x.new_zeros(c, k, c, k)
     by_shift: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for i, ka in enumerate(kappas):
         for j, kb in enumerate(kappas):
@@ -92,6 +91,9 @@ def input_factor_by_shifts(
                 continue  # no pair of input positions that far apart: a zero block
             if delta > (0,) * d or i == j:  # δ ≥ 0 (lexicographically); the rest by symmetry
                 by_shift.setdefault(delta, []).append((i, j))
+    rows: list[int] = []
+    cols: list[int] = []
+    blocks: list[Tensor] = []
     for delta, pairs in by_shift.items():
         offset = sum(s * st for s, st in zip(delta, steps))  # > 0 unless δ = 0
         # F = Σ x_u x_{u+δ}ᵀ over every u whose partner is inside the input
@@ -122,27 +124,32 @@ def input_factor_by_shifts(
         )
         products = _cell_products(xp, segments, inside, inner, delta)
         # the interior cell: F less the other cells (those outside the partners' box add 0)
-        products[inner] = whole - (products.flatten(0, d - 1).sum(0) - products[inner])
-        for (i, j), box in zip(pairs, boxes):
-            picks = [
-                [t for t, (lo, hi) in enumerate(segs) if lo >= b[0] and hi <= b[1]]
+        cells = products.reshape(-1, c * c)
+        at = sum(t * math.prod(len(s) for s in segments[a + 1 :]) for a, t in enumerate(inner))
+        cells[at] = whole.reshape(-1) - cells.sum(0)
+        # each block A_κκ' is the sum of the cells in its box: one product with their masks
+        within = [
+            [
+                [lo >= b[0] and hi <= b[1] and b[0] < b[1] for lo, hi in segs]
                 for segs, b in zip(segments, box)
             ]
-            if any(not p for p in picks):
-                continue
-            block = _box_sum(products, picks)
-            res[:, i, :, j] = block
-            if i != j:
-                res[:, j, :, i] = block.T
-    return res.reshape(c * k, c * k)
-
-
-def _box_sum(products: Tensor, picks: list[list[int]]) -> Tensor:
-    """Sum of ``products[t_1, …, t_d]`` over the consecutive segment indices ``picks``."""
-    sel = products
-    for a, p in enumerate(picks):
-        sel = sel.narrow(a, p[0], len(p))
-    return sel.sum(tuple(range(len(picks))))
+            for box in boxes
+        ]
+        masks = torch.tensor(
+            [[math.prod(m) for m in itertools.product(*w)] for w in within],
+            dtype=x.dtype, device=x.device,
+        )
+        blocks.append(masks @ cells)
+        rows += [i for i, _ in pairs]
+        cols += [j for _, j in pairs]
+    res = x.new_zeros(k, k, c, c)  # [κ, κ', C, C], permuted to the unfold's order at the end
+    if blocks:
+        found = torch.cat(blocks).reshape(-1, c, c)
+        i_t = torch.tensor(rows, device=x.device)
+        j_t = torch.tensor(cols, device=x.device)
+        res[j_t, i_t] = found.transpose(1, 2)  # A_κ'κ = A_κκ'ᵀ (first: the diagonal's own wins)
+        res[i_t, j_t] = found
+    return res.permute(2, 0, 3, 1).reshape(c * k, c * k)
 
 
 def _cell_products(
@@ -181,6 +188,7 @@ def _cell_products(
             )
         lhs = torch.stack(left).reshape(len(group), c, -1)  # [cells, C, N·|cell|]
         rhs = torch.stack(right).reshape(len(group), c, -1)
-        for cell, p in zip(group, torch.bmm(lhs, rhs.transpose(1, 2))):
-            products[cell] = p
+        flat = products.view(-1, c, c)
+        at = [sum(t * math.prod(shape[a + 1 :]) for a, t in enumerate(cell)) for cell in group]
+        flat[torch.tensor(at, device=xp.device)] = torch.bmm(lhs, rhs.transpose(1, 2))
     return products
