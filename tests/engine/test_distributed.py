@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ import torch.multiprocessing as tmp  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from backprism import collect, extend  # noqa: E402
+from backprism.engine import UncheckedOperationWarning  # noqa: E402
 from backprism.extensions import (  # noqa: E402
     GGNMP,
     HMP,
@@ -451,7 +453,9 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         shared = [FIRST[0], FIRST[1], [DiagGGNExact(), BatchDiagGGNExact(), KFLR()]]
         _check_all(rank, world, "shared", [3, 5], shared)
         _check_all(rank, world, "residual", [3, 5], [FIRST[0], SECOND[0]], wrap="inside")
-        _check_all(rank, world, "residual", [4, 4], [FIRST[0], SECOND[0]], wrap="unused")
+        with warnings.catch_warnings():  # (DDP's _DDPSink on the outputs is an identity)
+            warnings.simplefilter("error", UncheckedOperationWarning)
+            _check_all(rank, world, "residual", [4, 4], [FIRST[0], SECOND[0]], wrap="unused")
         _check_rows_sum_to_grad(rank, [4, 4])
         _check_mc(rank, [3, 5])
         _check_sum_reduction(rank, [3, 5])
@@ -484,6 +488,18 @@ def _check_streaming(rank: int, world: int) -> None:
         _, _, ctx = _ddp("residual", [3, 5], rank, [SumGradSquared(), Variance()])
         comm = ctx.communication
         assert comm.streamed >= 2 and len(comm.buckets) > comm.streamed
+        # second order: final once the loss hook has pushed the columns, sent from there
+        # (with first-order results as their parameters' calls finish); DiagHessian's
+        # residual terms, KFRA and Hutchinson are sent at the end
+        second = [SECOND[0], SECOND[2], [*FIRST[0], DiagGGNExact(), KFLR()], SECOND[1]]
+        _check_all(rank, world, "residual", [3, 5], second)
+        _check_all(rank, world, "shared", [3, 5], [[DiagGGNExact(), KFLR()]])
+        _check_all(rank, world, "conv", [4, 4], [[DiagGGNExact(), KFLR()]])
+        _check_mc(rank, [3, 5])
+        _, _, ctx = _ddp("residual", [3, 5], rank, [DiagGGNExact(), KFLR()])
+        assert ctx.communication.streamed >= 2
+        _, _, ctx = _ddp("residual", [3, 5], rank, [DiagHessian()])
+        assert ctx.communication.streamed == 0
     finally:
         D.STREAM_BACKENDS, D.FIRST_BUCKET_BYTES, D.DistributedPass.start = saved
 

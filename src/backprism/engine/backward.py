@@ -212,6 +212,9 @@ class BackwardPass:
         self._marked: list[Any] = []
         #: the distributed part of the pass (set by :meth:`check`), ``None`` for a local pass
         self.distributed: _distributed.DistributedPass | None = None
+        #: extended losses whose hook has not run yet: second-order results are final once
+        #: every one has (their columns are pushed from there)
+        self.losses_left = len(self.loss_records)
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
@@ -1001,7 +1004,8 @@ class BackwardPass:
         for p in params:
             pid = id(p)
             if (
-                self.fired[pid] >= self.param_count[pid]
+                (not self.first or self.fired[pid] >= self.param_count[pid])
+                and (not self.second or not self.losses_left)
                 and pid not in self.partials
                 and pid not in self.tied
             ):
@@ -1096,6 +1100,10 @@ class BackwardPass:
         # with grad mode on; the columns are pushed with autograd.grad, which needs none)
         with _Running(self), torch.no_grad():
             self._on_loss_grad(record, grad)
+            self.losses_left -= 1
+            if self.second and not self.losses_left and self.distributed is not None:
+                # distributed: second-order results are final, sent while the backward goes on
+                self._send_finished(p for p, _ in self.view.params.values())
 
     def _on_loss_grad(self, record: LossRecord, grad: Tensor) -> None:
         module = record.module

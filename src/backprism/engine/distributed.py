@@ -48,9 +48,12 @@ all-reduce each. In first-order passes on backends whose collectives run beside 
 (:data:`STREAM_BACKENDS`: NCCL) a parameter's parts join the buckets as soon as its results are
 final (in the model's parameter order reversed, as the backward reaches them), and a full bucket
 is launched at once, so communication overlaps the rest of the backward, as DDP's own does
-(on Gloo everything is sent at the end: its reductions run on the cores the backward needs);
-whatever is not final by then (second-order results, whole-batch results, partials
-waiting for the global gradient) is packed at the end. A small check that every rank sent the
+(on Gloo everything is sent at the end: its reductions run on the cores the backward needs).
+Second-order results are final once the loss hook has pushed the columns (the start of the
+real backward) and are sent from there, except DiagHessian's (residual terms are added during
+the backward) and KFRA's and Hutchinson's (they communicate while they compute). Whatever is
+not final during the backward (whole-batch results, partials waiting for the global gradient)
+is packed at the end. A small check that every rank sent the
 same items in the same order goes with the last buckets (a mismatch is refused before any
 result is written). Per-sample tensors are rescaled locally and
 never sent (except ``BatchDotGrad(across_ranks=True)``, which needs the cross-rank products). For
@@ -402,9 +405,11 @@ class DistributedPass:
         self.device = torch.device("cpu")
         self.comm = Communication(group=group)
         # -- streaming (ready): finished parameters' results are sent during the backward --
-        #: whether this pass streams (first-order extensions only, no whole-batch results)
+        #: whether this pass streams: no whole-batch results, no second-order results that
+        #: change after the loss hook (DiagHessian's residual terms) or that communicate
+        #: while they are computed (KFRA, Hutchinson: ``handles_loss``)
         self.streams = (
-            not bp.second
+            not any(e.needs_residual or e.handles_loss for e in bp.second)
             and not bp.whole_batch
             and not bp.create_graph
             and str(dist.get_backend(group)) in STREAM_BACKENDS
@@ -562,6 +567,7 @@ class DistributedPass:
 
     def _reduce(self, bp: Any) -> None:
         sender = self._sender or _Sender(self)
+        sender.finishing = True  # (buckets launched from here on are not streamed)
         rest = [
             it
             for it in self._items(bp)

@@ -62,6 +62,10 @@ __all__ = [
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
+#: backward nodes of functions that return their inputs unchanged: DDP's ``_DDPSink`` on the
+#: model's outputs (``find_unused_parameters=True``, static graphs)
+_IDENTITIES = frozenset({"_DDPSinkBackward"})
+
 #: backward node classes of the custom ``autograd.Function`` s declared sample-wise
 _SAMPLE_WISE_FUNCTIONS: weakref.WeakSet[type] = weakref.WeakSet()
 
@@ -443,6 +447,8 @@ class FoldAnalysis:
             if status[0] >= len(out) - int(spatial.group(2)) or out[status[0]] != inp[status[0]]:
                 return None
             return status
+        if kind in _IDENTITIES:
+            return self._identity(node, nr, out, depth)
         if type(node) in _SAMPLE_WISE_FUNCTIONS:
             return self._row_wise(node, out, depth)
         if any(
@@ -451,6 +457,18 @@ class FoldAnalysis:
         ):
             self.unchecked.setdefault(_describe(node), None)
         return None
+
+    def _identity(self, node: Any, nr: int, out: tuple[int, ...], depth: int) -> Status | None:
+        """A function that returns its inputs (output ``nr`` is its ``j``-th tensor input,
+        ``j ≤ nr``: non-tensor inputs count among the outputs, not the graph's inputs, and
+        their slots look like scalars): the status of the inputs of that shape, if they agree."""
+        found = {
+            self._in(node, j, depth)[0]
+            for j in range(min(nr + 1, len(node.next_functions)))
+            if node.next_functions[j][0] is not None
+            and output_shape(*node.next_functions[j]) == out
+        }
+        return found.pop() if len(found) == 1 else None
 
     def _along(self, node: Any, dim: Any, what: str, depth: int) -> Status | None:
         """An operation along axis ``dim`` of its input, row by row along the others: along
