@@ -231,6 +231,30 @@ def test_model_input_viewed_as_rows() -> None:
     _first_order_exact(model, torch.randn(3, 4, D, dtype=DT), torch.randint(0, C, (3,)))
 
 
+def test_batch_norm_on_rows_that_fold_the_samples() -> None:
+    """A BatchNorm1d in eval mode on ``[N·T, C]`` (Hugging Face LeViT's MLP): its rule computes
+    per row and the rows of each sample are summed; every statistic, ``variance``'s ``1/N``
+    too, is of the ``N`` samples."""
+
+    class RowsNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn, self.head = nn.Linear(D, 5), nn.BatchNorm1d(5), nn.Linear(5, C)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.lin(x)
+            return self.head(self.bn(h.flatten(0, 1)).reshape_as(h).mean(1))
+
+    torch.manual_seed(0)
+    model = RowsNorm().to(DT).eval()
+    with torch.no_grad():
+        model.bn.running_mean.normal_()
+        model.bn.running_var.uniform_(0.5, 1.5)
+        model.bn.weight.normal_()
+        model.bn.bias.normal_()
+    _first_order_exact(model, torch.randn(3, 4, D, dtype=DT), torch.randint(0, C, (3,)))
+
+
 def _first_order_exact(model: nn.Module, x: Tensor, y: Tensor) -> None:
     """First-order statistics of the extended ``model`` under a cross-entropy loss against
     ``torch.func``'s per-sample gradients."""
@@ -312,6 +336,10 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: h.unfold(2, 2, 2).flatten(2), (0, 1)),
         (lambda h: h.unfold(0, 2, 1), None),  # windows over the samples
         (lambda h: F.unfold(h[:, None], (2, 2)), (0, 1)),
+        # batch normalisation: with running statistics row by row, with the batch's a mixing
+        (lambda h: F.batch_norm(h, torch.zeros(4), torch.ones(4)).reshape(-1, 6), (0, 4)),
+        (lambda h: F.batch_norm(h, None, None, training=True), None),
+        (lambda h: F.batch_norm(h.transpose(0, 1), torch.zeros(3), torch.ones(3)), None),
     ],
 )
 def test_batch_status_of_operations(make: Callable[[Tensor], Tensor], want) -> None:
@@ -353,12 +381,13 @@ class Mixing(nn.Module):
         lambda h: h * torch.cdist(h, h + 1.0).sum(1, keepdim=True),  # (no zero distance)
         lambda h: h.repeat(2, 1).reshape(5, 2, 4).sum(1),  # samples repeated, then paired
         lambda h: torch.cat([h.unfold(0, 2, 1).sum(-1), h[-1:]]),  # neighbours' windows
+        lambda h: F.batch_norm(h, None, None, training=True),
     ],
     ids=[
         "centring", "softmax_over_samples", "attention_across_samples", "flip", "roll",
         "cumsum", "sort", "cummax", "topk", "mean_of_all", "norm_of_all", "std_over_samples",
         "amax_over_samples", "permutation", "repeat_by_index", "gather_over_samples", "cdist",
-        "repeat", "unfold_over_samples",
+        "repeat", "unfold_over_samples", "functional_batch_norm_in_train_mode",
     ],
 )
 def test_mixing_inside_the_model(mix: Callable[[Tensor], Tensor]) -> None:

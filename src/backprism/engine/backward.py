@@ -1067,16 +1067,17 @@ class BackwardPass:
         if call.fold <= 1:
             return call, base, g
         n, k = self.n_samples, call.fold
+        key = ("fold", id(call))
+        view = self.scratch.get(key)
+        if view is None:
+            view = _regrouped(call, n, k) if base.moves_batch_axis else (
+                dataclasses.replace(call, batch_size=n, live=None)
+            )
+            self.scratch[key] = view
         if base.moves_batch_axis or base.folds_rows:
-            key = ("fold", id(call))
-            view = self.scratch.get(key)
-            if view is None:
-                view = _regrouped(call, n, k) if base.moves_batch_axis else (
-                    dataclasses.replace(call, batch_size=n, live=None)
-                )
-                self.scratch[key] = view
             return view, base, (_regroup_columns(g, n, k) if base.moves_batch_axis else g)
-        return call, _Folded(base, n, k), g
+        # (extensions see N samples, e.g. Variance's 1/N; the rule computes on the k·N rows)
+        return view, _Folded(base, n, k, call), g
 
     # -- second order ------------------------------------------------------------------------
     def loss_calls(self, record: LossRecord | None = None) -> list[tuple[Call, list[Any]]]:
@@ -1286,21 +1287,24 @@ class _Folded(Rule):
     ``[M, N, *p]``, and every statistic follows from them (Kronecker-factored extensions get
     the exact diagonal factor, :meth:`Rule.kronecker_diagonal`)."""
 
-    def __init__(self, rule: Rule, n: int, k: int) -> None:
+    def __init__(self, rule: Rule, n: int, k: int, rows: Call) -> None:
         self.rule, self.n, self.k = rule, n, k
+        #: the call on its ``k·N`` rows, which the rule computes with (the extensions see a
+        #: copy with ``batch_size = N``)
+        self.rows = rows
         self.linear_in_params = rule.linear_in_params
 
     def is_linear_in_params(self, call: Call) -> bool:
-        return self.rule.is_linear_in_params(call)
+        return self.rule.is_linear_in_params(self.rows)
 
     def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
         return {
             name: v.reshape(v.shape[0], self.n, self.k, *v.shape[2:]).sum(2)
-            for name, v in self.rule.per_sample(call, g).items()
+            for name, v in self.rule.per_sample(self.rows, g).items()
         }
 
     def summed(self, call: Call, g: Any) -> dict[str, Tensor]:
-        return self.rule.summed(call, g)
+        return self.rule.summed(self.rows, g)
 
     def kronecker_form(self, call: Call) -> bool:
         return False

@@ -62,6 +62,11 @@ __all__ = [
 
 Status = tuple[int, int]  # (batch axis, fold factor g)
 
+#: batch normalisation (``F.batch_norm``); the node saves whether it used the batch's statistics
+_BATCH_NORMS = frozenset(
+    {"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"}
+)
+
 #: backward nodes of functions that return their inputs unchanged: DDP's ``_DDPSink`` on the
 #: model's outputs (``find_unused_parameters=True``, static graphs)
 _IDENTITIES = frozenset({"_DDPSinkBackward"})
@@ -422,6 +427,16 @@ class FoldAnalysis:
             if node._saved_keepdim:
                 return status
             return (status[0] - sum(d < status[0] for d in dims), status[1])
+        if kind in _BATCH_NORMS and isinstance(getattr(node, "_saved_training", None), bool):
+            # normalised over every axis but the channels' (1): with running statistics a
+            # per-channel scale and shift, row by row; with the batch's, a mixing
+            status, _ = self._in(node, 0, depth)
+            if status is None or nr != 0 or status[0] == 1:
+                return None
+            if node._saved_training:
+                self.mixing = "a batch normalisation with the batch's statistics"
+                return None
+            return status
         if kind == "NativeLayerNormBackward0":
             status, inp = self._in(node, 0, depth)
             if status is None or inp is None or nr != 0:
