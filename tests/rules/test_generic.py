@@ -241,6 +241,63 @@ def test_custom_module(n, mid, seed):
     check_first_order(model, lossfunc, x, y, ref)
 
 
+class Router(nn.Module):
+    """A mixture-of-experts router: its outputs are the logits and what is computed from them
+    inside the module (softmax weights, the top-k choice)."""
+
+    def __init__(self, d: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d))
+        self.temperature = nn.Parameter(torch.tensor(1.3))
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = nn.functional.linear(h, self.weight)
+        weights = (logits / self.temperature).softmax(-1)  # a parameter of its own on the way
+        top = weights.topk(2, -1)
+        return logits, top.values, top.indices
+
+
+class Routed(nn.Module):
+    """Two experts mixed by the router's weights; ``use_logits`` also feeds the logits to the
+    head (an auxiliary path from outside the router)."""
+
+    def __init__(self, use_logits: bool) -> None:
+        super().__init__()
+        self.router = Router(4, 3)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 3)
+        self.use_logits = use_logits
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits, w, idx = self.router(x)
+        outs = torch.stack([e(x) for e in self.experts], 1)  # [N, 3, 4]
+        picked = outs.gather(1, idx[..., None].expand(-1, -1, 4))  # [N, 2, 4]
+        z = self.head((w[..., None] * picked).sum(1))
+        return z + logits.tanh() if self.use_logits else z
+
+
+@pytest.mark.parametrize("use_logits", [False, True])
+def test_outputs_computed_from_other_outputs(use_logits: bool) -> None:
+    """An output that another output was computed from inside the module gets, at its own
+    node, the other's gradient too; the rule's vector-Jacobian product of the whole call
+    must not count it again (it did: per-sample gradients 2× the router's). First order and
+    the GGN diagonal against ``torch.func`` / the dense GGN."""
+    from backprism.extensions import DiagGGNExact
+    from tests.reference import diag_blocks, ggn_blocks, split
+
+    torch.manual_seed(0)
+    model = extend(Routed(use_logits).to(DT))
+    x, y = torch.randn(5, 4, dtype=DT), _labels(5, 3, 0)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    check_first_order(model, lossfunc, x, y, per_sample_grads(model, lossfunc, x, y))
+    G, _, _ = ggn_blocks(model, lossfunc, x, y)
+    want = split(diag_blocks(G), model, lead=1)
+    with collect(DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, want[name].sum(0), msg=name)
+
+
 def test_generic_rule_is_the_fallback():
     assert isinstance(get_rule(Custom(2, 2)), generic.GenericRule)
     assert isinstance(get_rule(nn.MultiheadAttention(2, 1)), generic.GenericRule)

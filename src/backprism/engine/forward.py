@@ -370,12 +370,41 @@ def _descendant_params(
             _descendant_params(sub, path + ".", ran, released, params, seen)
 
 
-def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def module_forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     with _NO_TORCH_FUNCTION():
-        _module_forward(module, args, kwargs, output)
+        return _module_forward(module, args, kwargs, output)
 
 
-def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+#: nodes a walk of one call's own graph visits at most (:func:`_inner_outputs`)
+_MAX_INNER_WALK = 100_000
+
+
+def _inner_outputs(outs: list[Tensor], inputs: list[Tensor]) -> set[int]:
+    """Indices of the outputs that another output was computed from inside the call (a
+    router's ``(logits, logits.softmax(-1))``): a walk of the call's own graph from the
+    outputs' nodes, stopping at the inputs' edges."""
+    stop = {(id(a.grad_fn), a.output_nr) for a in inputs if a.grad_fn is not None}
+    targets = {(id(o.grad_fn), o.output_nr): i for i, o in enumerate(outs) if o.grad_fn}
+    targets = {key: i for key, i in targets.items() if key not in stop}  # (inputs returned)
+    if not targets:
+        return set()
+    found: set[int] = set()
+    stack = list({id(o.grad_fn): o.grad_fn for o in outs if o.grad_fn is not None}.values())
+    seen = {id(f) for f in stack}
+    while stack and len(seen) < _MAX_INNER_WALK:
+        for f, k in stack.pop().next_functions:
+            if f is None:
+                continue
+            key = (id(f), k)
+            if key in targets:
+                found.add(targets[key])
+            if key not in stop and id(f) not in seen:
+                seen.add(id(f))
+                stack.append(f)
+    return found
+
+
+def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     arg_tensors: list[Tensor]
     call_args: tuple
     call_kwargs: dict[str, Any]
@@ -438,6 +467,19 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         params.update((k, p) for k, p in originals(module).items() if id(p) not in released)
     if not arg_tensors and (not params or isinstance(module, _PARAMETRIZATIONS)):
         return  # (a parametrization's originals are refused by name, engine.backward)
+    replaced = None
+    if len(outs) > 1 and params:
+        inner = _inner_outputs(outs, arg_tensors)
+        if inner:
+            # an output computed from another inside the call: the gradient at the latter
+            # would carry the former's back through the module too, counted again by the
+            # rule's vector-Jacobian product of the whole call; the model gets it through an
+            # alias, whose gradient is only what reaches it from outside
+            aliases = {id(outs[i]): outs[i].view_as(outs[i]) for i in inner}
+            outs = [aliases.get(id(o), o) for o in outs]
+            replaced = tree_map(
+                lambda t: aliases.get(id(t), t) if isinstance(t, Tensor) else t, output
+            )
     # (a call without tensor inputs, a relative position bias table's module in Hugging Face's
     # BEiT: its output is the same for every sample, widened where it meets them)
     kept: Kept | None = frame[4]
@@ -463,11 +505,12 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
             # the mode follows such a batch axis through operations; without it the backward's
             # layout checks refuse what they cannot tell apart, and later forwards are recorded
             forget_mode_free(FORWARD.root_stack[0])
-        return
+        return replaced
     capture(
         module, call_args, call_kwargs, arg_tensors, outs, params, live=(args, kwargs),
         inner=kept,
     )
+    return replaced
 
 
 def _plain_leaf_call(module: nn.Module, x: Tensor, stack: list[list[Any]]) -> bool:
