@@ -32,8 +32,9 @@ from backprism.extensions import (
     SumGradSquared,
     Variance,
 )
+from backprism.rules.generic import GenericRuleWarning
 from tests.common import assert_first_order, assert_nothing_written, gather
-from tests.reference import diag_blocks, ggn_blocks, per_sample_grads
+from tests.reference import diag_blocks, ggn_blocks, per_sample_grads, per_sample_grads_loop
 
 DT = torch.float64
 TOL = {"atol": 1e-10, "rtol": 1e-8}
@@ -255,11 +256,37 @@ def test_batch_norm_on_rows_that_fold_the_samples() -> None:
     _first_order_exact(model, torch.randn(3, 4, D, dtype=DT), torch.randint(0, C, (3,)))
 
 
-def _first_order_exact(model: nn.Module, x: Tensor, y: Tensor) -> None:
+def test_rnn_on_rows_that_fold_the_samples() -> None:
+    """An LSTM over the rows of images, ``[N·H, W, C]`` (timm's Sequencer2d): the generic rule
+    runs it on a sample's ``H`` rows at once; its ``h_n`` ``[layers, N·H, hidden]`` holds the
+    rows on axis 1."""
+
+    class RowLSTM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(D, 4, num_layers=2, batch_first=True)
+            self.head = nn.Linear(4, C)
+
+        def forward(self, x: Tensor) -> Tensor:
+            n, h, w, _ = x.shape
+            out, _ = self.rnn(x.reshape(n * h, w, D))
+            return self.head(out.reshape(n, h, w, 4).mean((1, 2)))
+
+    torch.manual_seed(0)
+    model = RowLSTM().to(DT)
+    x, y = torch.randn(3, 2, 5, D, dtype=DT), torch.randint(0, C, (3,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GenericRuleWarning)
+        _first_order_exact(model, x, y, per_sample_grads_loop)  # (vmap cannot run an LSTM)
+
+
+def _first_order_exact(
+    model: nn.Module, x: Tensor, y: Tensor, reference: Callable = per_sample_grads
+) -> None:
     """First-order statistics of the extended ``model`` under a cross-entropy loss against
     ``torch.func``'s per-sample gradients."""
     lossfunc = nn.CrossEntropyLoss()
-    ref = per_sample_grads(model, lossfunc, x, y)
+    ref = reference(model, lossfunc, x, y)
     extend(model)
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lossfunc(model(x), y).backward()

@@ -298,6 +298,53 @@ def test_outputs_computed_from_other_outputs(use_logits: bool) -> None:
         torch.testing.assert_close(p.diag_ggn_exact, want[name].sum(0), msg=name)
 
 
+class MaskedMix(nn.Module):
+    """A leaf module (generic rule) taking a per-sample ``[N, T, d]`` input and a ``[T, T]``
+    table the same for every sample (Funnel's class mask): with ``T = N`` axis 0 of the table
+    has the batch's size."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x: Tensor, table: Tensor, ones: Tensor) -> Tensor:
+        scores = torch.einsum("ntd,de,nse->nts", x, self.weight, x) * table
+        return (scores.softmax(-1) @ x) * ones[:, :, None]
+
+
+class WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = MaskedMix(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t = x.shape[:2]
+        table = nn.functional.pad(x.new_ones(t - 1, t - 1), (1, 0, 1, 0)).tril()
+        ones = torch.ones(n, t, dtype=x.dtype)  # the same for every sample, with the batch
+        return self.head(self.mix(x, table, ones).mean(1))
+
+
+@pytest.mark.parametrize("t", [3, 4])
+def test_input_the_same_for_every_sample_is_not_split(t: int) -> None:
+    """An input that the forward mode finds the same for every sample and whose rows differ
+    is shared even where its axis 0 has the batch's size (``T = N = 3``), also in later
+    forwards run outside ``collect`` (the model keeps the forward mode that tells it); a
+    batch of equal rows is split as any batch."""
+    torch.manual_seed(0)
+    model = extend(WithTable().to(DT))
+    x, y = torch.randn(3, t, 4, dtype=DT), _labels(3, 3, 0)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    ref = per_sample_grads(model, lossfunc, x, y)
+    check_first_order(model, lossfunc, x, y, ref)
+    for _ in range(2):
+        model.zero_grad()
+        loss = lossfunc(model(x), y)
+        with collect(BatchGrad()):
+            loss.backward()
+        torch.testing.assert_close(model.mix.weight.grad_batch, ref["mix.weight"])
+
+
 def test_generic_rule_is_the_fallback():
     assert isinstance(get_rule(Custom(2, 2)), generic.GenericRule)
     assert isinstance(get_rule(nn.MultiheadAttention(2, 1)), generic.GenericRule)

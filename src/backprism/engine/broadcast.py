@@ -185,7 +185,9 @@ def _folded_repeat(name: str, src: Any, args: tuple, out: Tensor) -> int:
 #: factory functions: their results are the same for every sample
 _FACTORIES = frozenset(
     {"arange", "range", "zeros", "ones", "full", "empty", "linspace", "logspace", "eye",
-     "tensor", "as_tensor", "tril_indices", "triu_indices"}
+     "tensor", "as_tensor", "tril_indices", "triu_indices",
+     # (x.new_ones(size): x gives the dtype and device only)
+     "new_ones", "new_zeros", "new_full", "new_empty", "new_tensor"}
 )
 
 

@@ -614,9 +614,17 @@ def capture(
         assumed_axis=axis is None and not layout_ok,
         inner=inner,
         owner=_releaser(params),
+        shared_inputs=frozenset(i for i, src in enumerate(sources) if src is not None),
     )
     if not attach(call, outs):
         return None
+    if call.shared_inputs and getattr(get_rule(module), "folds_rows", False) and any(
+        arg_tensors[i].dim() and arg_tensors[i].shape[0] == batch_size
+        for i in call.shared_inputs
+    ):
+        # the generic rule splits inputs whose axis 0 has the batch's size, but for these
+        # (the same for every sample): only the forward mode tells them, so the model keeps it
+        FORWARD.acted += 1
     if shareable and call.owner is None and (free or not call.input_edges):
         # (a functional use of a released parameter is not: its release may be undone)
         setattr(outs[0], SHARED, (call, None, None))

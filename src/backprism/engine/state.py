@@ -201,6 +201,10 @@ class Call:
         pass_: the backward pass processing this call right now (set and cleared by it).
         seq: the call's place in the order calls were recorded (:data:`_CALL_SEQ`); a call
             widened over the samples keeps the number of the call it replaces.
+        shared_inputs: positions, among the call's tensor inputs (in ``tree_flatten`` order of
+            ``(args, kwargs)``), of those the forward mode found the same for every sample
+            (:data:`FREE`: a mask built with ``torch.ones``, indices from ``torch.arange``):
+            not split over the samples even where their axis 0 has the batch's size.
     """
 
     module: nn.Module
@@ -228,6 +232,7 @@ class Call:
     meets: tuple[Any, ...] = ()
     unsplit: str | None = None
     seq: int = field(default_factory=lambda: next(_CALL_SEQ))
+    shared_inputs: frozenset[int] = frozenset()
 
     @property
     def hook_module(self) -> nn.Module:

@@ -218,6 +218,11 @@ def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int, fold: int = 
     return None
 
 
+def _rows_differ(x: Tensor) -> bool:
+    """Whether the rows (along axis 0) of ``x`` are not all equal."""
+    return x.dim() > 0 and x.shape[0] > 1 and not bool((x == x[:1]).all())
+
+
 def _named_arguments(module: nn.Module, call: Call) -> list[tuple[str | None, Any]]:
     """``(name, value)`` for every positional then keyword argument of the call."""
     try:
@@ -247,8 +252,18 @@ class _Inputs:
         self.keys = list(call.kwargs)
         self.leaves, self.treedef = tree_flatten(([v for _, v in named],))
         self.specs: list[_Spec] = []
+        tensors = 0
         for name, value in named:
             for leaf in tree_flatten(value)[0]:
+                if isinstance(leaf, Tensor):
+                    tensors += 1
+                    if tensors - 1 in call.shared_inputs and _rows_differ(leaf):
+                        # the same for every sample, yet its rows differ: axis 0 is not the
+                        # samples' even where it has their number (Funnel's [T, T] class mask
+                        # with T = N); shared. (A batch of equal rows, a mask of ones
+                        # [N, T], is split: each sample gets its row, the same either way.)
+                        self.specs.append(None)
+                        continue
                 self.specs.append(_leaf_spec(module, name, leaf, n, call.fold))
         if len(self.specs) != len(self.leaves):  # pragma: no cover - defensive
             raise RuntimeError(f"backprism: could not flatten the inputs of {_name(module)}")
@@ -283,38 +298,49 @@ class _Inputs:
 
 
 def _sample_columns(g: Tensor, axis: int, n: int) -> Tensor:
-    """Columns ``[M, *out.shape]`` with the samples on axis 1: ``[M, N, *rest]``, or
-    ``[M, N, k, *rest]`` for the rows of a folded batch (:data:`ROWS`)."""
-    if axis == ROWS:
-        return g.reshape(g.shape[0], n, g.shape[1] // n, *g.shape[2:])
+    """Columns ``[M, *out.shape]`` with the samples on axis 1: ``[M, N, *rest]``, or for the
+    rows of a folded batch on axis ``a`` (:func:`rows_on`) ``[M, N, *before, k, *after]``."""
+    if axis < 0:
+        a = -axis  # (the rows' axis in g, after M)
+        return g.unflatten(a, (n, g.shape[a] // n)).movedim(a, 1)
     return g.movedim(axis + 1, 1)
 
 
 def _one_cotangent(c: Tensor, axis: int, lead: int) -> Tensor:
     """One sample's columns in the layout of a one-sample output: the batch axis of size 1
     restored (after ``lead`` leading axes), or a folded batch's ``k`` rows as they are."""
-    return c if axis == ROWS else c.unsqueeze(axis + lead)
+    return c if axis < 0 else c.unsqueeze(axis + lead)
 
 
 def _tensor_outputs(out: Any) -> list[Tensor]:
     return [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
 
 
+def rows_on(axis: int) -> int:
+    """The batch axis of an output on a folded batch whose ``fold·N`` rows are on ``axis``
+    (``-1`` for axis 0, :data:`ROWS`; an RNN's ``h_n`` has them on axis 1)."""
+    return -(axis + 1)
+
+
 #: the batch axis of an output on a folded batch: its ``fold·N`` rows on axis 0
-ROWS = -1
+ROWS = rows_on(0)
 
 
 def _batch_axis(
     module: nn.Module, i: int, real: torch.Size, one: torch.Size, n: int, fold: int = 1
 ) -> int:
     """The axis of output ``i`` holding the batch: ``real`` has ``n`` where ``one`` has 1 (on
-    a folded batch: ``real`` has ``fold·n`` rows on axis 0 where ``one`` has ``fold``,
-    :data:`ROWS`)."""
-    if fold > 1:
-        if len(real) == len(one) and real[0] == n * fold and one[0] == fold and (
-            real[1:] == one[1:]
-        ):
-            return ROWS
+    a folded batch: ``real`` has ``fold·n`` rows where ``one`` has ``fold``, on axis 0 for
+    most outputs, :data:`ROWS`, on axis 1 for an RNN's ``h_n``: :func:`rows_on`)."""
+    if fold > 1 and len(real) == len(one):
+        for a in range(len(real)):
+            if (
+                real[a] == n * fold
+                and one[a] == fold
+                and real[:a] == one[:a]
+                and real[a + 1 :] == one[a + 1 :]
+            ):
+                return rows_on(a)
     elif len(real) == len(one):
         for a in range(len(real)):
             if (
