@@ -345,6 +345,34 @@ def test_input_the_same_for_every_sample_is_not_split(t: int) -> None:
         torch.testing.assert_close(model.mix.weight.grad_batch, ref["mix.weight"])
 
 
+class _Cache:
+    """State of the whole batch in an object (a generation cache)."""
+
+    def __init__(self, state: Tensor) -> None:
+        self.state = state
+
+
+class Cached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: Tensor, cache: _Cache) -> Tensor:
+        return torch.cat([cache.state, x], -1) @ torch.cat([self.weight, self.weight]).tanh()
+
+
+def test_failing_one_sample_run_is_explained() -> None:
+    """A module whose run on one sample fails because an argument the rule cannot split holds
+    the whole batch's state: the error names the object and the way out."""
+    torch.manual_seed(0)
+    model = extend(Cached().to(DT))
+    x = torch.randn(3, 4, dtype=DT)
+    refused = pytest.raises(RuntimeError, match=r"one sample at a time.*_Cache.*use_cache=False")
+    with refused, warnings.catch_warnings(), collect(BatchGrad()):
+        warnings.simplefilter("ignore", generic.GenericRuleWarning)
+        model(x, _Cache(torch.randn(3, 4, dtype=DT))).sum().backward()
+
+
 def test_generic_rule_is_the_fallback():
     assert isinstance(get_rule(Custom(2, 2)), generic.GenericRule)
     assert isinstance(get_rule(nn.MultiheadAttention(2, 1)), generic.GenericRule)

@@ -218,6 +218,27 @@ def _leaf_spec(module: nn.Module, name: str | None, x: Any, n: int, fold: int = 
     return None
 
 
+def _one_sample_failed(call: Call, err: BaseException) -> str:
+    """Why the generic rule's run of ``call``'s module on one sample failed, and what to do."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    plain = (Tensor, int, float, bool, str, type(None))
+    objects = sorted(
+        {type(v).__name__ for v in tree_flatten((call.args, call.kwargs))[0]
+         if not isinstance(v, plain)}
+    )
+    hint = (
+        f" Its arguments include objects that every sample's run gets unchanged "
+        f"({', '.join(objects)}); one that holds state of the whole batch (a generation "
+        "cache: pass use_cache=False to the model) cannot serve a run on one sample."
+        if objects else ""
+    )
+    return (
+        f"backprism: the generic rule runs {_name(call.module)} on one sample at a time, and "
+        f"that run failed ({first}).{hint} Register a Rule for the module type, or freeze its "
+        "parameters (requires_grad_(False)) to analyse the rest"
+    )
+
+
 def _rows_differ(x: Tensor) -> bool:
     """Whether the rows (along axis 0) of ``x`` are not all equal."""
     return x.dim() > 0 and x.shape[0] > 1 and not bool((x == x[:1]).all())
@@ -577,8 +598,11 @@ class GenericRule(Rule):
             )
 
         # output layout from a one-sample forward
-        with torch.no_grad():
-            one = run(primals, *inputs.sample(inputs.index(0)))
+        try:
+            with torch.no_grad():
+                one = run(primals, *inputs.sample(inputs.index(0)))
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            raise RuntimeError(_one_sample_failed(call, err)) from err
         if len(one) != len(gs):
             raise RuntimeError(
                 f"backprism: {_name(module)} gave {len(one)} tensor outputs on one sample but "
