@@ -345,6 +345,34 @@ def test_input_the_same_for_every_sample_is_not_split(t: int) -> None:
         torch.testing.assert_close(model.mix.weight.grad_batch, ref["mix.weight"])
 
 
+class Buffered(nn.Module):
+    """A buffer from a factory (the same for every sample) into which per-sample values are
+    written in place (Longformer's global-attention buffer) before a generic-rule module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.mix = Cached()  # (generic rule; an empty cache)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        buf = x.new_zeros(h.shape)
+        buf[:, :] = h
+        return self.head(self.mix(buf, _Cache(torch.zeros(0))).mean(1))
+
+
+def test_factory_tensor_written_with_samples_is_per_sample() -> None:
+    """``buf = x.new_zeros(...); buf[...] = h``: after the write it holds the samples' values,
+    so the generic rule splits it (it is no longer the same for every sample)."""
+    torch.manual_seed(0)
+    model = extend(Buffered().to(DT))
+    x, y = torch.randn(3, 3, 4, dtype=DT), _labels(3, 3, 0)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", generic.GenericRuleWarning)
+        check_first_order(model, lossfunc, x, y, per_sample_grads_loop(model, lossfunc, x, y))
+
+
 class _Cache:
     """State of the whole batch in an object (a generation cache)."""
 
@@ -358,6 +386,8 @@ class Cached(nn.Module):
         self.weight = nn.Parameter(torch.randn(4, 4))
 
     def forward(self, x: Tensor, cache: _Cache) -> Tensor:
+        if not cache.state.numel():
+            return torch.tanh(x @ self.weight) * x.sum(-1, keepdim=True)
         return torch.cat([cache.state, x], -1) @ torch.cat([self.weight, self.weight]).tanh()
 
 

@@ -191,6 +191,22 @@ _FACTORIES = frozenset(
 )
 
 
+def _in_place(name: str) -> bool:
+    """Whether the operation ``name`` writes into its first operand (``x.add_``, ``x[i] = v``,
+    ``x += v``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or (
+        name.startswith("__i") and name.endswith("__")
+    )
+
+
+def _unmark(t: Tensor) -> None:
+    """``t`` (and the tensor it is a view of, whose memory it shares) now holds values of the
+    samples: no longer :data:`~backprism.engine.state.FREE`."""
+    for x in (t, t._base):
+        if x is not None and hasattr(x, FREE):
+            delattr(x, FREE)
+
+
 def mark_free(name: str, args: tuple, kwargs: dict, out: Any) -> None:
     """Mark ``out`` :data:`~backprism.engine.state.FREE` if it is the same for every sample:
     a factory function's result, or an operation's whose tensor operands all are (a copy of
@@ -204,6 +220,8 @@ def mark_free(name: str, args: tuple, kwargs: dict, out: Any) -> None:
                 if isinstance(t, Tensor):
                     src = getattr(t, FREE, None)
                     if src is None:  # (the common case: a per-sample operand, at once)
+                        if _in_place(name) and args and isinstance(args[0], Tensor):
+                            _unmark(args[0])  # per-sample values written into it
                         return
                     tensors += 1
                     for c in src:
