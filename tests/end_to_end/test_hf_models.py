@@ -462,3 +462,98 @@ def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: d
     for k, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **tol, msg=k)
+
+
+class _LastToken(nn.Module):
+    """A causal LM's logits at the last position, ``[N, V]``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x, use_cache=False).logits[:, -1]
+
+
+def _perturbed(model: nn.Module) -> nn.Module:
+    """Parameters and running statistics moved off their initial values (zeros and ones hide
+    errors), in eval mode."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("running_mean"):
+                b.normal_()
+            elif name.endswith("running_var"):
+                b.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def test_mixtral_router_outputs_computed_from_each_other():
+    """Hugging Face's Mixtral: the top-k router returns its logits and the routing weights
+    computed from them; its per-sample gradients were counted twice (the routing weights'
+    gradient reaches the logits' node too) until the router hands the model an alias of the
+    logits. First order and the exact GGN diagonal against loop references."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, vocab_size=11,
+        max_position_embeddings=16, experts_implementation="eager",  # (grouped: float32 only)
+    )
+    model = _LastToken(_quiet(lambda: transformers.MixtralForCausalLM(cfg))).to(DT)
+    x, y = torch.randint(0, 11, (N, 5)), torch.randint(0, 11, (N,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its RMSNorm normalises in float32, as Llama's)
+        _against_loops(extend(_perturbed(model)), nn.CrossEntropyLoss(), x, y, LOOSE)
+
+
+def _row_grads(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Per-sample gradients of the mean cross-entropy as the gradients of each row of the
+    batch's loss (for models whose one-sample runs differ from their rows in a batch)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    rows = nn.functional.cross_entropy(model(x), y, reduction="none") / len(y)
+    grads = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
+    return {k: torch.stack([g[i] for g in grads]) for i, k in enumerate(params)}
+
+
+def test_levit_batch_norm_on_rows_folding_the_samples():
+    """Hugging Face's LeViT: BatchNorm1d (eval) on ``[N·T, C]`` rows after its Linear layers;
+    ``variance`` of the norms' parameters is over the ``N`` samples (it was over the rows)."""
+    cfg = transformers.LevitConfig(
+        image_size=32, hidden_sizes=[16, 24, 32], num_attention_heads=[1, 2, 2],
+        depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=3,
+        down_ops=[["Subsample", 8, 1, 4, 2, 2], ["Subsample", 8, 2, 4, 2, 2]],
+    )
+    model = Logits(_quiet(lambda: transformers.LevitForImageClassification(cfg))).to(DT)
+    model = _perturbed(model)
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 3, 32, 32, dtype=DT), torch.randint(0, 3, (N,))
+    # (the reference from the rows of one batch: run on one sample alone, its first layer's
+    # gradient differs, in plain PyTorch, from that sample's row in the batch)
+    ref = _row_grads(model, x, y)
+    for m in model.modules():  # (in eval mode its attention caches its bias tables, graph
+        if hasattr(m, "attention_bias_cache"):  # included, across forwards)
+            m.attention_bias_cache = {}
+    lossfunc = nn.CrossEntropyLoss()
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(extend(model)(x), y).backward()
+    assert_first_order(model, ref, **TOL)
+
+
+def test_funnel_class_mask_as_long_as_the_batch():
+    """Hugging Face's Funnel Transformer: after pooling, the attention takes a ``[T', T']`` class
+    mask (the same for every sample) with ``T' = 1 + (T − 1)//2 = N``: not split over the
+    samples (it was, silently)."""
+    cfg = transformers.FunnelConfig(
+        vocab_size=13, d_model=8, n_head=2, d_head=4, d_inner=16, block_sizes=[1, 1],
+        num_labels=3,
+    )
+    model = Logits(_quiet(lambda: transformers.FunnelForSequenceClassification(cfg))).to(DT)
+    torch.manual_seed(0)
+    x, y = torch.randint(1, 13, (N, 2 * N)), torch.randint(0, 3, (N,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # (the GGN diagonal through its attention: round-off up to 1e-10 against 1e-2 values)
+        tol = {"rtol": 1e-6, "atol": 1e-9}
+        _against_loops(extend(_perturbed(model)), nn.CrossEntropyLoss(), x, y, tol)
