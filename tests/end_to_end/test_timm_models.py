@@ -462,3 +462,48 @@ def test_forwards_without_the_mode(name: str) -> None:
     assert_first_order(model, ref, **TOL)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_exact, ggn[k].sum(0), **TOL, msg=k)
+
+
+def _row_grads(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Per-sample gradients of the mean cross-entropy: the gradients of each row of the batch's
+    loss (timm's LeViT differs on one sample run alone, in plain PyTorch, from its row)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    rows = nn.functional.cross_entropy(model(x), y, reduction="none") / len(y)
+    grads = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
+    return {k: torch.stack([g[i] for g in grads]) for i, k in enumerate(params)}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # BatchNorm1d (eval) on the rows [N·T, C] of its Linear layers: variance over N
+        "levit_128s",
+        # an LSTM over image rows, [N·H, W, C]: its h_n holds the folded rows on axis 1
+        "sequencer2d_s",
+    ],
+)
+def test_models_on_rows_that_fold_the_samples(name: str) -> None:
+    """First order of timm models whose layers run on the batch folded with another axis,
+    against the gradients of the batch's rows (both failed before: LeViT's norms' variance was
+    over the rows, Sequencer's LSTM stopped the generic rule)."""
+    kw: dict[str, Any] = {
+        "levit_128s": dict(
+            img_size=32, embed_dim=(16, 24, 32), key_dim=8, num_heads=(2, 2, 2),
+            depth=(1, 1, 1),
+        ),
+        "sequencer2d_s": dict(
+            img_size=16, layers=(1, 1, 1, 1), patch_sizes=(4, 2, 1, 1),
+            embed_dims=(8, 8, 8, 8), hidden_sizes=(4, 4, 4, 4),
+        ),
+    }[name]
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=C, **kw).to(DT).eval()
+    _nontrivial(model)
+    size = kw["img_size"]
+    x, y = torch.randn(N, 3, size, size, dtype=DT), torch.randint(0, C, (N,))
+    ref = _row_grads(model, x, y)
+    for m in model.modules():  # (LeViT's attention caches its bias tables, graph included)
+        if hasattr(m, "attention_bias_cache"):
+            m.attention_bias_cache = {}
+    _run(model, x, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert_first_order(model, ref, **TOL)
