@@ -363,6 +363,8 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: h.unfold(2, 2, 2).flatten(2), (0, 1)),
         (lambda h: h.unfold(0, 2, 1), None),  # windows over the samples
         (lambda h: F.unfold(h[:, None], (2, 2)), (0, 1)),
+        (lambda h: torch.baddbmm(h[:, :, :4], h, h.transpose(1, 2)), (0, 1)),
+        (lambda h: torch.baddbmm(torch.zeros(1, 4, 4), h, h.transpose(1, 2), alpha=0.5), (0, 1)),
         # batch normalisation: with running statistics row by row, with the batch's a mixing
         (lambda h: F.batch_norm(h, torch.zeros(4), torch.ones(4)).reshape(-1, 6), (0, 4)),
         (lambda h: F.batch_norm(h, None, None, training=True), None),

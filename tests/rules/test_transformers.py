@@ -312,3 +312,34 @@ def test_registration_in_either_import_order(order: str):
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "Conv1DRule"
+
+
+def test_bloom_gelu_function_keeps_samples_apart():
+    """Bloom's ``GeLUFunction`` (its GELU in train mode, an elementwise custom function) is
+    declared to the batch analysis when its module is imported: a train-mode pass through it
+    raises no ``UncheckedOperationWarning``, and per-sample gradients match a loop over the
+    samples (``vmap`` cannot run a function without ``setup_context``)."""
+    from transformers.models.bloom import modeling_bloom
+
+    from backprism.engine import UncheckedOperationWarning
+    from tests.reference import per_sample_grads_loop
+
+    class Gelu(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(modeling_bloom.GeLUFunction.apply(self.a(x)))
+
+    torch.manual_seed(0)
+    model = extend(Gelu().to(DT))
+    x, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedOperationWarning)
+        with collect(BatchGrad()):
+            lossfunc(model(x), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, ref[name], **TOL, msg=name)

@@ -399,6 +399,8 @@ class FoldAnalysis:
             return self._cat(node, out, depth, stack=kind == "StackBackward0")
         if kind in ("MmBackward0", "AddmmBackward0"):
             return self._mm(node, 0 if kind == "MmBackward0" else 1, depth)
+        if kind == "BaddbmmBackward0":  # β·input + α·(batch1 @ batch2) (Bloom's ALiBi scores)
+            return self._baddbmm(node, depth)
         if kind == "BmmBackward0":
             first, a = self._in(node, 0, depth)
             second, b = self._in(node, 1, depth)
@@ -484,6 +486,23 @@ class FoldAnalysis:
             and output_shape(*node.next_functions[j]) == out
         }
         return found.pop() if len(found) == 1 else None
+
+    def _baddbmm(self, node: Any, depth: int) -> Status | None:
+        """``baddbmm(input, b1, b2)``: the batched product as ``bmm`` (sample by sample when
+        both carry the samples on axis 0), plus ``input`` with the same status or broadcast
+        (absent from the graph, computed from parameters alone, or free of the samples)."""
+        first, a = self._in(node, 1, depth)
+        second, b = self._in(node, 2, depth)
+        if first is None or second is None:
+            return None
+        if first != second or first[0] != 0:
+            self.mixing = f"a batched matrix product (baddbmm) of shapes {a} and {b}"
+            return None
+        f = node.next_functions[0][0]
+        if f is None or _param_only(f) or self.sample_free(f):
+            return first
+        added, _ = self._in(node, 0, depth)
+        return first if added == first else None
 
     def _along(self, node: Any, dim: Any, what: str, depth: int) -> Status | None:
         """An operation along axis ``dim`` of its input, row by row along the others: along

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from backprism.engine.fold import keeps_samples_apart
 from backprism.engine.rule import Call, Outer, Rule, register_rule
 from backprism.engine.state import suspended
 from backprism.rules.generic import GenericRule
@@ -278,6 +279,15 @@ def _register_module(mod: ModuleType) -> None:
         norms = [obj for k, obj in vars(mod).items() if _is_norm_class(k, obj, name)]
         if norms:
             register_rule(*norms)(ScaledNormRule)
+        for fname in _SAMPLE_WISE_FUNCTIONS.get(name, ()):
+            fn = getattr(mod, fname, None)
+            if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+                keeps_samples_apart(fn)
+
+
+#: custom ``autograd.Function`` s of ``transformers`` that work element by element, declared
+#: to the batch analysis (:func:`~backprism.engine.fold.keeps_samples_apart`)
+_SAMPLE_WISE_FUNCTIONS = {"transformers.models.bloom.modeling_bloom": ("GeLUFunction",)}
 
 
 def _wanted(fullname: str) -> bool:
