@@ -276,6 +276,32 @@ INPLACE_EXTS = {
 }
 
 
+class ScaledInPlace(nn.Module):
+    """A Linear's output on a 3-d input (a view of its 2-d product) scaled in place
+    (Hugging Face's Longformer does so with its global queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(5, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        h /= 2.0
+        return self.head(h.mean(1))
+
+
+def test_in_place_through_a_view_of_an_output_is_named() -> None:
+    """Autograd replaces the node where the call was recorded: refused before anything is
+    written, naming the in-place operation on a view and the way out (not "used outside the
+    forward")."""
+    model, lf = extend(ScaledInPlace().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 4, 5, dtype=DT), seeded_labels((3,), 3)
+    refused = pytest.raises(RuntimeError, match=r"modified in place through a view.*h = h / s")
+    with refused, collect(BatchGrad()):
+        lf(model(X), y).backward()
+    assert_nothing_written(model)
+
+
 @pytest.mark.parametrize("ext_name", list(INPLACE_EXTS))
 @pytest.mark.parametrize("name", list(INPLACE))
 def test_inplace_after_captured_output(name: str, ext_name: str) -> None:

@@ -370,6 +370,16 @@ class BackwardPass:
                     "its own (e.g. (x * a) * b instead of x * (a * b)), or freeze the "
                     "parameter (requires_grad_(False)) to analyse the rest"
                 )
+            if node is not None and _overwritten_view(node, view):
+                raise RuntimeError(
+                    f"backprism: the parameter {name} is used by {_node_name(node)} whose "
+                    "result was then modified in place through a view of it (e.g. `h /= s` "
+                    "on a Linear's 3-d output, which is a view: Hugging Face's Longformer "
+                    "scales its global queries so). Autograd then replaces the node where "
+                    f"backprism recorded the call, so {_names(exts)} cannot attribute the use. "
+                    "Use an out-of-place operation there (h = h / s), or freeze the parameter "
+                    "(requires_grad_(False)) to analyse the rest"
+                )
             raise RuntimeError(
                 f"backprism: the parameter {name} is used by "
                 f"{_node_name(node)} outside the forward of every extended module that owns it "
@@ -1378,6 +1388,15 @@ def modeless_note(view: GraphView) -> str:
         ". (This forward ran without backprism's forward mode, which the model's first forward "
         "did not need; its next forwards are recorded again: repeat the forward and backward "
         "pass if the use above lies inside the model)"
+    )
+
+
+def _overwritten_view(node: Any, view: GraphView) -> bool:
+    """Whether the result of ``node`` was modified in place through a view of it (a
+    ``CopySlices`` node of the graph takes it as its base)."""
+    return any(
+        type(f).__name__ == "CopySlices" and any(g is node for g, _ in f.next_functions)
+        for f in view.nodes.values()
     )
 
 
