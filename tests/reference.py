@@ -154,6 +154,16 @@ def per_sample_grads_multi(
     }
 
 
+def per_sample_grads_rows(model: nn.Module, X: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Per-sample gradients of the mean cross-entropy as the gradients of the rows of one batch
+    forward's loss (``ℓₙ/N``), for models whose run on one sample alone differs, in plain
+    PyTorch, from that sample's row in the batch (Hugging Face's and timm's LeViT)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    rows = nn.functional.cross_entropy(model(X), y, reduction="none") / len(y)
+    grads = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
+    return {k: torch.stack([g[i] for g in grads]) for i, k in enumerate(params)}
+
+
 def per_sample_grads_loop(
     model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], X, y
 ) -> dict[str, Tensor]:

@@ -38,7 +38,7 @@ from backprism.extensions import (
 transformers = pytest.importorskip("transformers")
 
 from tests.common import assert_first_order  # noqa: E402
-from tests.reference import diag_ggn, ggn, per_sample_grads  # noqa: E402
+from tests.reference import diag_ggn, ggn, per_sample_grads, per_sample_grads_rows  # noqa: E402
 
 DT = torch.float64
 TOL = {"rtol": 1e-8, "atol": 1e-10}
@@ -508,15 +508,6 @@ def test_mixtral_router_outputs_computed_from_each_other():
         _against_loops(extend(_perturbed(model)), nn.CrossEntropyLoss(), x, y, LOOSE)
 
 
-def _row_grads(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """Per-sample gradients of the mean cross-entropy as the gradients of each row of the
-    batch's loss (for models whose one-sample runs differ from their rows in a batch)."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows = nn.functional.cross_entropy(model(x), y, reduction="none") / len(y)
-    grads = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
-    return {k: torch.stack([g[i] for g in grads]) for i, k in enumerate(params)}
-
-
 def test_levit_batch_norm_on_rows_folding_the_samples():
     """Hugging Face's LeViT: BatchNorm1d (eval) on ``[N·T, C]`` rows after its Linear layers;
     ``variance`` of the norms' parameters is over the ``N`` samples (it was over the rows)."""
@@ -531,7 +522,7 @@ def test_levit_batch_norm_on_rows_folding_the_samples():
     x, y = torch.randn(N, 3, 32, 32, dtype=DT), torch.randint(0, 3, (N,))
     # (the reference from the rows of one batch: run on one sample alone, its first layer's
     # gradient differs, in plain PyTorch, from that sample's row in the batch)
-    ref = _row_grads(model, x, y)
+    ref = per_sample_grads_rows(model, x, y)
     for m in model.modules():  # (in eval mode its attention caches its bias tables, graph
         if hasattr(m, "attention_bias_cache"):  # included, across forwards)
             m.attention_bias_cache = {}

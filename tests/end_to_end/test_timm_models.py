@@ -62,7 +62,12 @@ from timm.models.swin_transformer import SwinTransformer
 from timm.models.vision_transformer import VisionTransformer
 
 from tests.common import assert_first_order
-from tests.reference import batch_diag_ggn_loop, per_sample_grads, per_sample_grads_loop
+from tests.reference import (
+    batch_diag_ggn_loop,
+    per_sample_grads,
+    per_sample_grads_loop,
+    per_sample_grads_rows,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop"),
@@ -464,15 +469,6 @@ def test_forwards_without_the_mode(name: str) -> None:
         torch.testing.assert_close(p.diag_ggn_exact, ggn[k].sum(0), **TOL, msg=k)
 
 
-def _row_grads(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """Per-sample gradients of the mean cross-entropy: the gradients of each row of the batch's
-    loss (timm's LeViT differs on one sample run alone, in plain PyTorch, from its row)."""
-    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
-    rows = nn.functional.cross_entropy(model(x), y, reduction="none") / len(y)
-    grads = [torch.autograd.grad(r, list(params.values()), retain_graph=True) for r in rows]
-    return {k: torch.stack([g[i] for g in grads]) for i, k in enumerate(params)}
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -501,7 +497,7 @@ def test_models_on_rows_that_fold_the_samples(name: str) -> None:
     _nontrivial(model)
     size = kw["img_size"]
     x, y = torch.randn(N, 3, size, size, dtype=DT), torch.randint(0, C, (N,))
-    ref = _row_grads(model, x, y)
+    ref = per_sample_grads_rows(model, x, y)
     for m in model.modules():  # (LeViT's attention caches its bias tables, graph included)
         if hasattr(m, "attention_bias_cache"):
             m.attention_bias_cache = {}
