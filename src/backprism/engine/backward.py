@@ -304,8 +304,6 @@ class BackwardPass:
                 "an empty batch are undefined. Skip empty batches before the forward pass"
             )
         if sizes and exts:
-            counts = Counter(c.batch_size for c in self.calls if c.params)
-            self.n_samples = counts.most_common(1)[0][0]
             self._check_layouts(exts)  # (may move calls to the samples' axis)
             sizes = sorted({c.batch_size for c in self.calls if c.params})
         if sizes:
@@ -525,11 +523,12 @@ class BackwardPass:
         (:func:`~backprism.engine.rule.move_batch_axis`), and is refused otherwise; its
         outputs anchor the calls after it on the axes it then has. A call whose input's axis
         is not known stays as recorded (:meth:`_check_assumed_axes`)."""
+        # the samples' number: that of the calls on the model's inputs, else the most common
         roots = Counter(
             c.batch_size for c in self.calls
             if c.params and c.versions and not c.versions[0][0].requires_grad
         )
-        n = (roots or Counter([self.n_samples])).most_common(1)[0][0]
+        n = (roots or Counter(c.batch_size for c in self.calls if c.params)).most_common(1)[0][0]
         if n < 2:
             return
         analysis = FoldAnalysis(n, {})

@@ -320,7 +320,7 @@ class _Inputs:
 
 def _sample_columns(g: Tensor, axis: int, n: int) -> Tensor:
     """Columns ``[M, *out.shape]`` with the samples on axis 1: ``[M, N, *rest]``, or for the
-    rows of a folded batch on axis ``a`` (:func:`rows_on`) ``[M, N, *before, k, *after]``."""
+    rows of a folded batch on axis ``a`` (:func:`_rows_on`) ``[M, N, *before, k, *after]``."""
     if axis < 0:
         a = -axis  # (the rows' axis in g, after M)
         return g.unflatten(a, (n, g.shape[a] // n)).movedim(a, 1)
@@ -337,14 +337,10 @@ def _tensor_outputs(out: Any) -> list[Tensor]:
     return [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)]
 
 
-def rows_on(axis: int) -> int:
-    """The batch axis of an output on a folded batch whose ``fold·N`` rows are on ``axis``
-    (``-1`` for axis 0, :data:`ROWS`; an RNN's ``h_n`` has them on axis 1)."""
+def _rows_on(axis: int) -> int:
+    """The batch axis of an output on a folded batch whose ``fold·N`` rows are on ``axis``:
+    ``-1 - axis`` (``-1``: axis 0, most outputs; ``-2``: axis 1, an RNN's ``h_n``)."""
     return -(axis + 1)
-
-
-#: the batch axis of an output on a folded batch: its ``fold·N`` rows on axis 0
-ROWS = rows_on(0)
 
 
 def _batch_axis(
@@ -352,8 +348,8 @@ def _batch_axis(
 ) -> int:
     """The axis of output ``i`` holding the batch: ``real`` has ``n`` where ``one`` has 1 (on
     a folded batch: ``real`` has ``fold·n`` rows where ``one`` has ``fold``, on axis 0 for
-    most outputs, :data:`ROWS`, on axis 1 for an RNN's ``h_n``: :func:`rows_on`)."""
-    if fold > 1 and len(real) == len(one):
+    most outputs, on axis 1 for an RNN's ``h_n``: :func:`_rows_on`)."""
+    if len(real) == len(one):
         for a in range(len(real)):
             if (
                 real[a] == n * fold
@@ -361,16 +357,7 @@ def _batch_axis(
                 and real[:a] == one[:a]
                 and real[a + 1 :] == one[a + 1 :]
             ):
-                return rows_on(a)
-    elif len(real) == len(one):
-        for a in range(len(real)):
-            if (
-                real[a] == n
-                and one[a] == 1
-                and real[:a] == one[:a]
-                and real[a + 1 :] == one[a + 1 :]
-            ):
-                return a
+                return _rows_on(a) if fold > 1 else a
     raise RuntimeError(
         f"backprism: cannot find the batch axis of output {i} of {_name(module)}: the batched "
         f"call gave shape {tuple(real)}, a one-sample call {tuple(one)}. The generic rule needs "
