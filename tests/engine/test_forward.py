@@ -290,6 +290,26 @@ class ScaledInPlace(nn.Module):
         return self.head(h.mean(1))
 
 
+class ScaledAfterUse(ScaledInPlace):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        a = h.sum(1)  # a use of the output before the in-place operation
+        h /= 2.0
+        return self.head(h.mean(1) + a)
+
+
+def test_in_place_through_a_view_after_a_use_is_refused() -> None:
+    """The output's node stays in the graph (``a`` uses it) but part of the gradient reaches
+    the product past it, through the in-place operation's node: refused (it was silently
+    wrong: per-sample gradients off by 0.17, Σₙ grad_batch ≠ .grad)."""
+    model, lf = extend(ScaledAfterUse().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 4, 5, dtype=DT), seeded_labels((3,), 3)
+    refused = pytest.raises(RuntimeError, match=r"modified in place after the output was used")
+    with refused, collect(BatchGrad()):
+        lf(model(X), y).backward()
+    assert_nothing_written(model)
+
+
 def test_in_place_through_a_view_of_an_output_is_named() -> None:
     """Autograd replaces the node where the call was recorded: refused before anything is
     written, naming the in-place operation on a view and the way out (not "used outside the

@@ -386,10 +386,39 @@ class BackwardPass:
                 "extended model (functional uses there are attributed), or compute it in a "
                 f"separate backward pass{modeless_note(view)}"
             )
+        self._check_views_written(exts)
         if self.second:
             self._check_second_order(view)
         # -- distributed (engine.distributed): refusals, then the reduction in end() --------
         self.distributed = _distributed.setup(self)
+
+    def _check_views_written(self, exts: list[Extension]) -> None:
+        """A call whose output is a view of a tensor (a Linear's 3-d output, of its 2-d
+        product) that was then modified in place through another view of it (``h /= s`` after
+        a use of ``h``): gradients reach that tensor past the call's output node, which the
+        call's hook would miss. Refused before anything is written."""
+        if not exts:
+            return
+        bases = {
+            id(f.next_functions[0][0])
+            for f in self.view.nodes.values()
+            if type(f).__name__ == "CopySlices" and f.next_functions
+            and f.next_functions[0][0] is not None
+        }
+        if not bases:
+            return
+        for call, edges in self.calls.items():
+            for e in edges:
+                if e is None or type(e[0]).__name__ not in _VIEW_NODES:
+                    continue
+                if any(id(g) in bases for g, _ in e[0].next_functions[:1] if g is not None):
+                    raise RuntimeError(
+                        f"backprism: the output of {call.name} is a view (of its 2-d product, "
+                        "for a Linear on a 3-d input), and that tensor was modified in place "
+                        f"after the output was used (e.g. `h /= s` after `a = h.sum(1)`): part "
+                        f"of its gradient bypasses the output, so {_names(exts)} would miss "
+                        "it. Use an out-of-place operation there (h = h / s)"
+                    )
 
     def _widen_batch_one(self) -> None:
         """Calls of batch size 1 on inputs without a gradient (position embeddings of
@@ -1390,11 +1419,19 @@ def modeless_note(view: GraphView) -> str:
     )
 
 
+#: backward nodes of views (their output shares its input's memory)
+_VIEW_NODES = frozenset(
+    {"ViewBackward0", "UnsafeViewBackward0", "AsStridedBackward0", "AliasBackward0",
+     "ReshapeAliasBackward0", "ExpandBackward0", "TransposeBackward0", "PermuteBackward0"}
+)
+
+
 def _overwritten_view(node: Any, view: GraphView) -> bool:
     """Whether the result of ``node`` was modified in place through a view of it (a
     ``CopySlices`` node of the graph takes it as its base)."""
     return any(
-        type(f).__name__ == "CopySlices" and any(g is node for g, _ in f.next_functions)
+        type(f).__name__ == "CopySlices" and f.next_functions
+        and f.next_functions[0][0] is node
         for f in view.nodes.values()
     )
 
