@@ -536,7 +536,7 @@ class BackwardPass:
         anchors = {
             (id(e[0]), e[1]): (axis, 1)
             for call, edges in self.calls.items()
-            if call.batch_size == n and call.fold == 1
+            if call.batch_size == n and call.fold == 1 and not call.rebased
             for e, axis in zip(edges, call.output_axes(), strict=True)
             if e is not None
         }
@@ -583,7 +583,7 @@ class BackwardPass:
                         "would take another axis for the samples. Move the samples to "
                         f"axis {want} before {call.name} (h_n[-1], x.transpose(0, 1))"
                     )
-            if call.batch_size == n and call.fold == 1:
+            if call.batch_size == n and call.fold == 1 and not call.rebased:
                 edges = self.calls[call]
                 for e, axis in zip(edges, call.output_axes(), strict=True):
                     if e is not None:
@@ -845,6 +845,8 @@ class BackwardPass:
         def hook(grad_outputs: tuple) -> None:
             grad = grad_outputs[nr]
             if grad is not None and not self.in_columns and call.pass_ is self:
+                if call.rebased:  # (the gradient at the tensor the output views)
+                    grad = grad.reshape(call.out_shapes[0])
                 self.on_output_grad(call, (grad,))
 
         return hook
@@ -1251,7 +1253,10 @@ class BackwardPass:
                     if e is None:
                         gs.append(None)
                     else:
-                        gs.append(flat[i])
+                        col = flat[i]
+                        if call.rebased:  # (columns at the tensor the output views)
+                            col = col.reshape(col.shape[0], *call.out_shapes[0])
+                        gs.append(col)
                         i += 1
                 if all(x is None for x in gs):
                     continue

@@ -38,6 +38,7 @@ from backprism.engine.parametrized import originals
 from backprism.engine.rule import get_rule, move_batch_axis, moves_batch_axis
 from backprism.engine.state import (
     AXIS,
+    BASES,
     CALLS,
     FORWARD,
     FORWARD_LISTENERS,
@@ -554,6 +555,7 @@ def _capture_leaf(module: nn.Module, x: Tensor, args: tuple, out: Tensor) -> Non
         live=(args, {}),
     )
     fn.metadata.setdefault(CALLS, []).append((call, 0, out.output_nr))
+    _note_base(call, out)
     if params and not call.input_edges:
         # on an input that needs no gradient: its output may be shared by all samples
         # (engine.broadcast widens it where it meets them)
@@ -751,6 +753,7 @@ def attach(call: Call, outs: list[Tensor]) -> bool:
     if not grad_outs:
         return False
     if len(outs) == 1:
+        _note_base(call, outs[0])
         return True
     # the hook holds the call, never the outputs (that would be a cycle through the node)
     index = [i for i, _ in grad_outs]
@@ -767,6 +770,19 @@ def attach(call: Call, outs: list[Tensor]) -> bool:
 
     torch.autograd.graph.register_multi_grad_hook([o for _, o in grad_outs], multi_hook)
     return True
+
+
+def _note_base(call: Call, out: Tensor) -> None:
+    """Where ``out`` is a reshaping view of a tensor computed in the graph (a Linear's 3-d
+    output of its 2-d product), note the call on that tensor's node too (:data:`BASES`): an
+    in-place operation through a view of it replaces ``out``'s node, and the graph walk then
+    reads the call there."""
+    base = out._base
+    if (
+        base is not None and base.grad_fn is not None and base.numel() == out.numel()
+        and base.is_contiguous() and out.is_contiguous()
+    ):
+        base.grad_fn.metadata.setdefault(BASES, []).append((call, base.output_nr))
 
 
 def _autocast_dtype(x: Tensor) -> torch.dtype | None:

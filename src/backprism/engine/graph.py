@@ -32,7 +32,16 @@ from typing import Any
 from torch import Tensor, nn
 
 from backprism.engine.loss_nodes import loss_record
-from backprism.engine.state import CALLS, LOSS, ROOT, SITES, Call, LossRecord, RootRecord
+from backprism.engine.state import (
+    BASES,
+    CALLS,
+    LOSS,
+    ROOT,
+    SITES,
+    Call,
+    LossRecord,
+    RootRecord,
+)
 
 __all__ = ["GraphView", "analyse"]
 
@@ -148,13 +157,20 @@ def analyse(roots: list[Tensor]) -> GraphView:
     stack = list(starts)
     calls: dict[Call, list[Any]] = {}
     shared: dict[tuple[int, int], Call] = {}  # (node id, output_nr) → superseded call
+    bases: list[tuple[Call, Any, int]] = []  # (call, node of the tensor its output views, nr)
+    written: set[int] = set()  # nodes of tensors modified in place through a view (CopySlices)
     while stack:
         fn = stack.pop()
         if id(fn) in nodes:
             continue
         nodes[id(fn)] = fn
+        if type(fn).__name__ == "CopySlices" and fn.next_functions:
+            base = fn.next_functions[0][0]
+            if base is not None:
+                written.add(id(base))
         md = fn.metadata
         if md:
+            bases.extend((call, fn, nr) for call, nr in md.get(BASES, ()))
             for call, index, nr in md.get(CALLS, ()):
                 if call.superseded:
                     shared[(id(fn), nr)] = call
@@ -183,6 +199,14 @@ def analyse(roots: list[Tensor]) -> GraphView:
                 consumers.setdefault(id(var), []).append(fn)
             if id(f) not in nodes:
                 stack.append(f)
+    for call in calls:
+        call.rebased = False
+    for call, fn, nr in bases:
+        if id(fn) in written and not call.superseded:
+            # the tensor the call's output views was modified in place through a view: its
+            # output's node is gone or bypassed; the gradient at that tensor is the output's
+            calls[call] = [(fn, nr)]
+            call.rebased = True
     view.calls = calls
     view.unsplit = [c for c in calls if c.unsplit is not None]
     if shared:

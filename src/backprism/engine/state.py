@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "AXIS",
+    "BASES",
     "CALLS",
     "FORWARD",
     "FORWARD_LISTENERS",
@@ -76,6 +77,10 @@ CALLS = "backprism.calls"  # [(Call, output index, output_nr)]
 LOSS = "backprism.loss"  # LossRecord
 ROOT = "backprism.root"  # RootRecord
 SITES = "backprism.sites"  # [Site] (Hessian residual sites and refusals, see engine.residual)
+#: on the node of the tensor a call's output is a reshaping view of (a Linear's 3-d output of
+#: its 2-d product): ``[(Call, output_nr)]``, where the graph reads the call when that tensor
+#: was modified in place through a view (engine.graph)
+BASES = "backprism.bases"
 #: an operation of the forward mode in which parameters met each other before any per-sample
 #: tensor (``a * b`` of two parameters): what they met, for the graph check's refusal
 UNATTRIBUTED = "backprism.unattributed"
@@ -205,6 +210,10 @@ class Call:
             ``(args, kwargs)``), of those the forward mode found the same for every sample
             (:data:`FREE`: a mask built with ``torch.ones``, indices from ``torch.arange``):
             not split over the samples even where their axis 0 has the batch's size.
+        rebased: set by the graph walk of a pass where the call's one output is a reshaping
+            view of a tensor that was modified in place through a view: its output edge is
+            that tensor's node (:data:`BASES`), whose gradients the pass reshapes to the
+            output's shape.
     """
 
     module: nn.Module
@@ -233,6 +242,7 @@ class Call:
     unsplit: str | None = None
     seq: int = field(default_factory=lambda: next(_CALL_SEQ))
     shared_inputs: frozenset[int] = frozenset()
+    rebased: bool = False
 
     @property
     def hook_module(self) -> nn.Module:
