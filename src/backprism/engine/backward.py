@@ -393,10 +393,11 @@ class BackwardPass:
         self.distributed = _distributed.setup(self)
 
     def _check_views_written(self, exts: list[Extension]) -> None:
-        """A call whose output is a view of a tensor (a Linear's 3-d output, of its 2-d
-        product) that was then modified in place through another view of it (``h /= s`` after
-        a use of ``h``): gradients reach that tensor past the call's output node, which the
-        call's hook would miss. Refused before anything is written."""
+        """A call whose output is a view of a tensor that was then modified in place through
+        another view of it (``h /= s`` after a use of ``h``): gradients reach that tensor past
+        the call's output node, which the call's hook would miss. A reshaping view (a Linear's
+        3-d output of its 2-d product) is read at that tensor instead (``Call.rebased``, by the
+        graph walk); any other such view is refused before anything is written."""
         if not exts:
             return
         bases = {
@@ -413,9 +414,9 @@ class BackwardPass:
                     continue
                 if any(id(g) in bases for g, _ in e[0].next_functions[:1] if g is not None):
                     raise RuntimeError(
-                        f"backprism: the output of {call.name} is a view (of its 2-d product, "
-                        "for a Linear on a 3-d input), and that tensor was modified in place "
-                        f"after the output was used (e.g. `h /= s` after `a = h.sum(1)`): part "
+                        f"backprism: the output of {call.name} is a view of another tensor, "
+                        "and that tensor was modified in place through a view after the output "
+                        f"was used (e.g. `h /= s` after `a = h.sum(1)`): part "
                         f"of its gradient bypasses the output, so {_names(exts)} would miss "
                         "it. Use an out-of-place operation there (h = h / s)"
                     )
