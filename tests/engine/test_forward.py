@@ -323,6 +323,42 @@ def test_in_place_through_a_view_of_an_output(make: Callable[[], nn.Module]) -> 
     check_diag_attr(model, "diag_ggn_exact", split(torch.diagonal(G), model))
 
 
+class FirstHalf(nn.Module):
+    """A module whose output is a slice (a view) of what it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x @ self.weight.t())[:, :2]
+
+
+class HalfScaledAfterUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.head = FirstHalf(), nn.Linear(2, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.first(x)
+        a = h.sum(1, keepdim=True)
+        h /= 2.0
+        return self.head(h + a)
+
+
+def test_other_views_written_in_place_after_a_use_are_refused() -> None:
+    """An output that is a slice of the module's result, written in place after a use: the
+    graph walk cannot read the call elsewhere, so the pass is refused before writing."""
+    torch.manual_seed(0)
+    model, lf = extend(HalfScaledAfterUse().to(DT)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 5, dtype=DT), seeded_labels((3,), 3)
+    refused = pytest.raises(RuntimeError, match=r"is a view of another tensor.*h = h / s")
+    with refused, warnings.catch_warnings(), collect(BatchGrad()):
+        warnings.simplefilter("ignore")
+        lf(model(X), y).backward()
+    assert_nothing_written(model)
+
+
 @pytest.mark.parametrize("ext_name", list(INPLACE_EXTS))
 @pytest.mark.parametrize("name", list(INPLACE))
 def test_inplace_after_captured_output(name: str, ext_name: str) -> None:

@@ -1428,7 +1428,8 @@ def modeless_note(view: GraphView) -> str:
 #: backward nodes of views (their output shares its input's memory)
 _VIEW_NODES = frozenset(
     {"ViewBackward0", "UnsafeViewBackward0", "AsStridedBackward0", "AliasBackward0",
-     "ReshapeAliasBackward0", "ExpandBackward0", "TransposeBackward0", "PermuteBackward0"}
+     "ReshapeAliasBackward0", "ExpandBackward0", "TransposeBackward0", "PermuteBackward0",
+     "SliceBackward0", "SelectBackward0", "TBackward0"}
 )
 
 
