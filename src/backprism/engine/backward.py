@@ -368,7 +368,7 @@ class BackwardPass:
                     "its own (e.g. (x * a) * b instead of x * (a * b)), or freeze the "
                     "parameter (requires_grad_(False)) to analyse the rest"
                 )
-            if node is not None and _overwritten_view(node, view):
+            if node is not None and id(node) in view.written:
                 raise RuntimeError(
                     f"backprism: the parameter {name} is used by {_node_name(node)} whose "
                     "result was then modified in place through a view of it (e.g. `h /= s` "
@@ -398,21 +398,14 @@ class BackwardPass:
         the call's output node, which the call's hook would miss. A reshaping view (a Linear's
         3-d output of its 2-d product) is read at that tensor instead (``Call.rebased``, by the
         graph walk); any other such view is refused before anything is written."""
-        if not exts:
-            return
-        bases = {
-            id(f.next_functions[0][0])
-            for f in self.view.nodes.values()
-            if type(f).__name__ == "CopySlices" and f.next_functions
-            and f.next_functions[0][0] is not None
-        }
-        if not bases:
+        written = self.view.written
+        if not exts or not written:
             return
         for call, edges in self.calls.items():
             for e in edges:
                 if e is None or type(e[0]).__name__ not in _VIEW_NODES:
                     continue
-                if any(id(g) in bases for g, _ in e[0].next_functions[:1] if g is not None):
+                if any(id(g) in written for g, _ in e[0].next_functions[:1] if g is not None):
                     raise RuntimeError(
                         f"backprism: the output of {call.name} is a view of another tensor, "
                         "and that tensor was modified in place through a view after the output "
@@ -1431,16 +1424,6 @@ _VIEW_NODES = frozenset(
      "ReshapeAliasBackward0", "ExpandBackward0", "TransposeBackward0", "PermuteBackward0",
      "SliceBackward0", "SelectBackward0", "TBackward0"}
 )
-
-
-def _overwritten_view(node: Any, view: GraphView) -> bool:
-    """Whether the result of ``node`` was modified in place through a view of it (a
-    ``CopySlices`` node of the graph takes it as its base)."""
-    return any(
-        type(f).__name__ == "CopySlices" and f.next_functions
-        and f.next_functions[0][0] is node
-        for f in view.nodes.values()
-    )
 
 
 def _node_name(node: Any) -> str:

@@ -79,6 +79,9 @@ class GraphView:
     starts: list[Any] = field(default_factory=list)
     #: every node reached (held, so ids stay unique while the view lives)
     nodes: dict[int, Any] = field(default_factory=dict)
+    #: ids of the nodes of tensors modified in place through a view (a ``CopySlices`` node's
+    #: base)
+    written: set[int] = field(default_factory=set)
 
     def loss_calls(self, record: LossRecord) -> list[tuple[Call, list[Any]]]:
         """The calls upstream of ``record``'s inputs, with their output edges."""
@@ -158,7 +161,7 @@ def analyse(roots: list[Tensor]) -> GraphView:
     calls: dict[Call, list[Any]] = {}
     shared: dict[tuple[int, int], Call] = {}  # (node id, output_nr) → superseded call
     bases: list[tuple[Call, Any, int]] = []  # (call, node of the tensor its output views, nr)
-    written: set[int] = set()  # nodes of tensors modified in place through a view (CopySlices)
+    written = view.written
     while stack:
         fn = stack.pop()
         if id(fn) in nodes:
