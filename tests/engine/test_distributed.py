@@ -221,6 +221,9 @@ FIRST = [
     [BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance(), BatchDotGrad()],
     [BatchProjGrad(), GradHist(bins=20, range=(-0.5, 0.5), abs_max=True)],
     [BatchDotGrad(across_ranks=True)],
+    # an explicit scale bins s·grad_batch of the global batch; BatchL2Grad reads the norms
+    # GradHist hands to the per-call memo, both from the rows scaled during the pass
+    [GradHist(bins=20, range=(-0.05, 0.05), scale=1.0, abs_max=True), BatchL2Grad()],
 ]
 SECOND = [
     [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()],
@@ -322,7 +325,7 @@ def _check_sum_reduction(rank: int, sizes: list[int]) -> None:
     per-sample losses summed by ``.sum()`` (the reduction read off the graph, not assumed to
     be the mean)."""
     n, sl = sum(sizes), _slice(sizes, rank)
-    exts = [BatchGrad(), Variance(), DiagGGNExact(), KFLR()]
+    exts = [BatchGrad(), Variance(), DiagGGNExact(), KFLR(), GradHist(bins=20, abs_max=True)]
     for functional in (False, True, "own"):
         if functional == "own":  # (curvature needs a loss whose Hessian backprism knows)
             exts = exts[:2]
@@ -420,8 +423,6 @@ def _check_refusals(rank: int, sizes: list[int]) -> None:
     with pytest.raises(RuntimeError, match="process_group=None"):  # noqa: SIM117
         with collect(comp.get_extension(), extension_hook=hook):
             loss.backward()
-    with pytest.raises(RuntimeError, match="GradHist"), collect(GradHist(scale=1.0)):
-        loss.backward()
     # ranks that computed different things get an error, not a hang
     exts = [SumGradSquared()] if rank == 0 else [SumGradSquared(), BatchL2Grad()]
     with pytest.raises(RuntimeError, match="computed different results"), collect(*exts):
@@ -450,7 +451,8 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
             _check_hook_and_communication(rank, sizes)
         _check_all(rank, world, "conv", [4, 4], [FIRST[0], [DiagGGNExact(), KFLR()]])
         _check_all(rank, world, "chain", [3, 5], [[KFRA(), KFLR()]])
-        shared = [FIRST[0], FIRST[1], [DiagGGNExact(), BatchDiagGGNExact(), KFLR()]]
+        second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
+        shared = [FIRST[0], FIRST[1], FIRST[3], second]
         _check_all(rank, world, "shared", [3, 5], shared)
         _check_all(rank, world, "residual", [3, 5], [FIRST[0], SECOND[0]], wrap="inside")
         with warnings.catch_warnings():  # (DDP's _DDPSink on the outputs is an identity)
@@ -484,7 +486,7 @@ def _check_streaming(rank: int, world: int) -> None:
     try:
         for sizes in ([4, 4], [3, 5]):
             _check_all(rank, world, "residual", sizes, FIRST)
-        _check_all(rank, world, "shared", [3, 5], [FIRST[0]])
+        _check_all(rank, world, "shared", [3, 5], [FIRST[0], FIRST[3]])
         _, _, ctx = _ddp("residual", [3, 5], rank, [SumGradSquared(), Variance()])
         comm = ctx.communication
         assert comm.streamed >= 2 and len(comm.buckets) > comm.streamed

@@ -49,7 +49,7 @@ from torch.autograd.graph import GradientEdge
 
 from backprism.engine import distributed as _distributed
 from backprism.engine.columns import Columns, backprop_columns
-from backprism.engine.extension import Extension, SecondOrderExtension
+from backprism.engine.extension import Extension, GlobalBatch, SecondOrderExtension
 from backprism.engine.fold import (
     FoldAnalysis,
     UncheckedOperationWarning,
@@ -935,30 +935,60 @@ class BackwardPass:
             if self.distributed is not None:  # distributed: reduced in end()
                 self.distributed.stored_result(param, ext)
 
+    def global_batch(self) -> GlobalBatch | None:
+        """The global batch of a distributed pass (``None`` otherwise), for extensions that
+        are :attr:`~Extension.scaled_in_pass` (the first call waits for the batch sizes
+        exchanged at the start of the pass)."""
+        return None if self.distributed is None else self.distributed.global_batch()
+
+    def _rho(self) -> float:
+        """This rank's ``ρ`` in a distributed pass (:attr:`Extension.scaled_in_pass`)."""
+        batch = self.global_batch()
+        assert batch is not None
+        return batch.loss_weight
+
     def _tied_results(
-        self, p: nn.Parameter, uses: Uses, exts: list[Any], weights: Tensor | None
+        self,
+        p: nn.Parameter,
+        uses: Uses,
+        exts: list[Any],
+        weights: Tensor | None,
+        order: int = 1,
     ) -> list[tuple[Any, Any, bool]]:
         """The non-additive extensions' results for ``p`` from all its ``uses`` (see
         :mod:`backprism.engine.tied`), each with whether it came from the statistic: from the
         rules' statistics and cross terms where every use has outer factors and the extension
         says which statistic it takes, else from the dense per-sample gradients summed over the
-        uses."""
+        uses. In a distributed pass an extension that is :attr:`~Extension.scaled_in_pass`
+        gets them computed from scaled output gradients (``order`` 1: ``ρ``) or columns
+        (``order`` 2: ``√ρ``), like its :meth:`~Extension.from_rule`: the uses hold unscaled
+        ones, so the dense gradients are scaled by that factor and the (quadratic) statistics
+        by its square."""
         call = uses.items[0].call
-        stats: dict[str, Tensor] = {}
-        dense: Tensor | None = None
+        f = 1.0 if self.distributed is None else self._rho() ** (1.0 / order)
+        stats: dict[tuple[str, bool], Tensor] = {}
+        denses: dict[bool, Tensor] = {}
         out = []
         for ext in exts:
             if ext.additive:
                 continue
             kind = ext.tied_statistic
+            scaled = ext.scaled_in_pass and f != 1.0
             if kind is not None and uses.factored:
-                if kind not in stats:
-                    stats[kind] = _to_param_dtype(uses.statistic(kind, p.shape, weights), p)
-                out.append((ext, ext.from_statistic(stats[kind], call), True))
+                if (kind, scaled) not in stats:
+                    if (kind, False) not in stats:
+                        stat = uses.statistic(kind, p.shape, weights)
+                        stats[kind, False] = _to_param_dtype(stat, p)
+                    if scaled:
+                        stats[kind, True] = stats[kind, False] * f**2
+                out.append((ext, ext.from_statistic(stats[kind, scaled], call), True))
             else:
-                if dense is None:
-                    dense = _to_param_dtype(uses.dense(), p)
-                out.append((ext, ext.from_dense(dense, call, weights), False))
+                if scaled not in denses:
+                    if False not in denses:
+                        denses[False] = _to_param_dtype(uses.dense(), p)
+                    if scaled:
+                        denses[True] = denses[False] * f
+                out.append((ext, ext.from_dense(denses[scaled], call, weights), False))
         return out
 
     def _finish_tied(self, p: nn.Parameter, uses: Uses) -> None:
@@ -1007,11 +1037,17 @@ class BackwardPass:
             for name, p in params.items():
                 self.fired[id(p)] += 1
                 (single if self.param_count[id(p)] <= 1 else multi)[name] = p
+            scaled = None
             for ext in self.first:
                 names = params if ext.additive else single
                 if not names:
                     continue
-                out = ext.from_rule(rule, rcall, g, None)
+                eg = g
+                if ext.scaled_in_pass and self.distributed is not None:
+                    if scaled is None:  # (one scaled copy for all such extensions: the memo)
+                        scaled = _scaled(g, self._rho())
+                    eg = scaled
+                out = ext.from_rule(rule, rcall, eg, None)
                 for name in names:
                     value = _to_param_dtype(out[name], params[name])
                     if ext.needs_param_grad:
@@ -1268,11 +1304,17 @@ class BackwardPass:
                 rule = _Memo(_WholeBatch(base) if self.whole_batch else base)
                 params = call.params
                 single = {n: p for n, p in params.items() if count[id(p)] <= 1}
+                scaled = None
                 for ext in exts:
                     names = params if ext.additive else single
                     if not names:
                         continue
-                    out = ext.from_rule(rule, rcall, g, w)
+                    eg = g
+                    if ext.scaled_in_pass and self.distributed is not None:
+                        if scaled is None:  # (columns: square roots of the loss weights)
+                            scaled = _scaled(g, self._rho() ** 0.5)
+                        eg = scaled
+                    out = ext.from_rule(rule, rcall, eg, w)
                     for name in names:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
@@ -1280,7 +1322,7 @@ class BackwardPass:
                     self._add_uses(tied, rule, rcall, g, multi, exts)
                 self.touched[id(call.hook_module)] = call.hook_module
             for p, uses in tied.values():
-                for ext, value, _ in self._tied_results(p, uses, exts, w):
+                for ext, value, _ in self._tied_results(p, uses, exts, w, order=2):
                     self.store(p, ext, value)
 
     @staticmethod
@@ -1543,6 +1585,15 @@ def _rule_layout(g: Tensor, call: Call) -> Tensor:
         if dt is not None and g.dtype != dt:
             g = g.to(dt)
     return g.movedim(call.batch_axis + 1, 1) if call.batch_axis else g
+
+
+def _scaled(g: Any, f: float) -> Any:
+    """Output gradients or columns (a tensor or a tuple, one per output) times ``f``."""
+    if f == 1.0:
+        return g
+    if isinstance(g, tuple):
+        return tuple(None if x is None else x * f for x in g)
+    return g * f
 
 
 def _with_column_axis(

@@ -55,8 +55,9 @@ the backward) and KFRA's and Hutchinson's (they communicate while they compute).
 not final during the backward (whole-batch results, partials waiting for the global gradient)
 is packed at the end. A small check that every rank sent the
 same items in the same order goes with the last buckets (a mismatch is refused before any
-result is written). Per-sample tensors are rescaled locally and
-never sent (except ``BatchDotGrad(across_ranks=True)``, which needs the cross-rank products). For
+result is written). Per-sample tensors are scaled for the global batch while they are
+computed (the rules receive output gradients times ``ρ``, columns times ``√ρ``) and never
+sent (except ``BatchDotGrad(across_ranks=True)``, which needs the cross-rank products). For
 ``variance`` / ``batch_proj_grad`` the global gradient is read from DDP's ``.grad`` when that is
 exact (equal local sizes, DDP synchronised this pass, no comm hook, ``.grad`` was ``None`` at the
 start of the pass) and reduced with the statistics otherwise. ``collect.communication`` reports
@@ -68,8 +69,8 @@ runs.
 
 **Not supported**: extensions that declare no reduction (the spectral computations' factor
 extension; see ``docs/distributed.md``) are refused in distributed passes, FSDP
-(``fully_shard``) is refused everywhere, ``GradHist(scale=s)`` with an explicit scale is refused,
-and passes whose extended losses mix ``"mean"`` and ``"sum"`` are refused.
+(``fully_shard``) is refused everywhere, and passes whose extended losses mix ``"mean"`` and
+``"sum"`` are refused.
 """
 
 from __future__ import annotations
@@ -421,7 +422,7 @@ class DistributedPass:
         self._streamed: set[tuple[int, str]] = set()
         self._sender: _Sender | None = None
         self._key: Any = None
-        self._global: tuple[GlobalBatch, bool] | None = None
+        self._global: tuple[GlobalBatch, bool, bool] | None = None
 
     # -- during the pass -----------------------------------------------------------------------
     def start(self, bp: Any) -> None:
@@ -510,7 +511,10 @@ class DistributedPass:
             pid = self._order[self._pos]
             entries = self._by_param.get(pid, [])
             if entries:
-                batch, _ = self._global_batch()
+                batch, _, same = self._header_read()
+                if not same:  # (refused at the end of the pass)
+                    self.streams = False
+                    return
                 items = []
                 for p, e in entries:
                     it = _Item(self._key(p, e), p, e, getattr(p, e.savefield), False)
@@ -525,6 +529,12 @@ class DistributedPass:
                     self._sender.add(it)
                     self._streamed.add((id(it.param), it.ext.savefield))
             self._pos += 1
+
+    def global_batch(self) -> GlobalBatch:
+        """The global batch of the pass, for results scaled while they are computed
+        (:attr:`~backprism.engine.extension.Extension.scaled_in_pass`); the first call waits
+        for the header launched at the start of the pass."""
+        return self._header_read()[0]
 
     def defer(self, param: nn.Parameter, ext: Extension, partial: Any, grad: Tensor) -> None:
         """A ``needs_param_grad`` partial with this rank's gradient of the pass: finished after
@@ -638,20 +648,30 @@ class DistributedPass:
 
     def _global_batch(self) -> tuple[GlobalBatch, bool]:
         """Wait for the header (:meth:`_send_header`, once): the global batch, and whether
-        every rank's DDP ``.grad`` is exact for its pending partials."""
+        every rank's DDP ``.grad`` is exact for its pending partials. Ranks that will compute
+        different things are refused here (at the end of the pass: :meth:`_header_read`)."""
+        batch, ddp_grad, same = self._header_read()
+        if not same:
+            raise RuntimeError(_DIFFERENT)
+        return batch, ddp_grad
+
+    def _header_read(self) -> tuple[GlobalBatch, bool, bool]:
+        """The header's global batch, whether DDP's ``.grad`` is exact for the pending partials
+        and whether all ranks' fingerprints agree. Also read during the backward (scaling,
+        streaming), where a disagreement is not raised: an error in the middle of the backward
+        would leave DDP's own gradient all-reduce waiting on the other ranks, so the refusal
+        waits for the end of the pass, when every rank's backward is done."""
         if self._global is None:
             world = self.world
             header, work = self._header
             work.wait()
             h = header.tolist()
             sizes, crcs, oks = h[:world], h[world : 2 * world], h[2 * world :]
-            if len(set(crcs)) > 1:
-                raise RuntimeError(_DIFFERENT)
             batch = GlobalBatch(
                 rank=self.rank, sizes=tuple(int(s) for s in sizes), reduction=self.reduction
             )
             self.comm.batch = batch
-            self._global = (batch, all(oks) and len(set(sizes)) == 1)
+            self._global = (batch, all(oks) and len(set(sizes)) == 1, len(set(crcs)) == 1)
         return self._global
 
     def _items_check(self, items: list[_Item]) -> tuple[Tensor, Any]:
@@ -804,14 +824,17 @@ _DIFFERENT = (
 
 
 def _own_storage(items: list[_Item]) -> None:
-    """Give every tensor result its own storage (results of one pass may share it, e.g. through
-    the per-call memo), so that :meth:`Extension.distributed_result` may rescale in place."""
+    """Give every tensor result that may be rescaled in place its own storage (results of one
+    pass may share it, e.g. through the per-call memo), so that
+    :meth:`Extension.distributed_result` may rescale it in place. Results scaled during the
+    pass (:attr:`Extension.scaled_in_pass`, large per-sample rows) are not rescaled and keep
+    theirs: the first other result seen on a storage is copied instead."""
     seen: set[int] = set()
-    for it in items:
+    for it in sorted(items, key=lambda it: not it.ext.scaled_in_pass):
         v = it.value
         if isinstance(v, Tensor) and v.numel():
             ptr = v.untyped_storage().data_ptr()
-            if ptr in seen:
+            if ptr in seen and not it.ext.scaled_in_pass:
                 it.value = v.clone()
             else:
                 seen.add(ptr)

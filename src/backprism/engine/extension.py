@@ -154,6 +154,18 @@ class Extension:
     #: own statistics and their cross terms (:mod:`backprism.engine.tied`) instead of from
     #: dense per-sample gradients. ``None``: always the dense path (:meth:`from_dense`)
     tied_statistic: str | None = None
+    #: the degree of the result in the per-sample loss weights, for distributed passes
+    #: (:class:`GlobalBatch`): per-sample gradients 1, their squares 2, GGN and Hessian terms 1,
+    #: GGN square roots 1/2
+    distributed_degree: float = 1.0
+    #: in a distributed pass the engine scales what :meth:`from_rule` receives for the global
+    #: batch (output gradients by ``ρ``, second-order columns by ``√ρ``) and multiplies results
+    #: of parameters used by several calls by ``ρ ** distributed_degree``, so that the stored
+    #: value already is this rank's rows of the global result and :meth:`distributed_result`
+    #: receives it so: no rescaling pass over ``[N, *p]`` tensors. Only for results computed
+    #: from ``g`` alone and homogeneous of degree ``distributed_degree`` in the loss weights
+    #: (not for results with Hessian residual terms, which the backward adds unscaled)
+    scaled_in_pass: bool = False
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict[str, Any]:
         """The result per parameter name of ``call`` from the rule's statistics of ``g``

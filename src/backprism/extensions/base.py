@@ -80,17 +80,24 @@ def dedupe_index(idx: Tensor) -> tuple[Tensor, Tensor | None]:
 class PerSampleRows:
     """Distributed reduction of a per-sample result (mixin, listed before the extension base):
     this rank's rows of the global batch's result are its local rows times ``ρ^degree``
-    (:class:`~backprism.engine.extension.GlobalBatch`), rescaled in place (per-sample tensors
-    are large; the engine gives each result its own storage); nothing is communicated.
+    (:class:`~backprism.engine.extension.GlobalBatch`); nothing is communicated.
     ``distributed_degree``: the degree of the result in the per-sample loss weights (per-sample
-    gradients 1, their squares 2, GGN square roots 1/2)."""
+    gradients 1, their squares 2, GGN square roots 1/2). The factor is applied while the result
+    is computed (:attr:`~backprism.engine.extension.Extension.scaled_in_pass`: the output
+    gradients or columns the rule receives are scaled, which costs far less than a pass over the
+    ``[N, *p]`` result); an extension that sets ``scaled_in_pass = False`` (results with Hessian
+    residual terms) is rescaled in place afterwards (the engine gives each result its own
+    storage)."""
 
     distributed_degree: float = 1.0
+    scaled_in_pass: bool = True
 
     def distributed_unsupported(self, params: list[nn.Parameter]) -> str | None:
         return None
 
     def distributed_result(self, value: Any, reduced: list[Tensor], batch: GlobalBatch) -> Any:
+        if self.scaled_in_pass:
+            return value
         f = batch.loss_weight**self.distributed_degree
         if f == 1.0:
             return value

@@ -103,6 +103,8 @@ class BatchDiagHessian(PerSampleRows, _Residual):
     ``diag ∇²_θ(ℓₙ/N)`` (mean reduction; ``ℓₙ`` for ``"sum"``); they sum to ``diag_h``."""
 
     savefield = "diag_h_batch"
+    #: (the residual terms are added unscaled during the backward: rescaled at the end)
+    scaled_in_pass = False
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         check_linear_in_params(call, [self])

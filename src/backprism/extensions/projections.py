@@ -34,9 +34,9 @@ Neither materialises ``grad_batch`` for a whole layer:
 Under distributed data parallelism (:mod:`backprism.engine.distributed`, ``ρ = N_r/N`` for a
 mean loss): ``batch_dot_with`` and ``batch_proj_grad`` are this rank's rows of the global batch's
 (``ρ⟨grad_batch_r[n], v⟩``, and ``ρ⟨grad_batch_r[n], G⟩`` with the global gradient ``G`` of
-the pass); ``grad_hist`` counts the individual gradients of all ranks (with the default
-``scale=None`` the individual gradients ``∇ℓₙ`` are the same on a rank as in one process; an
-explicit ``scale`` is refused) and ``abs_max`` is the maximum over the ranks.
+the pass); ``grad_hist`` counts ``s·grad_batch`` of the global batch over all ranks (the engine
+hands it rows already scaled for the global batch; the default ``scale=None`` takes ``s`` as the
+global batch size ``N``) and ``abs_max`` is the maximum over the ranks.
 
 The result per parameter is a dict with the requested entries ``"hist"`` (``[bins]``),
 ``"hist2d"`` (``[X, Y]``) (int64 counts) and ``"abs_max"`` (0-dim tensor).
@@ -291,6 +291,8 @@ class GradHist(FirstOrderExtension):
     """
 
     savefield = "grad_hist"
+    #: (distributed passes: the rows come scaled for the global batch, see :meth:`_scale`)
+    scaled_in_pass = True
     #: where it materialises every parameter's per-sample gradients of a call, it hands their
     #: squared norms to the engine's per-call memo, so ``BatchL2Grad`` in the same pass (the
     #: monitor's norm and orthogonality tests) does not build them again
@@ -364,9 +366,19 @@ class GradHist(FirstOrderExtension):
         return acc
 
     # -- engine interface ---------------------------------------------------------------------
+    def _scale(self, n: int) -> float:
+        """``s``: the given scale, else the batch size ``n`` of the call; in a distributed pass
+        (where the engine hands this extension gradients scaled for the global batch,
+        :attr:`scaled_in_pass`) the global one, so that both give the one-process bins."""
+        if self.scale is not None:
+            return float(self.scale)
+        bp = current_pass()
+        batch = None if bp is None else bp.global_batch()
+        return float(n if batch is None else n * batch.n / batch.local)
+
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         n = call.batch_size
-        scale = float(n if self.scale is None else self.scale)
+        scale = self._scale(n)
         memo, rule = rule, _raw(rule)
         params = call.params
         ref = _first_tensor(g)
@@ -432,7 +444,7 @@ class GradHist(FirstOrderExtension):
         """Parameters used by several calls: the summed per-sample gradients ``[1, N, *p]``."""
         d = dense[0]
         n = d.shape[0]
-        scale = float(n if self.scale is None else self.scale)
+        scale = self._scale(n)
         acc = self._empty(d)
         # the dense parameter is the one being finished; its values come with the call
         y_idx = None
@@ -450,14 +462,9 @@ class GradHist(FirstOrderExtension):
             out[k] = torch.maximum(old[k], new[k]) if k == "abs_max" else old[k] + new[k]
         return out
 
-    # distributed: counts are summed, ``abs_max`` gathered and maximised
+    # distributed: the rows are binned in the global batch's scaling (scaled_in_pass); counts
+    # are summed, ``abs_max`` gathered and maximised
     def distributed_unsupported(self, params: list) -> str | None:
-        if self.scale is not None:
-            return (
-                f"GradHist(scale={self.scale}) bins scale·grad_batch, whose rows a rank only "
-                "knows in the global batch's scaling after the pass; the default scale=None "
-                "(individual gradients) has no such problem"
-            )
         return None
 
     def distributed_parts(self, value: dict, batch: GlobalBatch) -> list:
