@@ -3,6 +3,11 @@ loss module."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -25,6 +30,38 @@ __all__ = ["extend"]
 
 _LOSS_TYPES = (nn.modules.loss._Loss,)
 _EXTENDED_ATTR = "_backprism_handles"
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as registered: never traced by ``torch.compile``. A compiled model's forward
+    would otherwise inline the hooks and bake what they read at tracing time (the active
+    ``collect``, whether nonlinearities are recorded) into the compiled code; marked disabled,
+    each hook is a graph break and runs in Python on every call, as without compilation.
+    (``torch.compiler.disable`` imports ``torch._dynamo``, about a second: it is applied on
+    the first call after something else imported it, which any compilation does first.)"""
+    disabled: list[Callable[..., Any]] = []
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if sys.modules.get("torch._dynamo") is None:
+            return hook(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(hook))
+        return disabled[0](*args, **kwargs)
+
+    run._torchdynamo_disable = True  # type: ignore[attr-defined]  (not inlined when traced)
+    run.__name__ = run.__qualname__ = getattr(hook, "__name__", "hook")
+    return run
+
+
+_LOSS_HOOK = _eager(loss_forward_hook)
+_MODULE_HOOK = _eager(module_forward_hook)
+_PRE_HOOK = _eager(module_pre_hook)
+_PRE_HOOK_INSIDE = _eager(module_pre_hook_inside)
+_PAUSE = _eager(pause_body)
+_RESUME = _eager(resume_body)
+_ROOT_PRE = _eager(root_pre_hook)
+_ROOT_POST = _eager(root_post_hook)
+_ACTIVATION_HOOK = _eager(activation_forward_hook)
 
 
 def _is_batchnorm(module: nn.Module) -> bool:
@@ -51,8 +88,8 @@ def _pause_in_children(module: nn.Module) -> None:
             or _is_batchnorm(child)
         ):
             continue
-        child.register_forward_pre_hook(pause_body)
-        child.register_forward_hook(resume_body, always_call=True)
+        child.register_forward_pre_hook(_PAUSE)
+        child.register_forward_hook(_RESUME, always_call=True)
         object.__setattr__(child, "_backprism_pauses", True)
 
 
@@ -81,13 +118,13 @@ def extend(module: nn.Module) -> nn.Module:
     handles: list = getattr(module, _EXTENDED_ATTR, None) or []
     if isinstance(module, _LOSS_TYPES):
         if not handles:
-            handles.append(module.register_forward_hook(loss_forward_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(_LOSS_HOOK, with_kwargs=True))
             object.__setattr__(module, _EXTENDED_ATTR, handles)
         return module
     MODE_FREE.pop(module, None)  # (sub-modules added since: its next forward is recorded)
     if not handles:
-        handles.append(module.register_forward_pre_hook(root_pre_hook))
-        handles.append(module.register_forward_hook(root_post_hook, always_call=True))
+        handles.append(module.register_forward_pre_hook(_ROOT_PRE))
+        handles.append(module.register_forward_hook(_ROOT_POST, always_call=True))
         object.__setattr__(module, _EXTENDED_ATTR, handles)
     for sub in module.modules():
         if getattr(sub, "_backprism_hooked", False):
@@ -96,13 +133,13 @@ def extend(module: nn.Module) -> nn.Module:
             extend(sub)
         elif _owns_params(sub) or _is_batchnorm(sub):
             if _decides_inside(sub):
-                sub.register_forward_pre_hook(module_pre_hook_inside, with_kwargs=True)
+                sub.register_forward_pre_hook(_PRE_HOOK_INSIDE, with_kwargs=True)
                 _pause_in_children(sub)
             else:
-                sub.register_forward_pre_hook(module_pre_hook)
-            sub.register_forward_hook(module_forward_hook, with_kwargs=True)
+                sub.register_forward_pre_hook(_PRE_HOOK)
+            sub.register_forward_hook(_MODULE_HOOK, with_kwargs=True)
         elif isinstance(sub, ACTIVATION_TYPES):
-            sub.register_forward_hook(activation_forward_hook)
+            sub.register_forward_hook(_ACTIVATION_HOOK)
         else:
             continue
         object.__setattr__(sub, "_backprism_hooked", True)
