@@ -494,22 +494,25 @@ class _Cube(torch.autograd.Function):
         return 3 * h**2 * g
 
 
-def test_custom_functions_are_named_until_declared() -> None:
-    """A custom ``autograd.Function`` on the samples' way stops the analysis: a per-sample
-    pass warns, naming it (a mixing one is not detected — the warning is all there is); once
-    declared with ``keeps_samples_apart`` it is followed like an elementwise operation, which
-    both silences the warning and finds a mixing behind it."""
+def test_custom_functions_are_probed_or_declared() -> None:
+    """A custom ``autograd.Function`` on the samples' way is probed through its backward
+    (:mod:`backprism.engine.probe`): a sample-wise one passes without a warning, a mixing one
+    is refused before anything is written; once declared with ``keeps_samples_apart`` it is
+    followed like an elementwise operation instead, which also finds a mixing behind it. (More
+    in ``tests/engine/test_probe.py``.)"""
     from backprism import keeps_samples_apart
     from backprism.engine import UncheckedOperationWarning
 
     torch.manual_seed(0)
     x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
     lossfunc = nn.CrossEntropyLoss()
-    for fn in (_Centre, _Cube):
-        model = extend(Mixing(fn.apply).to(DT))
-        named = rf"autograd\.Function {fn.__name__}"
-        with pytest.warns(UncheckedOperationWarning, match=named), collect(BatchGrad()):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedOperationWarning)
+        _first_order_exact(Mixing(_Cube.apply).to(DT), x, y)
+        model = extend(Mixing(_Centre.apply).to(DT))
+        with pytest.raises(RuntimeError, match=r"_Centre \(probed"), collect(BatchGrad()):
             lossfunc(model(x), y).backward()
+        assert_nothing_written(model, grad_too=True)
     with pytest.raises(TypeError, match=r"subclass of torch\.autograd\.Function"):
         keeps_samples_apart(lambda h: h)
 

@@ -26,8 +26,10 @@ edge (``Node._input_metadata``) and the arguments it saves:
   size 1 there are broadcast; pooling and interpolation keep it if it is before their
   spatial axes.
 
-Anything else — an operation it does not know, a batch axis it cannot follow — is *unknown*,
-and the call keeps today's refusal (calls of different batch sizes).
+A custom ``autograd.Function`` (also a ``torch.compile`` region) is probed through its backward
+(:mod:`backprism.engine.probe`) unless declared with :func:`keeps_samples_apart`. Anything
+else — an operation it does not know, a batch axis it cannot follow — is *unknown*, and the
+call keeps today's refusal (calls of different batch sizes).
 
 Operations that *mix* the samples are reported (:attr:`FoldAnalysis.mixing`, read by
 :func:`sample_mixing`): a product of two per-sample operands over the samples, a reduction,
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 
+from backprism.engine.probe import UNKNOWN, probe_batch_axis, probeable
 from backprism.engine.state import CALLS
 
 __all__ = [
@@ -77,7 +80,9 @@ _SAMPLE_WISE_FUNCTIONS: weakref.WeakSet[type] = weakref.WeakSet()
 
 class UncheckedOperationWarning(UserWarning):
     """Per-sample results pass through an operation whose treatment of the batch axis the
-    analysis cannot read (a custom ``autograd.Function``); they assume it keeps samples apart."""
+    analysis cannot read (an in-place operation on a view, ``scatter``, a custom
+    ``autograd.Function`` the probe of :mod:`backprism.engine.probe` cannot call); they assume
+    it keeps samples apart."""
 
 
 def keeps_samples_apart(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
@@ -468,11 +473,46 @@ class FoldAnalysis:
             return self._identity(node, nr, out, depth)
         if type(node) in _SAMPLE_WISE_FUNCTIONS:
             return self._row_wise(node, out, depth)
-        if any(
-            f is not None and self.status(f, k, depth + 1) is not None
-            for f, k in node.next_functions
-        ):
-            self.unchecked.setdefault(_describe(node), None)
+        carried = [
+            (i, status)
+            for i, (f, k) in enumerate(node.next_functions)
+            if f is not None and (status := self.status(f, k, depth + 1)) is not None
+        ]
+        if not carried:
+            return None
+        statistic = self._batch_statistic_into(node, {i for i, _ in carried})
+        if statistic is not None:
+            self.mixing = self.mixing or statistic
+            return None
+        if probeable(node) and all(g == 1 for _, (_, g) in carried):
+            axis = probe_batch_axis(node, nr, [(i, a) for i, (a, _) in carried], self.n)
+            if axis is None:
+                self.mixing = self.mixing or (
+                    f"{_describe(node)} (probed through its backward: the gradient of one "
+                    "sample's output reaches other samples' inputs)"
+                )
+                return None
+            if axis is not UNKNOWN:
+                return (axis, 1)
+        self.unchecked.setdefault(_describe(node), None)
+        return None
+
+    def _batch_statistic_into(self, node: Any, carried: set[int]) -> str | None:
+        """An input of custom function ``node`` (not one of the ``carried`` inputs, whose
+        samples the analysis follows) computed from the samples but without an axis that could
+        hold them (a mean over the batch from another compiled region, say): a statistic of
+        the batch entering the function, described; else ``None``."""
+        if self.n <= 1:
+            return None
+        for i, (f, k) in enumerate(node.next_functions):
+            if f is None or i in carried or _param_only(f) or self.sample_free(f):
+                continue
+            shape = output_shape(f, k)
+            if shape is not None and all(s % self.n for s in shape) and self.reaches_samples(f):
+                return (
+                    f"a value computed from the samples (shape {shape}) and passed to "
+                    f"{_describe(node)}"
+                )
         return None
 
     def _identity(self, node: Any, nr: int, out: tuple[int, ...], depth: int) -> Status | None:
