@@ -198,6 +198,7 @@ def test_torch_compile_regions() -> None:
     ref = per_sample_grads_loop(model, lossfunc, x, y)
     ggn = _ggn_diag(model, x, y)
     extend(model)
+    torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     loss = extend(nn.CrossEntropyLoss())
     for _ in range(2):
@@ -214,3 +215,48 @@ def test_torch_compile_regions() -> None:
     with pytest.raises(RuntimeError, match="mixes the samples"), collect(BatchGrad()):
         loss(compiled(x), y).backward()
     assert_nothing_written(centred, grad_too=True)
+
+
+class _Tanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, C)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (dynamo's recompilation notes)
+def test_torch_compile_does_not_freeze_the_hooks() -> None:
+    """The hooks read the active ``collect`` on every call: a compiled model first run inside
+    a collect that records no nonlinearities, then inside one with ``DiagHessian`` (which
+    needs them), gets the exact Hessian diagonal; ``HutchinsonDiagHessian`` (a second
+    backward, which compiled regions lack) is refused with the way out."""
+    from torch.func import functional_call, hessian
+
+    from backprism.extensions import DiagHessian, HutchinsonDiagHessian
+
+    torch.manual_seed(0)
+    x, y = torch.randn(N, D, dtype=DT), torch.randint(0, C, (N,))
+    model = _Tanh().to(DT)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    lossfunc = nn.CrossEntropyLoss()
+    want = {}
+    for k, v in params.items():
+
+        def f(w, k=k):
+            return lossfunc(functional_call(model, {**params, k: w}, (x,)), y)
+
+        want[k] = torch.diagonal(hessian(f)(v).reshape(v.numel(), v.numel())).reshape(v.shape)
+    extend(model)
+    torch._dynamo.reset()  # (no recompilation limit reached by earlier tests: compiled here)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = extend(nn.CrossEntropyLoss())
+    with collect(BatchGrad()):
+        loss(compiled(x), y).backward()
+    with collect(DiagHessian()):
+        loss(compiled(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, want[k], **TOL)
+    with pytest.raises(RuntimeError, match=r"_orig_mod"), collect(HutchinsonDiagHessian()):
+        loss(compiled(x), y).backward()
