@@ -437,6 +437,82 @@ def test_loop_fallback_warns_once_and_is_correct():
         check_first_order(model, lossfunc, x, y, ref)
 
 
+class _ConvBNTokens(nn.Module):
+    """Convolution, eval-mode batch norm and the maps turned into tokens (HF LeViT's patch
+    embedding): no closed-form rule. torch 2.13's CPU backward of that batch norm is wrong at
+    batch size 1 for the transposed gradient layout, right within a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3, 3, 3) * 0.5)
+        self.gamma, self.beta = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.register_buffer("mean", torch.randn(4))
+        self.register_buffer("var", torch.rand(4) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = nn.functional.conv2d(x, self.w, padding=1)
+        h = nn.functional.batch_norm(h, self.mean, self.var, self.gamma, self.beta, False)
+        return h.flatten(2).transpose(1, 2)
+
+
+class _OneSampleDiffers(nn.Module):
+    """Computes differently on a batch of one sample than within a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale * (2.0 if x.shape[0] == 1 else 1.0)
+
+
+def test_per_sample_gradients_are_checked_within_the_batch() -> None:
+    """The generic rule checks its vmap against plain autograd on the whole batch with one
+    sample's column, not on that sample alone: a kernel wrong at batch size 1 (eval batch
+    norm above) does not turn a right vmap into the wrong one-sample loop (per-sample
+    gradients and GGN diagonal against the rows of a batch forward); a module whose one-sample
+    results do not sum to the batch's gradient is refused (during the backward, where the rule
+    runs: no result is left, ``.grad`` is autograd's as in any failed backward)."""
+    from backprism.extensions import DiagGGNExact
+    from tests.common import assert_nothing_written
+    from tests.reference import per_sample_grads_rows
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_ConvBNTokens(), nn.Flatten(), nn.Linear(36, 3)).to(DT).eval()
+    x, y = torch.randn(3, 3, 3, 3, dtype=DT), _labels(3, 3, 0)
+    ref = per_sample_grads_rows(model, x, y)
+    params = dict(model.named_parameters())
+    out = model(x)
+    jac = [
+        torch.autograd.grad(out[n, c], list(params.values()), retain_graph=True)
+        for n in range(3)
+        for c in range(3)
+    ]
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", generic.GenericRuleWarning)
+        with collect(BatchGrad(), DiagGGNExact()):
+            lossfunc(model(x), y).backward()
+    for i, (k, p) in enumerate(params.items()):
+        torch.testing.assert_close(p.grad_batch, ref[k], rtol=1e-8, atol=1e-12)
+        want = torch.zeros_like(p)
+        for n in range(3):
+            prob = out[n].detach().softmax(0)
+            hess = (torch.diag(prob) - torch.outer(prob, prob)) / 3
+            j = torch.stack([jac[3 * n + c][i].flatten() for c in range(3)])
+            want += torch.einsum("cp,cd,dp->p", j, hess, j).reshape(p.shape)
+        torch.testing.assert_close(p.diag_ggn_exact, want, rtol=1e-8, atol=1e-12)
+    model = extend(nn.Sequential(_OneSampleDiffers(), nn.Linear(4, 3)).to(DT))
+    x = torch.randn(3, 4, dtype=DT)
+    refused = pytest.raises(RuntimeError, match="do not sum to the gradient of the whole batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with refused, collect(BatchGrad()):
+            lossfunc(model(x), y).backward()
+    assert_nothing_written(model)
+
+
 # -- columns M > 1 through the rule directly -------------------------------------------------
 @pytest.mark.parametrize("kind", ["attn", "lstm"])
 def test_per_sample_columns(kind):

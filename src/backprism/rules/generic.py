@@ -327,6 +327,21 @@ def _sample_columns(g: Tensor, axis: int, n: int) -> Tensor:
     return g.movedim(axis + 1, 1)
 
 
+def _only_sample(c: Tensor, axis: int, n: int, i: int | None) -> Tensor:
+    """Column ``c`` (``[*out.shape]``, batch axis ``axis`` as in :func:`_sample_columns`) kept
+    on sample ``i``'s rows and zero elsewhere (all of it for ``i = None``)."""
+    if i is None:
+        return c
+    out_axis = axis if axis >= 0 else -axis - 1
+    size = c.shape[out_axis]
+    k = size // n
+    keep = torch.zeros(size, dtype=c.dtype, device=c.device)
+    keep[i * k : (i + 1) * k] = 1
+    shape = [1] * c.dim()
+    shape[out_axis] = size
+    return c * keep.view(shape)
+
+
 def _one_cotangent(c: Tensor, axis: int, lead: int) -> Tensor:
     """One sample's columns in the layout of a one-sample output: the batch axis of size 1
     restored (after ``lead`` leading axes), or a folded batch's ``k`` rows as they are."""
@@ -620,7 +635,7 @@ class GenericRule(Rule):
             _, pullback = vjp(f, primals)
             return vmap(lambda c: pullback(c)[0], chunk_size=min(chunk, m))(cot)
 
-        samples = _Samples(inputs, primals, run, cols, axes, diff, n, m)
+        samples = _Samples(inputs, primals, run, cols, axes, diff, n, m, call, gs)
         if isinstance(module, _LOOP_TYPES) or type(module) in _VMAP_BROKEN:
             out = samples.loop()
         else:
@@ -663,6 +678,8 @@ class GenericRule(Rule):
                         stacklevel=2,
                     )
 
+        if samples.looped:
+            samples.check_sum(out)
         result: dict[str, Tensor] = {}
         for name, p in call.params.items():
             first = seen[id(p)]
@@ -718,6 +735,69 @@ class _Samples:
     diff: list[int]
     n: int
     m: int
+    call: Call
+    #: the columns in the call's output layout, ``[M, *out.shape]`` per output
+    gs: list[Tensor]
+    #: whether :meth:`loop` computed the result (checked by :meth:`check_sum`)
+    looped: bool = False
+
+    def batch_vjp(self, k: int, sample: int | None = None) -> list[Tensor]:
+        """``Σₙ Vₖₙ`` from plain autograd on the whole batch (one forward and backward of the
+        call with column ``k``): what the per-sample results of a module that keeps the
+        samples apart sum to, computed without running it on one sample; with ``sample``,
+        ``Vₖᵢ`` for ``i = sample``, the column kept on that sample's rows only (its gradient
+        within the batch)."""
+        keys = list(self.primals)
+        with torch.enable_grad():
+            params = {key: v.clone().requires_grad_(True) for key, v in self.primals.items()}
+            outs = self.run(params, self.call.args, self.call.kwargs)
+            used = [
+                (outs[j], _only_sample(self.gs[j][k], axis, self.n, sample))
+                for j, axis in zip(self.diff, self.axes)
+                if outs[j].requires_grad
+            ]
+            grads = (
+                torch.autograd.grad(
+                    [o for o, _ in used],
+                    list(params.values()),
+                    [c.to(o.dtype) for o, c in used],
+                    allow_unused=True,
+                )
+                if used
+                else (None,) * len(keys)
+            )
+        return [torch.zeros_like(params[key]) if g is None else g for key, g in zip(keys, grads)]
+
+    def _sum_error(self, out: dict[str, Tensor], k: int) -> tuple[str, float, float] | None:
+        """The first parameter whose ``Σₙ out[k, n]`` differs from :meth:`batch_vjp` beyond
+        ``10·√eps`` of the larger norm: ``(name, error, scale)``; ``None`` if all agree."""
+        for key, want in zip(self.primals, self.batch_vjp(k)):
+            got = out[key][k].sum(0)
+            scale = max(
+                float(torch.linalg.vector_norm(want)), float(torch.linalg.vector_norm(got))
+            )
+            err = float(torch.linalg.vector_norm((got - want.to(got.dtype)).reshape(-1)))
+            if err > 10 * torch.finfo(got.dtype).eps ** 0.5 * max(scale, 1e-30):
+                return key, err, scale
+        return None
+
+    def check_sum(self, out: dict[str, Tensor]) -> None:
+        """Refuse a result of :meth:`loop` whose samples do not sum to the batch's gradient:
+        the module computes differently on one sample than within the batch (a PyTorch kernel
+        that is wrong at batch size 1, as eval-mode BatchNorm's backward on the CPU is for
+        some memory layouts in torch 2.13), so its one-sample gradients cannot be trusted."""
+        bad = self._sum_error(out, 0)
+        if bad is not None:
+            key, err, scale = bad
+            raise RuntimeError(
+                f"backprism: the generic rule's per-sample gradients of {_name(self.call.module)}"
+                f" for {key!r}, computed one sample at a time, do not sum to the gradient of "
+                f"the whole batch (error {err:.3g}, scale {scale:.3g}): the module computes "
+                "differently on one sample than within the batch (a PyTorch kernel that is "
+                "wrong at batch size 1, or samples that interact), so its per-sample results "
+                "are refused. Register a closed-form Rule for the module type "
+                "(backprism.rules.register_rule), or run it in a layout that avoids the kernel"
+            )
 
     def check(self, out: Any, spot: bool = True) -> None:
         r"""Raise :class:`BrokenBatchingError` if the vmapped ``Vₘₙ`` cannot be right.
@@ -730,7 +810,9 @@ class _Samples:
         * every parameter's result has the shape ``[M, N, *θ.shape]``;
         * spot check: the entries ``(m, n) = (0, N−1)`` and ``(M−1, 0)`` — off the diagonal
           ``m = n`` wherever ``N > 1`` — equal the vector-Jacobian product of plain autograd
-          on that one sample (one forward and one backward each), up to
+          on the whole batch with the column kept on that sample's rows (one forward and one
+          backward each; not on the sample alone: some kernels are wrong at batch size 1, as
+          eval-mode BatchNorm's CPU backward in torch 2.13 for some memory layouts), up to
           ``10·√eps`` of the largest per-entry norm; once per module type, sizes and
           input shapes (``spot``: a batching rule is the same in every call of that kind).
         """
@@ -748,7 +830,7 @@ class _Samples:
             return
         keys = list(self.primals)
         for i, k in sorted({(n - 1, 0), (0, m - 1)}):
-            ref = self.sample_grads(i, [k])[0]
+            ref = self.batch_vjp(k, sample=i)
             for key, r in zip(keys, ref):
                 v = out[key]
                 got = v[k, i]
@@ -758,7 +840,8 @@ class _Samples:
                 if bool(err > tol * scale):
                     raise BrokenBatchingError(
                         f"its vmap gave per-sample gradients for {key!r} that differ from "
-                        f"plain autograd on sample {i}, column {k} (error {float(err):.3g}, "
+                        f"plain autograd on the batch for sample {i}, column {k} (error "
+                        f"{float(err):.3g}, "
                         f"scale {float(scale):.3g}): an operator's batching rule is broken"
                     )
 
@@ -793,6 +876,7 @@ class _Samples:
 
     def loop(self) -> dict[str, Tensor]:
         """Plain autograd, one sample and one column at a time (for non-vmappable modules)."""
+        self.looped = True
         keys = list(self.primals)
         per_n: list[list[Tensor]] = []
         for i in range(self.n):
