@@ -529,39 +529,19 @@ def test_custom_functions_are_probed_or_declared() -> None:
         assert_nothing_written(model, grad_too=True)
 
 
-def _cumsum_in_view(h: Tensor) -> Tensor:
-    h = h * 1
-    h[:, 0].cumsum_(0)  # (along the samples)
-    return h
-
-
-def _zero_in_view(h: Tensor) -> Tensor:
-    h = h * 1
-    h[:, 0] = 0
-    h[:, 1:] += h[:, :1] * 2 + 1
-    return h
-
-
-def _scatter_features(h: Tensor) -> Tensor:
-    index = torch.tensor([[2, 0, 1, 3]]).expand(h.shape[0], 4)
-    return h.scatter(1, index, h * 3)
-
-
-def test_operations_the_analysis_cannot_read_are_probed() -> None:
+def test_in_place_operation_on_a_view_is_named() -> None:
     """Autograd's node for an in-place operation on a view (``CopySlices``) does not say which
-    operation ran, nor does ``scatter``'s which rows its index sends where: ``h[:, 0].cumsum_(0)``
-    mixes the samples where ``h[:, 0] = 0`` does not. Their backward is probed each pass
-    (:mod:`backprism.engine.probe`): the mixing one is refused before anything is written,
-    the others pass without a warning, exact against ``torch.func``."""
+    operation ran: ``h[:, 0].cumsum_(0)`` mixes the samples where ``h[:, 0] = 0`` does not, so
+    both are named rather than followed."""
     from backprism.engine import UncheckedOperationWarning
 
+    def cumsum_in_view(h: Tensor) -> Tensor:
+        h = h * 1
+        h[:, 0].cumsum_(0)
+        return h
+
     torch.manual_seed(0)
+    model = extend(Mixing(cumsum_in_view).to(DT))
     x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
-    model = extend(Mixing(_cumsum_in_view).to(DT))
-    with pytest.raises(RuntimeError, match="CopySlices"), collect(BatchGrad()):
+    with pytest.warns(UncheckedOperationWarning, match="CopySlices"), collect(BatchGrad()):
         nn.CrossEntropyLoss()(model(x), y).backward()
-    assert_nothing_written(model, grad_too=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UncheckedOperationWarning)
-        _first_order_exact(Mixing(_zero_in_view).to(DT), x, y, per_sample_grads_loop)
-        _first_order_exact(Mixing(_scatter_features).to(DT), x, y)

@@ -26,11 +26,10 @@ edge (``Node._input_metadata``) and the arguments it saves:
   size 1 there are broadcast; pooling and interpolation keep it if it is before their
   spatial axes.
 
-An operation it does not know — a custom ``autograd.Function`` (also a ``torch.compile``
-region) not declared with :func:`keeps_samples_apart`, or one of PyTorch's own such as
-``CopySlices`` — is probed through its backward (:mod:`backprism.engine.probe`). Anything else
-— a batch axis it cannot follow, a probe that cannot run — is *unknown*, and the call keeps
-today's refusal (calls of different batch sizes).
+A custom ``autograd.Function`` (also a ``torch.compile`` region) is probed through its backward
+(:mod:`backprism.engine.probe`) unless declared with :func:`keeps_samples_apart`. Anything
+else — an operation it does not know, a batch axis it cannot follow — is *unknown*, and the
+call keeps today's refusal (calls of different batch sizes).
 
 Operations that *mix* the samples are reported (:attr:`FoldAnalysis.mixing`, read by
 :func:`sample_mixing`): a product of two per-sample operands over the samples, a reduction,
@@ -80,10 +79,10 @@ _SAMPLE_WISE_FUNCTIONS: weakref.WeakSet[type] = weakref.WeakSet()
 
 
 class UncheckedOperationWarning(UserWarning):
-    """Per-sample results pass through an operation whose treatment of the batch axis neither
-    the analysis nor the probe of :mod:`backprism.engine.probe` can read (no output axis of
-    the batch size, a backward that fails when called alone); they assume it keeps samples
-    apart."""
+    """Per-sample results pass through an operation whose treatment of the batch axis the
+    analysis cannot read (an in-place operation on a view, ``scatter``, a custom
+    ``autograd.Function`` the probe of :mod:`backprism.engine.probe` cannot call); they assume
+    it keeps samples apart."""
 
 
 def keeps_samples_apart(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:

@@ -1,5 +1,4 @@
-r"""Whether an operation the analysis cannot read keeps the samples apart, probed through its
-backward: a custom ``autograd.Function``, or one of PyTorch's own nodes it does not follow.
+r"""Whether a custom ``autograd.Function`` keeps the samples apart, probed through its backward.
 
 The batch-axis analysis (:mod:`backprism.engine.fold`) reads PyTorch's own operations from
 their backward nodes; a custom ``autograd.Function`` — a user's fused kernel, or every region
@@ -23,15 +22,11 @@ A function whose backward runs autograd itself (``torch.utils.checkpoint``'s ree
 ``CheckpointFunction``, which the engine refuses anyway) is never probed: calling it would
 write ``.grad``.
 
-PyTorch's own nodes (``CopySlices`` of an in-place operation on a view, ``scatter``,
-``index_put``, FFTs, ``col2im``) are called directly (``node(*v)``, no hooks run), the same way.
-
-**Cost.** ``2⌈log₂ N⌉`` calls of the node's backward (14 at ``N = 128``). A custom function's
-result is cached per function class, output and shapes (a function whose treatment of the
+**Cost.** ``2⌈log₂ N⌉`` calls of the function's backward (14 at ``N = 128``), once per
+function class, output and shapes: results are cached (a function whose treatment of the
 samples depends on the values rather than the shapes would need a new probe each pass; none
-is known); PyTorch's own nodes are probed in every pass: what they do depends on saved values
-(an index, the operation inside ``CopySlices``), not on their type. The random probe vectors
-come from a private generator, so the user's random state is untouched.
+is known). The random probe vectors come from a private generator, so the user's random
+state is untouched.
 """
 
 from __future__ import annotations
@@ -58,17 +53,14 @@ _CACHE: weakref.WeakKeyDictionary[type, dict[tuple, Any]] = weakref.WeakKeyDicti
 _NOT_PROBED = frozenset({"CheckpointFunctionBackward"})
 
 
-def _custom(node: Any) -> bool:
-    """``node`` is the backward of a custom ``autograd.Function`` (called through ``apply``)."""
-    return getattr(type(node), "_forward_cls", None) is not None and hasattr(node, "apply")
-
-
 def probeable(node: Any) -> bool:
-    """Whether a probe may call ``node``: the backward of a custom ``autograd.Function``, or
-    one of PyTorch's own nodes (callable directly) that the analysis does not read."""
-    if type(node).__name__ in _NOT_PROBED or getattr(node, "variable", None) is not None:
-        return False
-    return _custom(node) or callable(node)
+    """Whether ``node`` is the backward of a custom ``autograd.Function`` (callable through
+    ``apply``; PyTorch's own nodes are read, not probed) that a probe may call."""
+    return (
+        getattr(type(node), "_forward_cls", None) is not None
+        and hasattr(node, "apply")
+        and type(node).__name__ not in _NOT_PROBED
+    )
 
 
 def probe_batch_axis(node: Any, nr: int, inputs: list[tuple[int, int]], n: int) -> Any:
@@ -82,12 +74,6 @@ def probe_batch_axis(node: Any, nr: int, inputs: list[tuple[int, int]], n: int) 
         key = (nr, tuple(inputs), shapes)
     except (AttributeError, RuntimeError):
         return UNKNOWN
-    if not _custom(node):  # (PyTorch's own nodes: what they do depends on saved values, such
-        # as an index or the operation inside CopySlices, not on their type: probed each time)
-        try:
-            return _probe(node, nr, metas, inputs, n)
-        except Exception:
-            return UNKNOWN
     cache = _CACHE.setdefault(type(node), {})
     if key not in cache:
         try:
@@ -128,11 +114,8 @@ def _sample_sets(n: int) -> list[list[int]]:
 
 def _grad_positions(node: Any) -> list[int] | None:
     """For each graph input (``next_functions`` entry) that is not ``None``, the position of
-    its gradient in what the node returns: the same for PyTorch's own nodes; for a custom
-    function's ``apply`` (one entry per argument of the forward, tensors or not) the
-    forward's arguments that needed a gradient, in order."""
-    if not _custom(node):
-        return list(range(len(node.next_functions)))
+    its gradient in what ``apply`` returns (one entry per argument of the forward, tensors or
+    not): the forward's arguments that needed a gradient, in order."""
     live = [i for i, (f, _) in enumerate(node.next_functions) if f is not None]
     needs = getattr(node, "needs_input_grad", None)
     if needs is None:
@@ -172,7 +155,7 @@ def _separate(
         view[axis] = n
         grads.append((v * keep.view(view)).to(dtype=m.dtype, device=m.device))
     with torch.no_grad():
-        result = node.apply(*grads) if _custom(node) else node(*grads)
+        result = node.apply(*grads)
     if isinstance(result, Tensor) or result is None:
         result = (result,)
     outside = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
