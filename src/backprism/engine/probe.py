@@ -93,9 +93,12 @@ def _probe(node: Any, nr: int, metas: Any, inputs: list[tuple[int, int]], n: int
     candidates = [a for a, s in enumerate(out) if s == n]
     if not candidates:
         return UNKNOWN
+    m = metas[nr]
     gen = torch.Generator().manual_seed(0)
+    v = torch.randn(out, generator=gen, dtype=torch.float32).to(dtype=m.dtype, device=m.device)
+    zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device) for x in metas]
     for axis in candidates:
-        if all(_separate(node, nr, metas, axis, rows, inputs, positions, n, gen)
+        if all(_separate(node, nr, zeros, v, axis, rows, inputs, positions, n)
                for rows in _sample_sets(n)):
             return axis
     return None
@@ -132,33 +135,28 @@ def _grad_positions(node: Any) -> list[int] | None:
 def _separate(
     node: Any,
     nr: int,
-    metas: Any,
+    zeros: list[Tensor],
+    v: Tensor,
     axis: int,
     rows: list[int],
     inputs: list[tuple[int, int]],
     positions: list[int],
     n: int,
-    gen: torch.Generator,
 ) -> bool:
-    """One probe: ``v`` random on output ``nr``'s rows ``rows`` along ``axis``; whether the
+    """One probe: the random ``v`` kept on output ``nr``'s rows ``rows`` along ``axis`` (the
+    other outputs get copies of ``zeros``: a backward may write its arguments); whether the
     gradients of the sample-carrying inputs vanish outside those rows."""
-    grads = []
-    for j, m in enumerate(metas):
-        shape = tuple(m.shape)
-        if j != nr:
-            grads.append(torch.zeros(shape, dtype=m.dtype, device=m.device))
-            continue
-        v = torch.randn(shape, generator=gen, dtype=torch.float64)
-        keep = torch.zeros(n, dtype=torch.float64)
-        keep[rows] = 1.0
-        view = [1] * len(shape)
-        view[axis] = n
-        grads.append((v * keep.view(view)).to(dtype=m.dtype, device=m.device))
+    keep = torch.zeros(n, dtype=v.dtype, device=v.device)
+    keep[rows] = 1.0
+    view = [1] * v.dim()
+    view[axis] = n
+    grads = [v * keep.view(view) if j == nr else z.clone() for j, z in enumerate(zeros)]
     with torch.no_grad():
         result = node.apply(*grads)
     if isinstance(result, Tensor) or result is None:
         result = (result,)
-    outside = torch.tensor([i for i in range(n) if i not in set(rows)], dtype=torch.long)
+    inside = set(rows)
+    outside = torch.tensor([i for i in range(n) if i not in inside], dtype=torch.long)
     for i, in_axis in inputs:
         pos = positions[i]
         g = result[pos] if 0 <= pos < len(result) else None
