@@ -136,6 +136,34 @@ def test_function_mixing_some_samples_is_refused() -> None:
     assert_nothing_written(model, grad_too=True)
 
 
+class _Centre(torch.autograd.Function):
+    """Subtracts the mean along ``dim``: sample-wise along the features, mixing along the
+    samples; the same function, so the probe's cache must tell the settings apart."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, dim: int) -> Tensor:
+        ctx.dim = dim
+        return h - h.mean(dim, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        return g - g.mean(ctx.dim, keepdim=True), None
+
+
+def test_function_probed_per_setting() -> None:
+    x, y = _data()
+    lossfunc = nn.CrossEntropyLoss()
+    model = Net(lambda h: _Centre.apply(h, 2)).to(DT)
+    ref = per_sample_grads_loop(model, lossfunc, x, y)
+    extend(model)
+    with collect(BatchGrad()):
+        lossfunc(model(x), y).backward()
+    torch.testing.assert_close(model.l1.weight.grad_batch, ref["l1.weight"], **TOL)
+    model = extend(Net(lambda h: _Centre.apply(h, 0)).to(DT))
+    with pytest.raises(RuntimeError, match="_Centre"), collect(BatchGrad()):
+        lossfunc(model(x), y).backward()
+
+
 def test_function_the_probe_cannot_read_is_named() -> None:
     x, y = _data()
     model = extend(Net(_flat).to(DT))

@@ -23,10 +23,10 @@ A function whose backward runs autograd itself (``torch.utils.checkpoint``'s ree
 write ``.grad``.
 
 **Cost.** ``2⌈log₂ N⌉`` calls of the function's backward (14 at ``N = 128``), once per
-function class, output and shapes: results are cached (a function whose treatment of the
-samples depends on the values rather than the shapes would need a new probe each pass; none
-is known). The random probe vectors come from a private generator, so the user's random
-state is untouched.
+function class, output, shapes and the plain settings its forward kept on ``ctx`` (an axis, a
+flag): results are cached (a function whose treatment of the samples depends on tensor values
+rather than on these would need a new probe each pass; none is known). The random probe
+vectors come from a private generator, so the user's random state is untouched.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def probe_batch_axis(node: Any, nr: int, inputs: list[tuple[int, int]], n: int) 
     try:
         metas = node._input_metadata
         shapes = tuple(tuple(m.shape) for m in metas)
-        key = (nr, tuple(inputs), shapes)
+        key = (nr, tuple(inputs), shapes, _settings(node))
     except (AttributeError, RuntimeError):
         return UNKNOWN
     cache = _CACHE.setdefault(type(node), {})
@@ -81,6 +81,19 @@ def probe_batch_axis(node: Any, nr: int, inputs: list[tuple[int, int]], n: int) 
         except Exception:  # the function's backward cannot be called this way
             cache[key] = UNKNOWN
     return cache[key]
+
+
+def _settings(node: Any) -> tuple:
+    """The plain values the function's forward kept on its context (``ctx.dim = dim``): part
+    of the cache key, so that one function called with different settings (an axis, a flag)
+    is probed for each."""
+    try:
+        items = vars(node).items()
+    except TypeError:
+        return ()
+    return tuple(
+        sorted((k, v) for k, v in items if isinstance(v, (bool, int, float, str, type(None))))
+    )
 
 
 def _probe(node: Any, nr: int, metas: Any, inputs: list[tuple[int, int]], n: int) -> Any:
