@@ -126,6 +126,32 @@ def test_sample_wise_function_is_probed_not_warned() -> None:
     assert_first_order(model, ref, **TOL)
 
 
+def test_function_probed_once_for_varying_lengths() -> None:
+    """Batches of another length (dynamic padding) reuse the probe's verdict: the function's
+    backward runs in the real backward only."""
+    calls = []
+
+    class Counted(_ScaledSwap):
+        @staticmethod
+        def backward(ctx, ga: Tensor, gs: Tensor) -> tuple[Tensor, None, None]:
+            calls.append(1)
+            return _ScaledSwap.backward(ctx, ga, gs)
+
+    def swap(h: Tensor) -> Tensor:
+        a, s = Counted.apply(h, 0.5, 2)
+        return a.transpose(0, 1) + s.unsqueeze(-1)
+
+    model = extend(Net(swap).to(DT))
+    lossfunc = nn.CrossEntropyLoss()
+    for t in (3, 5, 7):
+        x, y = torch.randn(N, t, D, dtype=DT), torch.randint(0, C, (N,))
+        calls.clear()
+        with collect(BatchGrad()):
+            lossfunc(model(x), y).backward()
+        # (two outputs, each probed with the 2⌈log₂ 5⌉ = 6 sample sets; then none)
+        assert len(calls) == (1 + 2 * 6 if t == 3 else 1)
+
+
 def test_function_mixing_some_samples_is_refused() -> None:
     """Swapping two samples mixes them (probes of all sample sets find it); nothing written."""
     x, y = _data()

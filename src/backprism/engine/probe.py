@@ -23,10 +23,11 @@ A function whose backward runs autograd itself (``torch.utils.checkpoint``'s ree
 write ``.grad``.
 
 **Cost.** ``2⌈log₂ N⌉`` calls of the function's backward (14 at ``N = 128``), once per
-function class, output, shapes and the plain settings its forward kept on ``ctx`` (an axis, a
-flag): results are cached (a function whose treatment of the samples depends on tensor values
-rather than on these would need a new probe each pass; none is known). The random probe
-vectors come from a private generator, so the user's random state is untouched.
+function class, output, the ranks of its outputs and the plain settings its forward kept on
+``ctx`` (an axis, a flag), not per size (a fused attention on batches of varying length is
+probed once): results are cached (a function whose treatment of the samples depends on
+tensor values rather than on these would need a new probe each pass; none is known). The
+random probe vectors come from a private generator, so the user's random state is untouched.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ __all__ = ["UNKNOWN", "probe_batch_axis", "probeable"]
 #: the probe could not run (the function raised, an output or input it cannot read)
 UNKNOWN = object()
 
-#: backward class -> {(output nr, input layouts, shapes): output batch axis, None (mixes) or
-#: UNKNOWN}; torch.compile builds one ``CompiledFunction`` class per compiled graph
+#: backward class -> {(output nr, input layouts, output ranks, ctx settings): output batch
+#: axis, None (mixes) or UNKNOWN}; torch.compile builds one ``CompiledFunction`` class per
+#: compiled graph. Sizes are left out: a function called on batches of varying length (dynamic
+#: padding) is probed once, not in every pass
 _CACHE: weakref.WeakKeyDictionary[type, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -70,8 +73,8 @@ def probe_batch_axis(node: Any, nr: int, inputs: list[tuple[int, int]], n: int) 
     the samples; :data:`UNKNOWN` if it cannot be probed (module docstring)."""
     try:
         metas = node._input_metadata
-        shapes = tuple(tuple(m.shape) for m in metas)
-        key = (nr, tuple(inputs), shapes, _settings(node))
+        ranks = tuple(len(m.shape) for m in metas)
+        key = (nr, tuple(inputs), ranks, _settings(node))
     except (AttributeError, RuntimeError):
         return UNKNOWN
     cache = _CACHE.setdefault(type(node), {})
