@@ -527,14 +527,22 @@ class BackwardPass:
 
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""
-        anchors = {
+        anchors: dict[tuple[int, int], tuple[int, int]] = {}
+        for call in self.calls:
+            anchors.update(self._anchors(call, n))
+        return FoldAnalysis(n, anchors)
+
+    def _anchors(self, call: Call, n: int) -> dict[tuple[int, int], tuple[int, int]]:
+        """The statuses ``call``'s output edges anchor in a :class:`FoldAnalysis` of batch
+        ``n``: each output on its own axis (:meth:`Call.output_axes`); none for a call of
+        another batch size, on a folded batch, or read at the tensor its output views."""
+        if call.batch_size != n or call.fold != 1 or call.rebased:
+            return {}
+        return {
             (id(e[0]), e[1]): (axis, 1)
-            for call, edges in self.calls.items()
-            if call.batch_size == n and call.fold == 1 and not call.rebased
-            for e, axis in zip(edges, call.output_axes(), strict=True)
+            for e, axis in zip(self.calls[call], call.output_axes(), strict=True)
             if e is not None
         }
-        return FoldAnalysis(n, anchors)
 
     def _check_layouts(self, exts: list[Extension]) -> None:
         """Read from the graph which axis of each call's first input holds the samples: the
@@ -577,11 +585,7 @@ class BackwardPass:
                         "would take another axis for the samples. Move the samples to "
                         f"axis {want} before {call.name} (h_n[-1], x.transpose(0, 1))"
                     )
-            if call.batch_size == n and call.fold == 1 and not call.rebased:
-                edges = self.calls[call]
-                for e, axis in zip(edges, call.output_axes(), strict=True):
-                    if e is not None:
-                        analysis.anchors[(id(e[0]), e[1])] = (axis, 1)
+            analysis.anchors.update(self._anchors(call, n))
 
     def _mixing(self, per_sample: list[Any]) -> str | None:
         """An operation that mixes the samples between the calls of this pass, or between
@@ -941,11 +945,24 @@ class BackwardPass:
         exchanged at the start of the pass)."""
         return None if self.distributed is None else self.distributed.global_batch()
 
-    def _rho(self) -> float:
-        """This rank's ``ρ`` in a distributed pass (:attr:`Extension.scaled_in_pass`)."""
-        batch = self.global_batch()
-        assert batch is not None
-        return batch.loss_weight
+    def _factor(self, exts: list[Any], order: int) -> float:
+        """What a distributed pass multiplies the output gradients (``order`` 1: ``ρ``) or
+        columns (``order`` 2: ``√ρ``) by for the extensions among ``exts`` that are
+        :attr:`~Extension.scaled_in_pass`; ``1`` where there are none (no wait for the batch
+        sizes then)."""
+        if self.distributed is None or not any(e.scaled_in_pass for e in exts):
+            return 1.0
+        return self.distributed.global_batch().loss_weight ** (1.0 / order)
+
+    def _for_ext(self, ext: Extension, g: Any, scaled: dict[str, Any], order: int) -> Any:
+        """``g`` as ``ext``'s :meth:`~Extension.from_rule` receives it: scaled by
+        :meth:`_factor` if ``ext`` is :attr:`~Extension.scaled_in_pass`, the copy made once per
+        call in ``scaled`` and shared by all such extensions (the rule memo keys on it)."""
+        if not ext.scaled_in_pass or self.distributed is None:
+            return g
+        if "g" not in scaled:
+            scaled["g"] = _scaled(g, self._factor([ext], order))
+        return scaled["g"]
 
     def _tied_results(
         self,
@@ -965,7 +982,7 @@ class BackwardPass:
         ones, so the dense gradients are scaled by that factor and the (quadratic) statistics
         by its square."""
         call = uses.items[0].call
-        f = 1.0 if self.distributed is None else self._rho() ** (1.0 / order)
+        f = self._factor(exts, order)
         stats: dict[tuple[str, bool], Tensor] = {}
         denses: dict[bool, Tensor] = {}
         out = []
@@ -1037,17 +1054,12 @@ class BackwardPass:
             for name, p in params.items():
                 self.fired[id(p)] += 1
                 (single if self.param_count[id(p)] <= 1 else multi)[name] = p
-            scaled = None
+            scaled: dict[str, Any] = {}
             for ext in self.first:
                 names = params if ext.additive else single
                 if not names:
                     continue
-                eg = g
-                if ext.scaled_in_pass and self.distributed is not None:
-                    if scaled is None:  # (one scaled copy for all such extensions: the memo)
-                        scaled = _scaled(g, self._rho())
-                    eg = scaled
-                out = ext.from_rule(rule, rcall, eg, None)
+                out = ext.from_rule(rule, rcall, self._for_ext(ext, g, scaled, 1), None)
                 for name in names:
                     value = _to_param_dtype(out[name], params[name])
                     if ext.needs_param_grad:
@@ -1304,17 +1316,12 @@ class BackwardPass:
                 rule = _Memo(_WholeBatch(base) if self.whole_batch else base)
                 params = call.params
                 single = {n: p for n, p in params.items() if count[id(p)] <= 1}
-                scaled = None
+                scaled: dict[str, Any] = {}
                 for ext in exts:
                     names = params if ext.additive else single
                     if not names:
                         continue
-                    eg = g
-                    if ext.scaled_in_pass and self.distributed is not None:
-                        if scaled is None:  # (columns: square roots of the loss weights)
-                            scaled = _scaled(g, self._rho() ** 0.5)
-                        eg = scaled
-                    out = ext.from_rule(rule, rcall, eg, w)
+                    out = ext.from_rule(rule, rcall, self._for_ext(ext, g, scaled, 2), w)
                     for name in names:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
