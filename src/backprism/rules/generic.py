@@ -678,8 +678,6 @@ class GenericRule(Rule):
                         stacklevel=2,
                     )
 
-        if samples.looped:
-            samples.check_sum(out)
         result: dict[str, Tensor] = {}
         for name, p in call.params.items():
             first = seen[id(p)]
@@ -738,8 +736,6 @@ class _Samples:
     call: Call
     #: the columns in the call's output layout, ``[M, *out.shape]`` per output
     gs: list[Tensor]
-    #: whether :meth:`loop` computed the result (checked by :meth:`check_sum`)
-    looped: bool = False
 
     def batch_vjp(self, k: int, sample: int | None = None) -> list[Tensor]:
         """``Σₙ Vₖₙ`` from plain autograd on the whole batch (one forward and backward of the
@@ -782,10 +778,11 @@ class _Samples:
         return None
 
     def check_sum(self, out: dict[str, Tensor]) -> None:
-        """Refuse a result of :meth:`loop` whose samples do not sum to the batch's gradient:
-        the module computes differently on one sample than within the batch (a PyTorch kernel
-        that is wrong at batch size 1, as eval-mode BatchNorm's backward on the CPU is for
-        some memory layouts in torch 2.13), so its one-sample gradients cannot be trusted."""
+        """Refuse a result of :meth:`loop` (which calls this) whose samples do not sum to the
+        batch's gradient: the module computes differently on one sample than within the batch
+        (a PyTorch kernel that is wrong at batch size 1, as eval-mode BatchNorm's backward on
+        the CPU is for some memory layouts in torch 2.13), so its one-sample gradients cannot
+        be trusted."""
         bad = self._sum_error(out, 0)
         if bad is not None:
             key, err, scale = bad
@@ -875,14 +872,16 @@ class _Samples:
         return per_k
 
     def loop(self) -> dict[str, Tensor]:
-        """Plain autograd, one sample and one column at a time (for non-vmappable modules)."""
-        self.looped = True
+        """Plain autograd, one sample and one column at a time (for non-vmappable modules),
+        refused unless the samples sum to the batch's gradient (:meth:`check_sum`)."""
         keys = list(self.primals)
         per_n: list[list[Tensor]] = []
         for i in range(self.n):
             per_m = self.sample_grads(i, list(range(self.m)))
             per_n.append([torch.stack([pm[j] for pm in per_m]) for j in range(len(keys))])
-        return {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
+        out = {key: torch.stack([pn[j] for pn in per_n], 1) for j, key in enumerate(keys)}
+        self.check_sum(out)
+        return out
 
 
 def _announce(call: Call) -> None:
