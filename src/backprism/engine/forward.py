@@ -35,7 +35,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map
 
 from backprism.engine.parametrized import originals
-from backprism.engine.rule import get_rule, move_batch_axis, moves_batch_axis
+from backprism.engine.rule import (
+    batch_first_args,
+    get_rule,
+    move_batch_axis,
+    moves_batch_axis,
+)
 from backprism.engine.state import (
     AXIS,
     BASES,
@@ -584,9 +589,9 @@ def capture(
         # the batch on another axis of the first input (Linear after a batch_first=False RNN):
         # the call keeps that input with the batch on axis 0
         moved, layout_ok = axis, True
-        args = _batch_first_args(args, axis)
+        args = batch_first_args(args, axis)
         if live is not None:
-            live = (_batch_first_args(live[0], axis), live[1])
+            live = (batch_first_args(live[0], axis), live[1])
         batch_size = first.shape[axis]
     # a call on inputs that need no gradient, its batch on axis 0: its output may be shared by
     # all samples (engine.broadcast widens it where it meets them)
@@ -691,11 +696,6 @@ def _edge(a: Tensor) -> GradientEdge:
     if fn is not None and not isinstance(fn, torch._C._FunctionBase):
         return GradientEdge(fn, a.output_nr)
     return get_gradient_edge(a)
-
-
-def _batch_first_args(args: tuple, axis: int) -> tuple:
-    """``args`` with the first (the batch-carrying input) moved from ``axis`` to axis 0."""
-    return (args[0].movedim(axis, 0), *args[1:])
 
 
 def _batch_on_axis_one(x: Tensor) -> None:

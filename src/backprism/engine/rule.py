@@ -34,6 +34,7 @@ __all__ = [
     "Call",
     "Outer",
     "Rule",
+    "batch_first_args",
     "get_rule",
     "has_rule",
     "move_batch_axis",
@@ -365,6 +366,11 @@ def moves_batch_axis(module: nn.Module, first: Tensor, axis: int) -> bool:
     return first.is_floating_point() is False or axis < first.dim() - trailing
 
 
+def batch_first_args(args: tuple, axis: int) -> tuple:
+    """``args`` with the first (the batch-carrying input) moved from ``axis`` to axis 0."""
+    return (args[0].movedim(axis, 0), *args[1:])
+
+
 def move_batch_axis(call: Call, axis: int) -> bool:
     """Have ``call``, recorded with the batch on axis 0 of its first input, take the batch from
     ``axis`` instead: ``args`` (and ``live``) keep that input with the batch moved to axis 0,
@@ -373,10 +379,9 @@ def move_batch_axis(call: Call, axis: int) -> bool:
     arg = call.args[0] if call.args else None
     if not isinstance(arg, Tensor) or not moves_batch_axis(call.module, arg, axis):
         return False
-    call.args = (arg.movedim(axis, 0), *call.args[1:])
+    call.args = batch_first_args(call.args, axis)
     if call.live is not None:
-        live = call.live[0]
-        call.live = ((live[0].movedim(axis, 0), *live[1:]), call.live[1])
+        call.live = (batch_first_args(call.live[0], axis), call.live[1])
     call.batch_size, call.batch_axis, call.assumed_axis = arg.shape[axis], axis, False
     return True
 
