@@ -100,8 +100,9 @@ def _settings(node: Any) -> tuple:
 
 
 def _probe(node: Any, nr: int, metas: Any, inputs: list[tuple[int, int]], n: int) -> Any:
-    out = tuple(metas[nr].shape)
-    if not metas[nr].dtype.is_floating_point:
+    m = metas[nr]
+    out = tuple(m.shape)
+    if not m.dtype.is_floating_point:
         return UNKNOWN
     positions = _grad_positions(node)
     if positions is None:
@@ -109,7 +110,6 @@ def _probe(node: Any, nr: int, metas: Any, inputs: list[tuple[int, int]], n: int
     candidates = [a for a, s in enumerate(out) if s == n]
     if not candidates:
         return UNKNOWN
-    m = metas[nr]
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(out, generator=gen, dtype=torch.float32).to(dtype=m.dtype, device=m.device)
     zeros = [torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device) for x in metas]
