@@ -548,3 +548,56 @@ def test_funnel_class_mask_as_long_as_the_batch():
         # (the GGN diagonal through its attention: round-off up to 1e-10 against 1e-2 values)
         tol = {"rtol": 1e-6, "atol": 1e-9}
         _against_loops(extend(_perturbed(model)), nn.CrossEntropyLoss(), x, y, tol)
+
+
+def test_siglip_attention_pooling_head_kronecker_factors():
+    """Hugging Face's SigLIP vision tower with its attention-pooling head: a learned probe
+    attends to the patch tokens through ``nn.MultiheadAttention`` (query ≠ key/value), whose
+    packed ``in_proj_weight`` gets block-diagonal factors ``[3, E, E]`` (it refused the whole
+    model before). KFLR: the bias's ``B`` is its exact GGN block (diagonal against the dense
+    reference) with the weight's ``B_g`` as its diagonal blocks; ``A_g``: the probe's and the
+    tokens' second moments; every other parameter as in :func:`test_kflr_factors`."""
+    torch.manual_seed(0)
+    cfg = transformers.SiglipVisionConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4, num_channels=3,
+    )
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tower = transformers.SiglipVisionModel(cfg)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.tower(pixel_values=x).pooler_output)
+
+    model = _perturbed(_quiet(Pooled).to(DT))
+    x, y = torch.randn(N, 3, 8, 8, dtype=DT), torch.randint(0, 3, (N,))
+    ref = diag_ggn(model, nn.CrossEntropyLoss(), x, y)
+    pool = next(m for m in model.modules() if type(m).__name__.endswith("PoolingHead"))
+    names = {id(p): k for k, p in model.named_parameters()}
+    seen: list[Tensor] = []
+    hook = pool.attention.register_forward_pre_hook(
+        lambda m, a: seen.append(a[1].detach()), with_kwargs=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the head's probe: the generic rule, announced)
+        with collect(KFLR()):
+            extend(nn.CrossEntropyLoss())(extend(model)(x), y).backward()
+    hook.remove()
+    attn, e = pool.attention, 8
+    B, A = attn.in_proj_weight.kflr
+    (Bb,) = attn.in_proj_bias.kflr
+    torch.testing.assert_close(torch.diagonal(Bb), ref[names[id(attn.in_proj_bias)]], **TOL)
+    tokens = seen[0].reshape(-1, e)
+    probe = pool.probe.detach().reshape(1, e)  # the same query for every sample
+    inputs = (probe.t() @ probe, tokens.t() @ tokens / N, tokens.t() @ tokens / N)
+    for i, second_moment in enumerate(inputs):
+        rows = slice(i * e, (i + 1) * e)
+        torch.testing.assert_close(B[i], Bb[rows, rows], **TOL)
+        torch.testing.assert_close(A[i], second_moment, **TOL)
+    for k, p in model.named_parameters():  # nothing refused; one-dimensional ones: diagonals
+        assert hasattr(p, "kflr"), k
+        if p.dim() == 1:
+            torch.testing.assert_close(torch.diagonal(p.kflr[0]), ref[k], **TOL, msg=k)

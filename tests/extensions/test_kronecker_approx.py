@@ -291,6 +291,164 @@ def test_self_attention_packed_projections(approx: str) -> None:
             torch.testing.assert_close(g, w, **TOL)
 
 
+class CrossAttention(nn.Module):
+    """Tokens attend to a shorter memory computed from them (``T - 1`` positions, key and
+    value the same tensor, as an attention-pooling head): the packed ``in_proj_weight`` sees
+    two different inputs. ``pool``: a classifier, else logits per token."""
+
+    def __init__(self, pool: bool) -> None:
+        super().__init__()
+        self.pool = pool
+        self.emb = nn.Embedding(V, 4)
+        self.mem = nn.Linear(4, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, C)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx)
+        mem = torch.tanh(self.mem(h[:, 1:]))
+        o = self.attn(h, mem, mem, need_weights=False)[0]
+        return self.head(o.mean(1)) if self.pool else self.head(o).transpose(1, 2)
+
+
+class _Rows(nn.Module):
+    """Rows ``rows`` of the packed projection as a layer of its own (the reference's offset
+    goes on its output)."""
+
+    def __init__(self, attn: nn.MultiheadAttention, rows: slice) -> None:
+        super().__init__()
+        self.attn, self.rows = attn, rows
+
+    def forward(self, z: Tensor) -> Tensor:
+        a = self.attn
+        return F.linear(z, a.in_proj_weight[self.rows], a.in_proj_bias[self.rows])
+
+
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+@pytest.mark.parametrize("pool", [False, True])
+def test_cross_attention_packed_projections(approx: str | None, pool: bool) -> None:
+    """Cross-attention's packed ``in_proj_weight`` ``[3E, E]``: block-diagonal over the query,
+    key and value rows, ``[B_g, A_g]`` stacked ``[3, E, E]``, each block the Linear
+    definitions of its rows (their own input and positions: ``T`` query tokens, ``T - 1``
+    memory positions). ``in_proj_bias``: ``[B]`` of the concatenated gradient — its exact GGN
+    (dense, every other parameter frozen) for BackPACK's convention and ``"reduce"``, the
+    blocks' ``B`` on the diagonal and zeros between them for ``"expand"``."""
+    model = _randomized(CrossAttention(pool), seed=6)
+    X, y = _data(model, 6)
+
+    class Explicit(nn.Module):
+        def __init__(self, m: CrossAttention) -> None:
+            super().__init__()
+            self.m = m
+            e = m.attn.embed_dim
+            self.q, self.k, self.v = (_Rows(m.attn, slice(i * e, (i + 1) * e)) for i in range(3))
+
+        def forward(self, idx: Tensor) -> Tensor:
+            m, a = self.m, self.m.attn
+            h = m.emb(idx)
+            mem = torch.tanh(m.mem(h[:, 1:]))
+            e, heads = h.shape[-1], a.num_heads
+
+            def split(z: Tensor) -> Tensor:
+                return z.reshape(*z.shape[:2], heads, e // heads).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(mem)),
+                                               split(self.v(mem)))
+            o = a.out_proj(o.transpose(1, 2).reshape(*h.shape[:2], e))
+            return m.head(o.mean(1)) if m.pool else m.head(o).transpose(1, 2)
+
+    explicit = Explicit(model)
+    torch.testing.assert_close(explicit(X), model(X))
+    want = []
+    for layer in ("q", "k", "v"):
+        G = _output_ggn(explicit, layer, X, y, _LAST)
+        x = _inputs(explicit, layer, X)
+        if approx is None:  # BackPACK's: A over all positions / N, B of the summed columns
+            want.append((G.sum((0, 1, 3)), torch.einsum("nti,ntj->ij", x, x) / x.shape[0]))
+        else:
+            want.append(_definitions(G, x, approx))
+    _run(model, X, y, KFLR(kfac_approx=approx))
+    B, A = model.attn.in_proj_weight.kflr
+    torch.testing.assert_close(B, torch.stack([b for b, _ in want]), **TOL)
+    torch.testing.assert_close(A, torch.stack([a for _, a in want]), **TOL)
+    (Bb,) = model.attn.in_proj_bias.kflr
+    if approx == "expand":
+        torch.testing.assert_close(Bb, torch.block_diag(*(b for b, _ in want)), **TOL)
+    else:
+        ref = copy.deepcopy(model)
+        for name, p in ref.named_parameters():
+            p.requires_grad_(name == "attn.in_proj_bias")
+        G = ggn_blocks_loop(ref, nn.CrossEntropyLoss(), (X,), y)
+        torch.testing.assert_close(Bb, torch.einsum("nnab->ab", G), **TOL)
+
+
+@pytest.mark.parametrize("approx", [None, "expand"])
+def test_attention_called_as_self_and_cross_attention(approx: str | None) -> None:
+    """One ``MultiheadAttention`` run as self-attention (its packed weight one product
+    ``[B, A]``, ``B`` ``[3E, 3E]``) and then as cross-attention (block-diagonal): the calls'
+    factors add in the block-diagonal form, the first call's ``B`` contributing its diagonal
+    blocks and its ``A`` to every block."""
+    torch.manual_seed(7)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(V, 4)
+            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, C)
+
+        def forward(self, idx: Tensor) -> Tensor:
+            h = self.emb(idx)
+            s = self.attn(h, h, h, need_weights=False)[0]
+            o = self.attn(h, torch.tanh(s[:, 1:]), torch.tanh(s[:, 1:]), need_weights=False)[0]
+            return self.head(o).transpose(1, 2)
+
+    model = _randomized(Twice(), seed=7)
+    X, y = _data(model, 7)
+    e = 4
+
+    class Explicit(nn.Module):
+        def __init__(self, m: Twice) -> None:
+            super().__init__()
+            self.m = m
+            self.packed = _Rows(m.attn, slice(None))
+            self.q, self.k, self.v = (_Rows(m.attn, slice(i * e, (i + 1) * e)) for i in range(3))
+
+        @staticmethod
+        def core(a: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            def split(z: Tensor) -> Tensor:
+                return z.reshape(*z.shape[:2], a.num_heads, e // a.num_heads).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(split(q), split(k), split(v))
+            return a.out_proj(o.transpose(1, 2).reshape(*q.shape[:2], e))
+
+        def forward(self, idx: Tensor) -> Tensor:
+            m, a = self.m, self.m.attn
+            h = m.emb(idx)
+            s = self.core(a, *self.packed(h).chunk(3, -1))
+            mem = torch.tanh(s[:, 1:])
+            o = self.core(a, self.q(h), self.k(mem), self.v(mem))
+            return m.head(o).transpose(1, 2)
+
+    explicit = Explicit(model)
+    torch.testing.assert_close(explicit(X), model(X))
+
+    def factors(layer: str) -> tuple[Tensor, Tensor]:
+        G = _output_ggn(explicit, layer, X, y, _LAST)
+        x = _inputs(explicit, layer, X)
+        if approx is None:
+            return G.sum((0, 1, 3)), torch.einsum("nti,ntj->ij", x, x) / x.shape[0]
+        return _definitions(G, x, approx)
+
+    Bs, As = factors("packed")
+    blocks = [factors(k) for k in ("q", "k", "v")]
+    _run(model, X, y, KFLR(kfac_approx=approx))
+    B, A = model.attn.in_proj_weight.kflr
+    diag = torch.stack([Bs[i * e : (i + 1) * e, i * e : (i + 1) * e] for i in range(3)])
+    torch.testing.assert_close(B, diag + torch.stack([b for b, _ in blocks]), **TOL)
+    torch.testing.assert_close(A, As + torch.stack([a for _, a in blocks]), **TOL)
+
+
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
 def test_hugging_face_conv1d(approx: str) -> None:
     """GPT-2's ``Conv1D`` (``y = x W + b``, ``W`` ``[in, out]``): ``[A, B]`` in its axis

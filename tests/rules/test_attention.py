@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from backprism import collect, extend
 from backprism.engine.rule import Call, get_rule
 from backprism.extensions import (
+    KFAC,
     KFLR,
     BatchDiagGGNExact,
     BatchDotGrad,
@@ -198,10 +199,33 @@ def test_kflr_factors():
     torch.testing.assert_close(a.out_proj.weight.kflr[1], oo.t() @ oo / n, **TOL)
 
 
-def test_kronecker_refused_for_packed_cross_attention():
+@pytest.mark.parametrize("ext", [KFLR, KFAC])
+def test_kronecker_packed_cross_attention(ext: type) -> None:
+    """Cross-attention's packed ``in_proj_weight``: block-diagonal over the query, key and
+    value rows, ``[B_g, A_g]`` ``[3, E, E]``: ``B_g[i]`` the diagonal blocks of the bias's
+    ``B`` — for KFLR the exact GGN block of ``in_proj_bias`` (dense reference) — and ``A_g[i]``
+    ``(1/N) Σ xxᵀ`` of the projection's input (query, or the memory for key and value)."""
     model, X, y = _make("cross_packed_3d")
-    with pytest.raises(NotImplementedError, match="packed in_proj_weight"):
-        _run(model, X, y, KFLR())
+    x, mem = X[0], X[1]
+    n, e = x.shape[0], x.shape[-1]
+    G, _, sizes = ggn_blocks(model, nn.CrossEntropyLoss(), X, y)
+    full, blocks, start = G.sum((0, 1)), {}, 0
+    for name, size in zip(trainable(model), sizes):
+        blocks[name] = full[start : start + size, start : start + size]
+        start += size
+    _run(model, X, y, ext())
+    a = model.attn
+    field = ext.savefield
+    B, A = getattr(a.in_proj_weight, field)
+    assert B.shape == A.shape == (3, e, e)
+    (Bb,) = getattr(a.in_proj_bias, field)
+    for i, inp in enumerate((x, mem, mem)):
+        rows = slice(i * e, (i + 1) * e)
+        z = inp.reshape(-1, e)
+        torch.testing.assert_close(A[i], z.t() @ z / n, **TOL)
+        torch.testing.assert_close(B[i], Bb[rows, rows], **TOL)
+    if ext is KFLR:
+        torch.testing.assert_close(Bb, blocks["attn.in_proj_bias"], **TOL)
 
 
 def test_frozen_parameters_and_sum_reduction():

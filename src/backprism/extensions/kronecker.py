@@ -25,9 +25,17 @@ For one position (no middle axes, a 1×1 output map) the three agree. Embedding 
 ``(1/N) Σₙ c̄ₙ c̄ₙᵀ``, dense), ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``"reduce"``: of the summed columns).
 KFRA takes BackPACK's convention only.
 
+**Block-diagonal factors.** Weights whose row blocks see different inputs are taken
+block-diagonal over the blocks, the factors stacked along a leading axis: ``[B_g, A_g]`` of
+shapes ``[G, O, O]`` and ``[G, I, I]``, the block of rows ``g`` ``≈ B_g[g] ⊗ A_g[g]`` — a
+grouped convolution's weight (``G`` groups) and the packed ``in_proj_weight`` of cross-attention
+(``G = 3``: query, key and value rows; their biases keep the full ``[B]``).
+
 A parameter used by several calls (weight sharing) gets the sums of the calls' ``A`` and ``B``
-factors (the "expand" convention for shared weights). Embedding weights ``[V, D]`` store
-``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
+factors (the "expand" convention for shared weights); where one call gives the stacked form and
+another a single product (one ``MultiheadAttention`` run as self- and as cross-attention), the
+single product's ``B`` contributes its diagonal blocks and its ``A`` every block. Embedding
+weights ``[V, D]`` store ``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
 
 **Parameters without Kronecker structure** — elementwise ones (LayerNorm, RMSNorm (also Hugging
 Face's ``LlamaRMSNorm`` & co.), GroupNorm and eval-mode BatchNorm scales and shifts) and those of
@@ -121,8 +129,33 @@ class _Kronecker(SecondOrderExtension):
         # per-chunk sums (the calls of a tied parameter may give the factors different roles,
         # e.g. Embedding ``[A_tokens, B]`` and Linear ``[B, A]``)
         same_call = new.calls <= old.calls
-        merged = [o + n if (g or not same_call) else o for o, n, g in zip(old, new, new.grad_side)]
+        merged = [
+            _add(o, n) if (g or not same_call) else o
+            for o, n, g in zip(old, new, new.grad_side, strict=True)
+        ]
         return KroneckerFactors(merged, old.calls | new.calls, new.grad_side)
+
+
+def _add(old: Tensor, new: Tensor) -> Tensor:
+    """``old + new``; where one call gives a weight block-diagonal factors stacked over groups
+    (``[G, O, O]``: a packed cross-attention projection) and another a single product, the
+    single one is taken block-diagonal too: the diagonal blocks of its ``[G·O, G·O]`` output
+    factor, its input factor ``[I, I]`` for every group."""
+    if old.shape == new.shape:
+        return old + new
+    flat, stacked = (old, new) if old.dim() < new.dim() else (new, old)
+    g, o = stacked.shape[0], stacked.shape[-1]
+    if flat.dim() == 2 and stacked.dim() == 3:
+        if flat.shape == stacked.shape[1:]:  # input side: the same for every group
+            return stacked + flat
+        if flat.shape == (g * o, g * o):  # output side: its diagonal blocks
+            return stacked + torch.stack([flat[i * o : (i + 1) * o, i * o : (i + 1) * o]
+                                          for i in range(g)])
+    raise ValueError(
+        f"backprism: Kronecker factors of shapes {tuple(old.shape)} and {tuple(new.shape)} of "
+        "one parameter used by several calls cannot be added (neither is the other's "
+        "block-diagonal form)"
+    )
 
 
 class KFAC(_Kronecker):
@@ -130,7 +163,9 @@ class KFAC(_Kronecker):
     (``mc_samples`` sampled labels), stored in ``param.kfac``.
 
     ``[B, A]`` per weight of Linear, Conv, ConvTranspose, Embedding (``[A_tokens, B]``), GPT-2
-    ``Conv1D`` (``[A, B]``) and attention projections, ``[B]`` per bias. Every other trainable
+    ``Conv1D`` (``[A, B]``) and attention projections (cross-attention's packed
+    ``in_proj_weight``: stacked ``[3, E, E]`` blocks, see the module docstring), ``[B]`` per
+    bias. Every other trainable
     parameter (norm scales and shifts, parameters of generic modules) gets ``[D]``, the MC GGN
     diagonal of the same ``mc_samples`` columns as a ``[P, P]`` diagonal matrix:
     ``D = diag(Σₘ Σₙ vec(Vₘₙ)²)``, ``Vₘₙ = Jₙᵀ gₘₙ`` with the columns scaled ``1/√M`` (and

@@ -43,9 +43,11 @@ Masks (``attn_mask`` 2-d or per-sample 3-d, ``key_padding_mask``, bool or float)
 ``add_zero_attn`` and ``need_weights`` / ``average_attn_weights`` follow
 ``F.multi_head_attention_forward`` exactly.
 
-Kronecker factors: the Linear rule's, per projection (the packed ``in_proj_weight`` of
-cross-attention has three different inputs, so it is no single Kronecker product and is
-refused); ``bias_k``/``bias_v`` get ``[B]``, ``B = Σₘₙ δₘₙ δₘₙᵀ`` at their position.
+Kronecker factors: the Linear rule's, per projection. The packed ``in_proj_weight`` of
+cross-attention has three different inputs, so it is no single Kronecker product: it is taken
+block-diagonal over the query, key and value rows, ``[B_g, A_g]`` stacked ``[3, E, E]`` as a
+grouped convolution's (:meth:`MultiheadAttentionRule.kronecker_factors`); ``bias_k``/``bias_v``
+get ``[B]``, ``B = Σₘₙ δₘₙ δₘₙᵀ`` at their position.
 
 The module is not linear in its parameters (``W_q``, ``W_k`` enter through the softmax), so
 ``linear_in_params`` is ``False``.
@@ -738,37 +740,42 @@ class MultiheadAttentionRule(GenericRule):
     def kronecker_factors(
         self, call: Call, g: Any, approx: str | None = None
     ) -> dict[str, list[Tensor]]:
-        """The Linear rule's factors per projection; ``bias_k``/``bias_v``: ``[B]``."""
+        """The Linear rule's factors per projection; ``bias_k``/``bias_v``: ``[B]``.
+
+        The packed ``in_proj_weight`` of cross-attention (query, key and value not one tensor)
+        has three row blocks with different inputs: block-diagonal over the projections, the
+        factors stacked along a leading axis as a grouped convolution's, ``[B_g, A_g]`` of
+        shapes ``[3, E, E]`` (rows ``iE … (i+1)E`` of the weight ``≈ B_g[i] ⊗ A_g[i]``,
+        ``i`` = query, key, value). ``in_proj_bias`` keeps its full ``[B]`` ``[3E, 3E]`` (the
+        ``B_g[i]`` are its diagonal blocks); under ``"expand"`` its blocks between two
+        projections are zero (query and key positions are different tokens, so no position
+        pairs them)."""
         if not self._supported(call):
             return super().kronecker_factors(call, g, approx)
         pieces = self._pieces(call, g)
         out: dict[str, list[Tensor]] = {}
+        blocks: dict[str, list[list[Tensor]]] = {}
+        split: dict[str, list[Tensor]] = {}  # in_proj_bias: the projections' B
         for pc in pieces.linear:
-            if pc.rows is not None and pc.weight == "in_proj_weight":
-                raise NotImplementedError(
-                    "backprism: Kronecker factors of MultiheadAttention's packed in_proj_weight "
-                    "need query, key and value to be the same tensor (self-attention): with "
-                    "different inputs its three row blocks have different input factors, so "
-                    "the block is no single Kronecker product. Use kdim/vdim (separate "
-                    "q/k/v_proj_weight) or a diagonal curvature extension (DiagGGNExact/MC)"
-                )
             res = _LINEAR.kronecker_factors(pc.call, pc.g, approx)
             if pc.weight is not None and "weight" in res:
-                out[pc.weight] = list(res["weight"])
-            if pc.bias is not None and "bias" in res and pc.rows is None:
-                out[pc.bias] = list(res["bias"])
-        split = {pc.bias for pc in pieces.linear if pc.bias is not None and pc.rows is not None}
-        for k in split:  # in_proj_bias of three projections: B of the concatenated gradient
-            if approx == "expand":  # per position: the projections' columns side by side
-                parts = sorted(
-                    (pc.rows.start, pc.g) for pc in pieces.linear
-                    if pc.bias == k and pc.rows is not None
-                )
-                f = torch.cat([gp for _, gp in parts], -1)
-                f = f.reshape(-1, f.shape[-1])
-            else:
+                if pc.rows is not None and pc.weight == "in_proj_weight":
+                    blocks.setdefault(pc.weight, []).append(list(res["weight"]))
+                else:
+                    out[pc.weight] = list(res["weight"])
+            if pc.bias is not None and "bias" in res:
+                if pc.rows is None:
+                    out[pc.bias] = list(res["bias"])
+                else:
+                    split.setdefault(pc.bias, []).append(res["bias"][0])
+        for k, fs in blocks.items():  # rows in order: query, key, value
+            out[k] = [torch.stack(f) for f in zip(*fs, strict=True)]
+        for k, parts in split.items():  # in_proj_bias of three projections
+            if approx == "expand":  # per position, each projection over its own positions
+                out[k] = [torch.block_diag(*parts)]
+            else:  # B of the concatenated per-sample gradients
                 f = self._apply("per_sample", call, g)[k].flatten(0, 1)
-            out[k] = [gram(f.t())]
+                out[k] = [gram(f.t())]
         for k, v in pieces.dense.items():
             f = v.reshape(-1, v[0, 0].numel())
             out[k] = [gram(f.t())]
