@@ -125,7 +125,27 @@ def _chain():
     return model, torch.randn(16, 5, dtype=torch.float64)
 
 
-MODELS = {"residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared}
+class Cross(nn.Module):
+    """Tokens attend to a shorter memory (cross-attention: the packed projection's Kronecker
+    factors are block-diagonal over query, key and value)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        mem = torch.tanh(x[:, 1:])
+        return self.out(self.attn(x, mem, mem, need_weights=False)[0].mean(1))
+
+
+def _cross():
+    return Cross().double(), torch.randn(16, 3, 4, dtype=torch.float64)
+
+
+MODELS = {
+    "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross
+}
 
 
 def _problem(name: str, n: int):
@@ -451,6 +471,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
             _check_hook_and_communication(rank, sizes)
         _check_all(rank, world, "conv", [4, 4], [FIRST[0], [DiagGGNExact(), KFLR()]])
         _check_all(rank, world, "chain", [3, 5], [[KFRA(), KFLR()]])
+        _check_all(rank, world, "cross", [3, 5], [[KFLR(), DiagGGNExact()]])
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
         _check_all(rank, world, "shared", [3, 5], shared)
