@@ -390,13 +390,7 @@ def test_attention_called_as_self_and_cross_attention(approx: str | None) -> Non
     blocks and its ``A`` to every block."""
     torch.manual_seed(7)
 
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(V, 4)
-            self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
-            self.head = nn.Linear(4, C)
-
+    class Twice(Attention):
         def forward(self, idx: Tensor) -> Tensor:
             h = self.emb(idx)
             s = self.attn(h, h, h, need_weights=False)[0]

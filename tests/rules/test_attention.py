@@ -163,6 +163,16 @@ def test_exact_ggn(case: str):
         start += size
 
 
+def _ggn_blocks(model: nn.Module, X: tuple, y: Tensor) -> dict[str, Tensor]:
+    """The exact GGN's diagonal block of every trainable parameter, by name (dense)."""
+    G, _, sizes = ggn_blocks(model, nn.CrossEntropyLoss(), X, y)
+    full, blocks, start = G.sum((0, 1)), {}, 0
+    for name, size in zip(trainable(model), sizes):
+        blocks[name] = full[start : start + size, start : start + size]
+        start += size
+    return blocks
+
+
 def test_kflr_factors():
     """Self-attention: ``in_proj_weight ≈ B ⊗ A`` with ``A = (1/N) Σ xxᵀ`` over the query
     positions and ``B`` the exact GGN block of ``in_proj_bias`` (the Linear convention); the
@@ -174,11 +184,7 @@ def test_kflr_factors():
     x = torch.randn(n, t, e, dtype=DT)
     X = (x, x, torch.zeros(n, t, dtype=torch.bool), torch.zeros(n, 2, t, t, dtype=DT))
     y = torch.randint(0, 3, (n,))
-    G, _, sizes = ggn_blocks(model, nn.CrossEntropyLoss(), X, y)
-    full, blocks, start = G.sum((0, 1)), {}, 0
-    for name, size in zip(trainable(model), sizes):
-        blocks[name] = full[start : start + size, start : start + size]
-        start += size
+    blocks = _ggn_blocks(model, X, y)
     _run(model, X, y, KFLR())
     a = model.attn
     B, A = a.in_proj_weight.kflr
@@ -208,11 +214,7 @@ def test_kronecker_packed_cross_attention(ext: type) -> None:
     model, X, y = _make("cross_packed_3d")
     x, mem = X[0], X[1]
     n, e = x.shape[0], x.shape[-1]
-    G, _, sizes = ggn_blocks(model, nn.CrossEntropyLoss(), X, y)
-    full, blocks, start = G.sum((0, 1)), {}, 0
-    for name, size in zip(trainable(model), sizes):
-        blocks[name] = full[start : start + size, start : start + size]
-        start += size
+    blocks = _ggn_blocks(model, X, y)
     _run(model, X, y, ext())
     a = model.attn
     field = ext.savefield
