@@ -20,7 +20,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from backprism import collect, extend
-from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from backprism.extensions import (
+    KFLR,
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    SumGradSquared,
+    Variance,
+)
 from tests.common import (
     TiedDecoder,
     assert_first_order,
@@ -28,7 +35,7 @@ from tests.common import (
     check_first_order_fields,
     seeded_labels,
 )
-from tests.reference import diag_ggn, per_sample_grads
+from tests.reference import diag_ggn, ggn, per_sample_grads
 
 DT = torch.float64
 TOL = {"rtol": 1e-9, "atol": 1e-11}
@@ -362,3 +369,27 @@ def test_stand_ins_of_replaced_parameters_are_dropped(monkeypatch: pytest.Monkey
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         F.cross_entropy(model(X), y).backward()
     assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_bias_only_with_a_frozen_weight(op: str) -> None:
+    """``F.linear``/``F.conv2d`` on a frozen weight with a trainable bias (bias-only
+    fine-tuning in a layer subclass that calls the function itself, as timm's ``Linear``): the
+    bias gets the layer's closed forms — KFLR's full ``[B]``, the exact GGN block of the bias —
+    not the generic stand-in's diagonal factor (and no generic-rule warning)."""
+    model, X, y = _problem(op)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    bias = model.params.b if op == "linear" else model.params.conv_b
+    bias.requires_grad_(True)
+    block = ggn(model, nn.CrossEntropyLoss(), X, y)  # the bias alone is trainable
+    grads = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with collect(KFLR(), BatchGrad()):
+            lossfunc(model(X), y).backward()
+    torch.testing.assert_close(bias.kflr[0], block, **TOL)
+    (ref,) = grads.values()
+    torch.testing.assert_close(bias.grad_batch, ref, **TOL)

@@ -811,6 +811,17 @@ def _frozen(a: Any, owned: frozenset[int]) -> bool:
     return (v is None and not a.requires_grad) or (v is not None and id(v[0]) in owned)
 
 
+def _bias_only(w: tuple | None, weight: Any, b: tuple | None, owned: frozenset[int]) -> bool:
+    """``F.linear``/``F.conv*`` whose only parameter operand to attribute is the bias, on the
+    weight of a parameter that takes no gradient here (frozen: bias-only fine-tuning in a
+    layer subclass that calls ``F.linear`` itself, or claimed by a module): the bias gets the
+    layer's closed forms (its full Kronecker ``[B]``) rather than the generic stand-in's."""
+    return (
+        w is None and b is not None and b[2] == "param" and isinstance(weight, nn.Parameter)
+        and _frozen(weight, owned)
+    )
+
+
 def _closed_form(
     name: str, args: tuple, kwargs: dict, views: list, x: Tensor, outs: list[Tensor],
     owned: frozenset[int],
@@ -828,6 +839,9 @@ def _closed_form(
             module = _linear_stand_in(w[0], None if b is None else b[0])
             params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
             _capture_one(module, x, outs, params)
+            return True
+        if _bias_only(w, args[1], b, owned):  # a frozen weight (bias-only fine-tuning)
+            _capture_one(_linear_stand_in(args[1], b[0]), x, outs, {"bias": b[0]})
             return True
     if name == "embedding" and len(args) >= 2:
         w = _pv(args[1], owned)
@@ -847,6 +861,10 @@ def _closed_form(
             )
             params = {"weight": w[0]} | ({} if b is None else {"bias": b[0]})
             _capture_one(module, x, outs, params)
+            return True
+        if _bias_only(w, args[1], b, owned):
+            module = _conv_stand_in(name, args[1], b[0], kwargs, tuple(args[3:]))
+            _capture_one(module, x, outs, {"bias": b[0]})
             return True
     if name in _NORMS and not kwargs:
         full = list(args) + [d for _, d in _SIGNATURES[name][len(args) :]]
