@@ -760,3 +760,47 @@ def test_a_table_modified_in_place_otherwise_is_refused(n: int) -> None:
     torch.manual_seed(0)
     model = extend(InPlaceTable().to(DT))
     _refused(model, torch.randn(n, 4, D, dtype=DT), "in place by 'clamp_'")
+
+
+class _ShapeOnly(nn.Embedding):
+    """Hugging Face BART's learned positional embedding: the batched input ids are read for
+    their shape only, the output ``[1, T, d]`` has no batch axis."""
+
+    def forward(self, ids: Tensor, past: int = 0, position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(past, past + ids.shape[1])
+        return super().forward(position_ids.unsqueeze(0))
+
+
+class _Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(10, D)
+        self.pos = _ShapeOnly(6, D)
+        self.head = nn.Linear(D, C)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.tok(ids) + self.pos(ids, 0, position_ids=torch.arange(ids.shape[1]))
+        return self.head(torch.tanh(h).mean(1))
+
+
+def test_a_module_on_the_batch_without_it_in_its_output_is_refused() -> None:
+    """A module called on the batch (ids ``[N, T]``) whose output ``[1, T, d]`` has no axis of
+    ``N`` (BART's positional embedding) has no per-sample split: refused by name before
+    anything is written (it failed with a bare autograd shape error); its parameter frozen, the
+    rest is exact."""
+    torch.manual_seed(0)
+    model = _Positions().to(DT)
+    X, y = torch.randint(0, 10, (3, 5)), torch.randint(0, C, (3,))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    extend(model)
+    refused = pytest.raises(RuntimeError, match=r"_ShapeOnly was called on 3 samples .* BART")
+    with refused, collect(BatchGrad(), DiagGGNExact()):
+        lossfunc(model(X), y).backward()
+    assert_nothing_written(model)
+    model.zero_grad()
+    model.pos.weight.requires_grad_(False)
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
+        lossfunc(model(X), y).backward()
+    assert_first_order(model, ref, **TOL)

@@ -623,6 +623,10 @@ def capture(
         owner=_releaser(params),
         shared_inputs=frozenset(i for i, src in enumerate(sources) if src is not None),
     )
+    if free is False and shareable and call.layout_error is None:
+        call.layout_error = _no_batch_in_outputs(call)
+    if call.layout_error is not None and shareable:
+        shareable = False  # (refused, not widened where it meets the samples)
     if not attach(call, outs):
         return None
     if call.shared_inputs and getattr(get_rule(module), "folds_rows", False) and any(
@@ -711,6 +715,27 @@ def _batch_on_axis_one(x: Tensor) -> None:
         if not move_batch_axis(call, 1):
             call.layout_error = _layout_message(call.module, 1)
     setattr(x, AXIS, 1)
+
+
+def _no_batch_in_outputs(call: Call) -> str | None:
+    """Why a call on ``N > 1`` samples (its first input's axis 0) whose outputs have no axis of
+    size ``N`` cannot be split into samples, or ``None``. Such a module's output is not per
+    sample: it reads the samples' values not at all (Hugging Face's BART positional embedding
+    takes the input ids for their shape only and returns ``[1, T, d]``) or combines them."""
+    n = call.batch_size
+    if n <= 1 or any(n in shape for shape in call.out_shapes):
+        return None
+    shapes = ", ".join(str(tuple(s)) for s in call.out_shapes)
+    names = ", ".join(f"'{k}'" for k in call.params)
+    return (
+        f"backprism: {call.name} was called on {n} samples (its first input's axis 0) but "
+        f"returned {shapes}, without an axis of {n}: its output is not per sample (the module "
+        "does not read the samples' values, as a positional embedding that takes the input "
+        "ids for their shape only, e.g. Hugging Face's BART; or it combines them), so its "
+        f"parameters ({names}) have no per-sample gradients. Call it on inputs without the "
+        "batch (position ids of shape [1, T]: its output is then shared by all samples and "
+        "split where it meets them), or freeze its parameters (requires_grad_(False))"
+    )
 
 
 def _layout_error(module: nn.Module, tensors: list[Tensor]) -> str | None:
