@@ -545,3 +545,22 @@ def test_in_place_operation_on_a_view_is_named() -> None:
     x, y = torch.randn(5, D, dtype=DT), torch.randint(0, C, (5,))
     with pytest.warns(UncheckedOperationWarning, match="CopySlices"), collect(BatchGrad()):
         nn.CrossEntropyLoss()(model(x), y).backward()
+
+
+@pytest.mark.parametrize("pattern", ["flatten", "merge_a"])
+def test_a_frozen_weight_between_folded_calls(pattern: str) -> None:
+    """A Linear layer on the folded rows whose weight is frozen (its bias trained): its
+    product's other operand is outside the graph, the same matrix for every row, so the rows'
+    status passes to the LayerNorm after it (a Swin block with a frozen ``qkv.weight`` was
+    refused with calls of batch sizes ``N`` and ``windows·N``). First order and the exact GGN
+    diagonal against ``torch.func``."""
+    model, x, y, _ = _setup(pattern, 3, 2, 2)
+    model.inner.weight.requires_grad_(False)
+    lossfunc = nn.CrossEntropyLoss()
+    G = ggn_blocks(model, lossfunc, x, y)[0]
+    _first_order_exact(model, x, y)
+    with collect(DiagGGNExact()):
+        lossfunc(model(x), y).backward()
+    torch.testing.assert_close(
+        gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
+    )

@@ -659,12 +659,17 @@ class FoldAnalysis:
         samples on the contracted axis, or on both operands, mix (row ``r`` of the product
         depends on other samples)."""
         a_node, b_node = node.next_functions[i][0], node.next_functions[i + 1][0]
-        sa, a = (None, None) if _param_only(a_node) else self._in(node, i, depth)
-        sb, b = (None, None) if _param_only(b_node) else self._in(node, i + 1, depth)
-        if sa is not None and sb is None and _param_only(b_node):
+        # a parameter, or an operand outside the graph (a frozen weight): the same matrix for
+        # every row of the other operand
+        a_const, b_const = a_node is None or _param_only(a_node), b_node is None or _param_only(
+            b_node
+        )
+        sa, a = (None, None) if a_const else self._in(node, i, depth)
+        sb, b = (None, None) if b_const else self._in(node, i + 1, depth)
+        if sa is not None and sb is None and b_const:
             if sa[0] == 0:
                 return sa
-        elif sb is not None and sa is None and _param_only(a_node):
+        elif sb is not None and sa is None and a_const:
             if sb[0] == 1:
                 return sb
         elif sa is None or sb is None:
