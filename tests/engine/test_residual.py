@@ -44,8 +44,36 @@ class InPlace(nn.Module):
 def test_inplace_nonlinearity_refused():
     model, lf = extend(InPlace()), extend(nn.CrossEntropyLoss())
     X, y = torch.randn(2, 3), torch.randint(0, 3, (2,))
-    with pytest.raises(NonlinearityError, match="in-place"), collect(DiagHessian()):
+    refused = pytest.raises(NonlinearityError, match=r"in-place .* overwrites its input")
+    with refused, collect(DiagHessian()):
         lf(model(X), y).backward()
+
+
+def test_inplace_activation_module_refused_with_the_way_out():
+    """``nn.SiLU(inplace=True)`` (timm's EfficientNet and MobileNetV3 build theirs so): the
+    refusal says that ``inplace=False`` is supported; with the module's attribute switched off
+    DiagHessian is the exact Hessian diagonal (dense autograd reference)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.SiLU(inplace=True), nn.Linear(4, 3))
+    X, y = torch.randn(3, 3), torch.randint(0, 3, (3,))
+    lf = extend(nn.CrossEntropyLoss())
+    extend(model)
+    with pytest.raises(NonlinearityError, match="inplace=False"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+    model[1].inplace = False
+    params = dict(model.named_parameters())
+
+    def loss(*flat: Tensor) -> Tensor:
+        values = dict(zip(params, flat))
+        return nn.functional.cross_entropy(torch.func.functional_call(model, values, (X,)), y)
+
+    H = torch.autograd.functional.hessian(loss, tuple(p.detach() for p in params.values()))
+    model.zero_grad()
+    with collect(DiagHessian()):
+        lf(model(X), y).backward()
+    for i, (name, p) in enumerate(params.items()):
+        want = torch.diagonal(H[i][i].reshape(p.numel(), p.numel())).reshape(p.shape)
+        torch.testing.assert_close(p.diag_h, want, msg=name)
 
 
 def test_recording_switch():

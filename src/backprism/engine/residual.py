@@ -243,11 +243,18 @@ class ErrorSite:
     such an extension that reaches it refuses before anything is written. Holds a string and at
     most a weak reference (no tensors)."""
 
-    __slots__ = ("nll_output", "pass_", "what")
+    __slots__ = ("advice", "nll_output", "pass_", "what", "why")
 
-    def __init__(self, what: str, nll_output: weakref.ref | None = None) -> None:
+    def __init__(
+        self, what: str, nll_output: weakref.ref | None = None, why: str | None = None,
+        advice: str = "",
+    ) -> None:
         self.what = what
         self.nll_output = nll_output
+        #: why its term cannot be built (default: it is not an elementwise residual)
+        self.why = why
+        #: how to avoid the refusal, before the general way out
+        self.advice = advice
         self.pass_: Any = None
 
 
@@ -322,8 +329,11 @@ def _add_site(out: Tensor, site: Any) -> None:
         out.grad_fn.metadata.setdefault(SITES, []).append(site)
 
 
-def _add_error(out: Tensor, what: str, nll_output: weakref.ref | None = None) -> None:
-    _add_site(out, ErrorSite(what, nll_output))
+def _add_error(
+    out: Tensor, what: str, nll_output: weakref.ref | None = None, why: str | None = None,
+    advice: str = "",
+) -> None:
+    _add_site(out, ErrorSite(what, nll_output, why, advice))
 
 
 def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
@@ -600,10 +610,11 @@ def check_pass(bp: Any, exts: list) -> None:
                 and not shares_parameters(products[id(site)], bp.view)
             ):
                 continue
+            why = site.why or "its Hessian term is not an elementwise residual"
             raise NonlinearityError(
-                f"backprism {names}: {site.what} lies between the parameters and the loss; its "
-                "Hessian term is not an elementwise residual, so the exact Hessian "
-                f"diagonal/blocks cannot be built from columns. {_WAY_OUT}"
+                f"backprism {names}: {site.what} lies between the parameters and the loss; "
+                f"{why}, so the exact Hessian diagonal/blocks cannot be built from columns. "
+                f"{site.advice}{_WAY_OUT}"
             )
     found = _unrecorded_nonlinearity(bp)
     if found is None:
@@ -764,7 +775,13 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         if not isinstance(z, Tensor) or not z.requires_grad:
             return
         if out is z:
-            _add_error(out, f"the in-place nonlinearity {name}")
+            _add_error(
+                out, f"the in-place nonlinearity {name}",
+                why=f"it overwrites its input z, which its Hessian term ({name}''(z)) needs",
+                advice="Construct it with inplace=False (nn.SiLU(inplace=False); in a built "
+                "model set the activation modules' inplace attribute to False): that is "
+                "supported. ",
+            )
             return
         if out.shape != z.shape:
             _add_error(out, f"{name} (broadcasting its input)")
