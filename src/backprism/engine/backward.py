@@ -181,6 +181,9 @@ class BackwardPass:
         self.module_fired: Counter[int] = Counter()
         #: param id -> (param, its uses so far) of parameters used by several calls
         self.tied: dict[int, tuple[nn.Parameter, Uses]] = {}
+        #: ids of the parameters used by several calls of the second-order pass, all of which
+        #: give them Kronecker factors (:meth:`_kronecker_uses`)
+        self._kronecker_tied: frozenset[int] = frozenset()
         #: (param id, savefield) → (param, extension) of every result this pass stored
         self.stored: dict[tuple[int, str], tuple[nn.Parameter, Extension]] = {}
         self.touched: dict[int, nn.Module] = {}
@@ -987,7 +990,7 @@ class BackwardPass:
         denses: dict[bool, Tensor] = {}
         out = []
         for ext in exts:
-            if ext.additive:
+            if _additive(ext, p, self._kronecker_tied):
                 continue
             kind = ext.tied_statistic
             scaled = ext.scaled_in_pass and f != 1.0
@@ -1274,7 +1277,8 @@ class BackwardPass:
     ) -> None:
         outputs = [GradientEdge(*e) for _, edges in calls for e in edges if e is not None]
         count = Counter(id(p) for c, _ in calls for p in c.params.values())
-        per_col = _column_bytes(calls, count, exts)
+        self._kronecker_tied = self._kronecker_uses(calls, count)
+        per_col = _column_bytes(calls, count, exts, self._kronecker_tied)
         chunk = self.ctx.chunk_size or max(1, self.ctx.memory_budget // per_col)
         chunks = backprop_columns(origins, cols, outputs, chunk)
         while True:
@@ -1315,22 +1319,52 @@ class BackwardPass:
                 rcall, base, g = self._rule_for(call, get_rule(call.module), g)
                 rule = _Memo(_WholeBatch(base) if self.whole_batch else base)
                 params = call.params
-                single = {n: p for n, p in params.items() if count[id(p)] <= 1}
+                kt = self._kronecker_tied
                 scaled: dict[str, Any] = {}
                 for ext in exts:
-                    names = params if ext.additive else single
+                    names = [
+                        n for n, p in params.items() if count[id(p)] <= 1 or _additive(ext, p, kt)
+                    ]
                     if not names:
                         continue
                     out = ext.from_rule(rule, rcall, self._for_ext(ext, g, scaled, 2), w)
                     for name in names:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
-                if multi and any(not e.additive for e in exts):
+                if multi and any(not _additive(e, p, kt) for e in exts for p in multi.values()):
                     self._add_uses(tied, rule, rcall, g, multi, exts)
                 self.touched[id(call.hook_module)] = call.hook_module
             for p, uses in tied.values():
                 for ext, value, _ in self._tied_results(p, uses, exts, w, order=2):
                     self.store(p, ext, value)
+
+    def _kronecker_uses(
+        self, calls: list[tuple[Call, list[Any]]], count: Counter[int]
+    ) -> frozenset[int]:
+        """Ids of the parameters used by several ``calls`` whose every call gives them Kronecker
+        factors (:meth:`Rule.kronecker_form` of the rule the extensions compute with): their
+        factors add over the calls. A parameter of which one call has no Kronecker form gets
+        the single diagonal factor from all its uses at once (its exact/MC GGN diagonal,
+        :meth:`Extension.additive_over_calls`)."""
+        kronecker: dict[int, bool] = {}
+        for call, _ in calls:
+            shared = [p for p in call.params.values() if count[id(p)] > 1]
+            if not shared:
+                continue
+            form = self._kronecker_form(call)
+            for p in shared:
+                kronecker[id(p)] = kronecker.get(id(p), True) and form
+        return frozenset(k for k, v in kronecker.items() if v)
+
+    def _kronecker_form(self, call: Call) -> bool:
+        """:meth:`Rule.kronecker_form` of ``call`` seen as :meth:`_rule_for` sets it up (a
+        parametrized weight or a folded batch computed per row: no Kronecker form)."""
+        base = get_rule(call.module)
+        if parametrized(call):
+            return False
+        if call.fold > 1 and not (base.moves_batch_axis or base.folds_rows):
+            return False
+        return base.kronecker_form(call)
 
     @staticmethod
     def _add_uses(
@@ -1343,7 +1377,9 @@ class BackwardPass:
     ) -> None:
         """Record one call's use of each of the parameters ``multi`` (used by several calls),
         with the rule's outer factors where an extension can take its statistic from them."""
-        wanted = any(not e.additive and e.tied_statistic is not None for e in exts)
+        wanted = any(
+            not e.additive_over_calls(False) and e.tied_statistic is not None for e in exts
+        )
         outer = rule.outer_factors(call, g) if wanted else {}
         for name, p in multi.items():
             entry = tied.get(id(p))
@@ -1484,8 +1520,16 @@ def _node_name(node: Any) -> str:
     return f"an operation '{name}'"
 
 
+def _additive(ext: Any, p: nn.Parameter, kronecker: frozenset[int]) -> bool:
+    """Whether ``ext`` combines ``p``'s results over its calls by adding them
+    (:meth:`Extension.additive_over_calls`; ``kronecker``: the parameters whose every call
+    gives them Kronecker factors)."""
+    return ext.additive_over_calls(id(p) in kronecker)
+
+
 def _column_bytes(
-    calls: list[tuple[Call, list[Any]]], count: Counter[int], exts: list[Any]
+    calls: list[tuple[Call, list[Any]]], count: Counter[int], exts: list[Any],
+    kronecker: frozenset[int] = frozenset(),
 ) -> int:
     """Bytes one backpropagated column costs at its peak: the column at every captured output,
     plus the per-sample gradients ``[N, *p]`` an extension may build from it (the largest
@@ -1507,7 +1551,7 @@ def _column_bytes(
             if e is not None:
                 total += shape.numel() * elem
     n = max((c.batch_size for c, _ in calls), default=1)
-    squared = [e for e in exts if not e.additive]
+    squared = [e for e in exts if not e.additive_over_calls(False)]
     factored = all(e.tied_statistic is not None for e in squared)
     built = 0
     uses: dict[int, tuple[nn.Parameter, list[Call]]] = {}
@@ -1517,7 +1561,7 @@ def _column_bytes(
         for p in call.params.values():
             if builds:
                 built = max(built, p.numel())
-            if squared and count[id(p)] > 1:
+            if count[id(p)] > 1 and any(not _additive(e, p, kronecker) for e in squared):
                 uses.setdefault(id(p), (p, []))[1].append(call)
     shared = 0
     for p, users in uses.values():

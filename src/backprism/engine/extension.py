@@ -191,6 +191,14 @@ class Extension:
         """Combine results of two contributions (column chunks, calls or losses)."""
         return old + new
 
+    def additive_over_calls(self, kronecker: bool) -> bool:
+        """Whether the results of a parameter used by several calls are the sum of the calls'
+        (:meth:`accumulate`) rather than computed from all its uses at once
+        (:meth:`from_dense` / :meth:`from_statistic`); ``kronecker``: every call gives the
+        parameter Kronecker factors (:meth:`~backprism.engine.rule.Rule.kronecker_form`).
+        Default: :attr:`additive`."""
+        return self.additive
+
     def whole_batch_result(self, value: Any, rows: int) -> Any:
         """The final result of a whole-batch pass (``whole_batch``) from the accumulated one,
         whose columns are ``k·rows + r`` (loss-Hessian column ``k``, loss row ``r``)."""

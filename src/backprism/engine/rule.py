@@ -246,25 +246,34 @@ class Rule:
         columns), so ``D = diag(diag_ggn_exact)`` for exact columns and ``diag(diag_ggn_mc)``
         for MC ones. Refused when ``[P, P]`` would exceed :data:`KRONECKER_DIAGONAL_MAX_BYTES`."""
         for name, p in call.params.items():
-            size = p.numel() ** 2 * p.element_size()
-            if size > KRONECKER_DIAGONAL_MAX_BYTES:
-                raise NotImplementedError(
-                    f"backprism: the parameter {name!r} of {type(call.module).__name__} "
-                    f"({p.numel()} entries) has no Kronecker factors (its rule "
-                    f"{type(self).__name__} has none), so KFAC/KFLR/KFRA would store its GGN "
-                    f"diagonal as a [{p.numel()}, {p.numel()}] diagonal matrix "
-                    f"({size / 2**30:.1f} GiB; the limit is "
-                    "backprism.engine.rule.KRONECKER_DIAGONAL_MAX_BYTES). Take its curvature "
-                    "from DiagGGNExact/DiagGGNMC (and freeze it with requires_grad_(False) for "
-                    "the Kronecker pass), or register a Rule with kfac_input/kfac_output for "
-                    f"{type(call.module).__name__}"
-                )
+            check_diagonal_size(p, call, name, f"its rule {type(self).__name__} has none")
         return {k: [torch.diag(v.reshape(-1))] for k, v in self.sum_squared(call, g).items()}
 
     def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
         """Which of :meth:`kronecker_factors`' factors depend on the backpropagated columns
         (summed over column chunks) rather than on the inputs only (computed once per call)."""
         return [True] + [False] * (n_factors - 1)
+
+
+def check_diagonal_size(
+    p: Tensor, call: Call, name: str | None = None,
+    why: str = "one of its calls gives it none",
+) -> None:
+    """Refuse a single diagonal Kronecker factor ``[P, P]`` of ``p`` (``P = p.numel()``) larger
+    than :data:`KRONECKER_DIAGONAL_MAX_BYTES`."""
+    size = p.numel() ** 2 * p.element_size()
+    if size <= KRONECKER_DIAGONAL_MAX_BYTES:
+        return
+    module = type(call.module).__name__
+    what = f"the parameter {name!r} of {module}" if name else f"a parameter of {module}"
+    raise NotImplementedError(
+        f"backprism: {what} ({p.numel()} entries) has no Kronecker factors ({why}), so "
+        f"KFAC/KFLR/KFRA would store its GGN diagonal as a [{p.numel()}, {p.numel()}] diagonal "
+        f"matrix ({size / 2**30:.1f} GiB; the limit is "
+        "backprism.engine.rule.KRONECKER_DIAGONAL_MAX_BYTES). Take its curvature from "
+        "DiagGGNExact/DiagGGNMC (and freeze it with requires_grad_(False) for the Kronecker "
+        f"pass), or register a Rule with kfac_input/kfac_output for {module}"
+    )
 
 
 #: the conventions of :meth:`Rule.kronecker_factors` besides BackPACK's (``None``)

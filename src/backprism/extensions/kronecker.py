@@ -45,9 +45,12 @@ row-major ``vec``), ``Vₘₙ = Jₙᵀ gₘₙ`` the per-sample, per-column gra
 the MC GGN diagonal for KFAC (``mc_samples`` sampled labels, ``D = diag(diag_ggn_mc)`` of
 ``DiagGGNMC(mc_samples)``), the exact GGN diagonal for KFLR and KFRA
 (``D = diag(diag_ggn_exact)``). See :meth:`~backprism.engine.rule.Rule.kronecker_diagonal`.
-A parameter without Kronecker structure used by several calls gets the sum of the calls'
-diagonals (the same "expand" convention, so for tied parameters it is not ``diag_ggn_*``, which
-squares the per-sample sum over the calls).
+A parameter used by several calls of which one has no Kronecker structure (a norm module
+called twice, DeBERTa's relative embeddings fed to two projections, a weight also used
+elementwise) gets ``[D]`` from all its uses at once: ``Vₘₙ`` summed over the calls before
+squaring, so ``D`` is ``diag(diag_ggn_exact)`` / ``diag(diag_ggn_mc)`` there too (cross terms
+between the calls included). Only parameters whose every call has Kronecker factors add their
+factors over the calls.
 
 Under distributed data parallelism (:mod:`backprism.engine.distributed`) the factors are those of
 the global batch on every rank: ``B = Σ_r ρ_r B_r`` (loss weights, ``ρ = N_r/N`` for a mean
@@ -67,7 +70,14 @@ from torch import Tensor, nn
 
 from backprism.engine.extension import GlobalBatch, SumPart
 from backprism.engine.loss_hessian import loss_hessian_sqrt
-from backprism.engine.rule import KFAC_APPROXIMATIONS, Call, Rule, get_rule, with_approx
+from backprism.engine.rule import (
+    KFAC_APPROXIMATIONS,
+    Call,
+    Rule,
+    check_diagonal_size,
+    get_rule,
+    with_approx,
+)
 from backprism.engine.state import suspended
 from backprism.extensions.base import SecondOrderExtension
 from backprism.extensions.secondorder import _check_mc
@@ -96,8 +106,26 @@ def _check_approx(kfac_approx: str | None) -> str | None:
 
 class _Kronecker(SecondOrderExtension):
     additive = True
+    #: a parameter used by several calls without Kronecker factors in one of them: its single
+    #: diagonal factor from the squares of its per-sample gradients summed over the calls
+    tied_statistic = "sum_squared"
     #: how weights shared over positions are factored (None: BackPACK's convention)
     kfac_approx: str | None = None
+
+    def additive_over_calls(self, kronecker: bool) -> bool:
+        """Factors add over the calls of a parameter that every call gives Kronecker factors
+        (weight sharing, the "expand" convention); any other parameter used by several calls
+        gets the single diagonal factor of its exact (KFLR) or MC (KFAC) GGN diagonal, from
+        all its uses at once."""
+        return kronecker
+
+    def from_statistic(self, statistic: Tensor, call: Call) -> KroneckerFactors:
+        return _diagonal_factor(statistic, call)
+
+    def from_dense(self, dense: Tensor, call: Call, weights: Tensor | None) -> KroneckerFactors:
+        if weights is not None:
+            raise ValueError(f"{type(self).__name__} does not take signed columns")
+        return _diagonal_factor(dense.square().sum((0, 1)), call)
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         if weights is not None:
@@ -134,6 +162,13 @@ class _Kronecker(SecondOrderExtension):
             for o, n, g in zip(old, new, new.grad_side, strict=True)
         ]
         return KroneckerFactors(merged, old.calls | new.calls, new.grad_side)
+
+
+def _diagonal_factor(diagonal: Tensor, call: Call) -> KroneckerFactors:
+    """``[D]``, ``D = diag(vec(diagonal))`` ``[P, P]``: the single-factor form of a parameter
+    without Kronecker structure (:meth:`~backprism.engine.rule.Rule.kronecker_diagonal`)."""
+    check_diagonal_size(diagonal, call)
+    return KroneckerFactors([torch.diag(diagonal.reshape(-1))], {id(call)}, [True])
 
 
 def _add(old: Tensor, new: Tensor) -> Tensor:

@@ -737,6 +737,9 @@ class MultiheadAttentionRule(GenericRule):
             out.update(_Fixed(pieces.dense).batch_dot_with(call, g, dense))
         return out
 
+    def kronecker_form(self, call: Call) -> bool:
+        return self._supported(call)
+
     def kronecker_factors(
         self, call: Call, g: Any, approx: str | None = None
     ) -> dict[str, list[Tensor]]:

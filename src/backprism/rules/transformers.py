@@ -122,6 +122,9 @@ class Conv1DRule(Rule):
                 out[k] = Outer(o.cols, o.rows, o.cols.shape[-1]) if k == "weight" else o
         return out
 
+    def kronecker_form(self, call: Call) -> bool:
+        return True
+
     def kronecker_factors(
         self, call: Call, g: Tensor, approx: str | None = None
     ) -> dict[str, list[Tensor]]:
