@@ -418,7 +418,7 @@ def test_beit_and_its_relative_position_bias(shared: bool):
     _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL)
 
 
-@pytest.mark.parametrize("version", ["v2", "v1"])
+@pytest.mark.parametrize("version", ["v2", "v2_unnormed", "v1"])
 def test_deberta_and_its_relative_embeddings(version: str):
     """Hugging Face's DeBERTa (v2, the code of DeBERTa-v3; and v1): disentangled attention
     projects relative embeddings (an ``Embedding``'s weight through a LayerNorm, then every
@@ -426,29 +426,38 @@ def test_deberta_and_its_relative_embeddings(version: str):
     matrix products with the per-sample queries and keys (v2 repeats them over the batch folded
     with the heads; v1 scales them in place): each projection is run again on every sample's
     copy, first order and the exact GGN diagonal of every parameter against loop references
-    (refused before). v1's LayerNorm normalises in float32, hence float32's precision."""
+    (refused before). ``v2_unnormed``: the embedding's weight goes to both projections itself
+    (``norm_rel_ebd="none"``), a parameter of two calls without Kronecker form, whose KFLR
+    factor was the sum of the calls' diagonals. v1's LayerNorm normalises in float32, hence
+    float32's precision."""
     torch.manual_seed(0)
     common = dict(
         num_hidden_layers=2, num_attention_heads=2, hidden_size=8, intermediate_size=16,
         vocab_size=13, max_position_embeddings=16, num_labels=3, relative_attention=True,
         pos_att_type=["c2p", "p2c"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
-    if version == "v2":
+    if version.startswith("v2"):
+        unnormed = version == "v2_unnormed"  # (its own position projections, too)
         cfg = transformers.DebertaV2Config(
-            **common, share_att_key=True, norm_rel_ebd="layer_norm", position_buckets=4
+            **common, share_att_key=not unnormed, norm_rel_ebd="none" if unnormed else
+            "layer_norm", position_buckets=4,
         )
         make = transformers.DebertaV2ForSequenceClassification
     else:
         cfg = transformers.DebertaConfig(**common)
         make = transformers.DebertaForSequenceClassification
     model = Logits(_quiet(lambda: make(cfg))).to(DT).eval()
+    if version == "v2_unnormed":  # (the initial embeddings' curvature is below TOL's atol)
+        model = _perturbed(model)
     x, y = torch.randint(3, 13, (N, 6)), torch.randint(0, 3, (N,))
-    _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, TOL if version == "v2" else LOOSE)
+    tol = LOOSE if version == "v1" else TOL
+    _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, tol)
 
 
 def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: dict) -> None:
-    """First order and the exact GGN diagonal of the extended ``model``'s trainable parameters
-    against loop references (per-sample ``functional_call``s, dense Jacobians and Hessians)."""
+    """First order, the exact GGN diagonal and KFLR's single factors of the extended ``model``'s
+    trainable parameters against loop references (per-sample ``functional_call``s, dense
+    Jacobians and Hessians)."""
     from tests.reference import batch_diag_ggn_loop, per_sample_grads_loop
 
     ref = per_sample_grads_loop(model, lossfunc, x, y)
@@ -462,6 +471,15 @@ def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: d
     for k, p in model.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.diag_ggn_exact, diag[k].sum(0), **tol, msg=k)
+    # KFLR: a single factor (a bias's block, [D] without Kronecker structure) has the exact GGN
+    # diagonal on its diagonal, also for parameters used by several calls
+    model.zero_grad()
+    with collect(KFLR()):
+        lossfunc(model(x), y).backward()
+    for k, p in model.named_parameters():
+        if p.requires_grad and len(p.kflr) == 1:
+            got = torch.diagonal(p.kflr[0]).reshape(p.shape)
+            torch.testing.assert_close(got, diag[k].sum(0), **tol, msg=k)
 
 
 class _LastToken(nn.Module):
