@@ -17,6 +17,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backprism import collect, extend
@@ -49,26 +50,49 @@ def test_inplace_nonlinearity_refused():
         lf(model(X), y).backward()
 
 
-def test_inplace_activation_module_refused_with_the_way_out():
-    """``nn.SiLU(inplace=True)`` (timm's EfficientNet and MobileNetV3 build theirs so): the
-    refusal says that ``inplace=False`` is supported; with the module's attribute switched off
-    DiagHessian is the exact Hessian diagonal (dense autograd reference)."""
+class _FunctionalInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.hardswish(x, inplace=True)
+
+
+@pytest.mark.parametrize(
+    "act", ["silu_module", "hardswish_module", "hardswish_functional", "silu_after_residual"]
+)
+def test_inplace_activations_that_keep_their_input(act: str):
+    """In-place SiLU / Hardswish (timm's EfficientNet and MobileNetV3 build them so): their
+    autograd nodes keep the input, from which the Hessian term ``σ''(z)`` is read, and its
+    columns enter the graph at the node's input edge (they were refused). DiagHessian against
+    the dense autograd Hessian's diagonal."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.SiLU(inplace=True), nn.Linear(4, 3))
+    act_module = {
+        "silu_module": nn.SiLU(inplace=True),
+        "hardswish_module": nn.Hardswish(inplace=True),
+        "hardswish_functional": _FunctionalInPlace(),
+        "silu_after_residual": nn.SiLU(inplace=True),
+    }[act]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.act, self.l2 = nn.Linear(3, 4), act_module, nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.l1(x)
+            if act == "silu_after_residual":
+                h = h + x.sum(1, keepdim=True)
+            return self.l2(self.act(3 * h))
+
+    model = Net()
     X, y = torch.randn(3, 3), torch.randint(0, 3, (3,))
-    lf = extend(nn.CrossEntropyLoss())
-    extend(model)
-    with pytest.raises(NonlinearityError, match="inplace=False"), collect(DiagHessian()):
-        lf(model(X), y).backward()
-    model[1].inplace = False
     params = dict(model.named_parameters())
 
     def loss(*flat: Tensor) -> Tensor:
         values = dict(zip(params, flat))
-        return nn.functional.cross_entropy(torch.func.functional_call(model, values, (X,)), y)
+        return F.cross_entropy(torch.func.functional_call(model, values, (X,)), y)
 
     H = torch.autograd.functional.hessian(loss, tuple(p.detach() for p in params.values()))
-    model.zero_grad()
+    lf = extend(nn.CrossEntropyLoss())
+    extend(model)
     with collect(DiagHessian()):
         lf(model(X), y).backward()
     for i, (name, p) in enumerate(params.items()):

@@ -33,6 +33,11 @@ How the nonlinearities are found
   through autograd nodes) in the metadata of ``a``'s node; nothing is computed (and no hook is
   registered) unless a DiagHessian-family backward pass reaches the site, which then registers
   a pre-hook on that node.
+* An in-place nonlinearity (``nn.SiLU(inplace=True)``, ``F.hardswish(x, inplace=True)``)
+  overwrites ``z``; where its autograd node keeps a copy of the input for its own derivative
+  (``_saved_self``: SiLU, Hardswish, Mish) the site reads ``z`` there and pushes its columns
+  into the node's input edge; where it keeps only the result (``tanh_``, ``sigmoid_``) it is
+  refused, naming ``inplace=False`` as the way out.
 * Non-elementwise nonlinear operations between parameters and loss leave an
   :class:`ErrorSite`; a DiagHessian-family pass that reaches one refuses before anything is
   written (:func:`check_pass`).
@@ -59,13 +64,16 @@ clear error — put it inside the model.
 
 from __future__ import annotations
 
+import copy as _copy
 import re
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from backprism.engine import backward as _backward
 from backprism.engine.columns import Columns
@@ -300,13 +308,20 @@ class ResidualSite:
     ``a``. A DiagHessian-family pass that reaches the site registers a pre-hook on ``a``'s node
     (:meth:`node_hook`) that pushes the residual columns."""
 
-    __slots__ = ("fn", "name", "output_nr", "pass_", "z")
+    __slots__ = ("axis", "fn", "name", "output_nr", "pass_", "z")
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int) -> None:
+    def __init__(
+        self, fn: Callable[[Tensor], Tensor], z: Tensor | None, name: str, nr: int,
+        axis: int = 0,
+    ) -> None:
         self.fn = fn
+        #: ``None`` for an in-place ``a = fn(z)``, which overwrote ``z``: its values are the
+        #: node's saved input (autograd keeps a copy for its own derivative) and its columns
+        #: enter the graph at the node's input edge
         self.z = z
         self.name = name
         self.output_nr = nr
+        self.axis = axis  # the batch axis of ``z`` (an in-place site's, read before the op)
         self.pass_: Any = None
 
     def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
@@ -318,8 +333,13 @@ class ResidualSite:
 
         def hook(grad_outputs: tuple) -> None:
             grad_a = grad_outputs[self.output_nr]
-            if grad_a is not None and self.pass_ is bp and not bp.in_columns:
+            if grad_a is None or self.pass_ is not bp or bp.in_columns:
+                return
+            if self.z is not None:
                 push_residual(bp, exts, self.fn, self.z, grad_a)
+            else:  # in place: z's values saved by the node, its graph behind the node's input
+                edge = GradientEdge(*node.next_functions[0])
+                push_residual(bp, exts, self.fn, node._saved_self, grad_a, edge, self.axis)
 
         return hook
 
@@ -336,8 +356,10 @@ def _add_error(
     _add_site(out, ErrorSite(what, nll_output, why, advice))
 
 
-def _add_residual(out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor, name: str) -> None:
-    _add_site(out, ResidualSite(fn, z, name, out.output_nr))
+def _add_residual(
+    out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor | None, name: str, axis: int = 0
+) -> None:
+    _add_site(out, ResidualSite(fn, z, name, out.output_nr, axis))
     # only the mode records it (refusals the graph walk finds without it, engine.functional);
     # an activation module's own site is taken back by its hook
     FORWARD.acted += 1
@@ -676,7 +698,8 @@ def check_linear_in_params(call: Any, exts: list) -> None:
 
 
 def push_residual(
-    bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor
+    bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
+    origin: Any = None, axis: int | None = None,
 ) -> None:
     r"""Push the signed residual columns of ``a = fn(z)`` back from ``z`` (pass ``bp``).
 
@@ -685,7 +708,9 @@ def push_residual(
     ``z``'s first axis is not the calls' batch axis (different size, or ``z`` carries a batch
     axis other than 0 from a ``batch_first=False`` RNN), every element of ``z`` gets
     its own column instead (``K = z.numel()``), which is exact whatever the layout. Columns whose
-    weights are all zero are skipped; chunks follow the context's memory budget.
+    weights are all zero are skipped; chunks follow the context's memory budget. ``origin``:
+    where the columns enter the graph (default ``z``; an in-place operation's input edge), with
+    ``z``'s batch ``axis``.
     """
     calls = bp.loss_calls()
     if not calls:
@@ -694,7 +719,9 @@ def push_residual(
     n_calls = bp.n_samples
     # one column per element of a sample, covering all samples at once, needs z's first axis to
     # be the batch axis of the calls; otherwise one column per element of z (always exact)
-    batched = r.dim() > 0 and r.shape[0] == n_calls and not getattr(z, AXIS, 0)
+    batched = r.dim() > 0 and r.shape[0] == n_calls and not (
+        getattr(z, AXIS, 0) if axis is None else axis
+    )
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
     if flat.device.type == "cpu":  # skip elements whose residual vanishes for every sample
@@ -716,7 +743,8 @@ def push_residual(
         cols[torch.arange(k, device=flat.device), :, idx] = sqrt_abs[:, start:stop].t()
         return [cols.reshape(k, *shape)]
 
-    bp.process_columns(calls, [z], Columns(active.numel(), make), exts, weights)
+    bp.process_columns(calls, [z if origin is None else origin], Columns(active.numel(), make),
+                       exts, weights)
 
 
 # -- recording during forward ------------------------------------------------------------------
@@ -756,6 +784,34 @@ def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
     return fn
 
 
+def _saves_input(out: Tensor) -> bool:
+    """Whether the node of an in-place elementwise ``out = fn_(z)`` kept the input ``z`` (a
+    copy autograd makes for its own derivative: ``silu_``, ``hardswish_``, ``mish_``; not
+    ``tanh_``/``sigmoid_``, whose derivatives read the result)."""
+    try:
+        return isinstance(getattr(out.grad_fn, "_saved_self", None), Tensor)
+    except RuntimeError:  # (freed)
+        return False
+
+
+def _out_of_place(
+    func: Any, name: str, args: tuple, kwargs: dict
+) -> Callable[[Tensor], Tensor] | None:
+    """The out-of-place form of an in-place elementwise nonlinearity (``F.silu(x,
+    inplace=True)``, ``x.hardswish_()``), or ``None``."""
+    base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    target = getattr(F, base, None) or getattr(torch, base, None)
+    if target is None:
+        return None
+    rest = tuple(a for a in args[1:] if not isinstance(a, bool))  # (an inplace flag)
+    kw = {k: v for k, v in kwargs.items() if k != "inplace"}
+
+    def fn(zz: Tensor) -> Tensor:
+        return target(zz, *rest, **kw)
+
+    return fn
+
+
 def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any) -> None:
     """Register what DiagHessian will need of one operation ``func`` (named ``name``, of
     :func:`classify`'s ``kind``); cheap."""
@@ -775,6 +831,10 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         if not isinstance(z, Tensor) or not z.requires_grad:
             return
         if out is z:
+            fn = _out_of_place(func, name, args, kwargs)
+            if fn is not None and _saves_input(out):
+                _add_residual(out, fn, None, name, getattr(out, AXIS, 0) or 0)
+                return
             _add_error(
                 out, f"the in-place nonlinearity {name}",
                 why=f"it overwrites its input z, which its Hessian term ({name}''(z)) needs",
@@ -861,6 +921,12 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
     if not z.requires_grad or not output.requires_grad:
         return
     if output is z:
+        if getattr(module, "inplace", None) is True and _saves_input(output):
+            copy = _copy.copy(module)  # (an activation: no parameters, no state)
+            copy.inplace = False
+            _add_residual(output, copy.forward, None, type(module).__name__,
+                          getattr(output, AXIS, 0) or 0)
+            return
         _add_error(output, f"the in-place {type(module).__name__}")
         return
     _add_residual(output, module.forward, z, type(module).__name__)
