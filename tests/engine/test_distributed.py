@@ -56,7 +56,7 @@ from backprism.extensions import (  # noqa: E402
     SumGradSquared,
     Variance,
 )
-from tests.common import TanhResidual, init_gloo  # noqa: E402
+from tests.common import TanhResidual, assert_nothing_written, init_gloo  # noqa: E402
 
 RTOL, ATOL = 1e-6, 1e-12
 
@@ -448,6 +448,21 @@ def _check_refusals(rank: int, sizes: list[int]) -> None:
     with pytest.raises(RuntimeError, match="computed different results"), collect(*exts):
         lossfunc(ddp(X[sl]), y[sl]).backward()
     assert not hasattr(model.out.weight, "sum_grad_squared")  # no local values left behind
+    # a rank that refuses before its backward (here: a penalty on a weight outside the forward,
+    # on rank 0 only) tells the others, which raise naming it, instead of waiting for it; it
+    # runs the plain backward, so DDP's gradient all-reduce completes on every rank
+    model.zero_grad()
+    loss = lossfunc(ddp(X[sl]), y[sl])
+    if rank == 0:
+        loss = loss + 0.0 * model.out.weight.sum()
+    refusal = "outside the forward" if rank == 0 else r"rank\(s\) \[0\] .* refused"
+    with pytest.raises(RuntimeError, match=refusal), collect(BatchL2Grad(), DiagGGNExact()):
+        loss.backward()
+    assert_nothing_written(model)
+    grads = [torch.zeros_like(model.out.weight.grad) for _ in range(2)]
+    dist.all_gather(grads, model.out.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])  # DDP's averaged gradient on both ranks
+    _check_all(rank, 2, "residual", sizes, [FIRST[0]])  # the group still works
     # FSDP2 is refused (where fully_shard runs on CPU)
     try:
         from torch.distributed.fsdp import fully_shard
@@ -472,6 +487,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "conv", [4, 4], [FIRST[0], [DiagGGNExact(), KFLR()]])
         _check_all(rank, world, "chain", [3, 5], [[KFRA(), KFLR()]])
         _check_all(rank, world, "cross", [3, 5], [[KFLR(), DiagGGNExact()]])
+        _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
         _check_all(rank, world, "shared", [3, 5], shared)

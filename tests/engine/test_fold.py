@@ -564,3 +564,12 @@ def test_a_frozen_weight_between_folded_calls(pattern: str) -> None:
     torch.testing.assert_close(
         gather(model, "diag_ggn_exact", 0), torch.diagonal(G.sum((0, 1))), **TOL
     )
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_one_sample_folded_with_another_axis(pattern: str) -> None:
+    """One sample (a rank's last batch under DDP): the calls of other batch sizes are folds of
+    it, whatever their order (there is nothing to mix); they were refused (calls of batch
+    sizes 1 and k). First order against ``torch.func``."""
+    model, x, y, _ = _setup(pattern, 1, 2, 2)
+    _first_order_exact(model, x, y)

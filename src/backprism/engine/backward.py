@@ -335,7 +335,7 @@ class BackwardPass:
                 call.training or module.running_mean is None
             ):  # normalised with the batch's statistics
                 mixing = f"{call.name} in train mode"
-        if mixing is None and per_sample:
+        if mixing is None and per_sample and not self._one_sample():  # (one: nothing to mix)
             mixing = self._mixing(per_sample)
             way_out = (
                 "Per-sample quantities of a computation that combines samples (a loss that "
@@ -504,6 +504,16 @@ class BackwardPass:
             call.fold = 1
         if self._batch_off_axis_0():  # a batch_first=False RNN: axis 0 is not the batch there
             return sizes
+        if 1 in sizes and self._one_sample():
+            # a batch of one sample (a rank's last batch under DDP): every row of every call
+            # is that sample's, so the other sizes are folds of it (windows, positions) in any
+            # order, and a call of batch size 1 is no broadcast here
+            folded = [c for c in self.calls if c.params and c.batch_size != 1]
+            for call in folded:
+                call.fold = call.batch_size
+            self.n_samples = 1
+            self._check_folds(folded)
+            return [1]
         for n in fold_sizes(sizes):
             analysis = self._fold_analysis(n)
             folds: dict[Call, int] = {}
@@ -527,6 +537,10 @@ class BackwardPass:
                 self._check_folds(list(folds))
                 return [n]
         return sizes
+
+    def _one_sample(self) -> bool:
+        """Every forward of the pass ran on one sample (its first input's axis 0 of size 1)."""
+        return bool(self.roots) and all(root.batch == 1 for root in self.roots)
 
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""

@@ -169,15 +169,16 @@ def _meets(name: str) -> str:
     )
 
 
-def _folded_repeat(name: str, src: Any, args: tuple, out: Tensor) -> int:
+def _folded_repeat(name: str, src: Any, args: tuple, out: Tensor, one: bool = False) -> int:
     """``r`` if ``out = src.repeat(r, 1, ...)`` repeats an axis 0 of size ``> 1`` (``r``
-    copies of ``src`` in a row along it), else 0."""
+    copies of ``src`` in a row along it; ``r = 1`` counts where the forward runs on one
+    sample, ``one``), else 0."""
     if name != "repeat" or not isinstance(src, Tensor) or src.dim() != out.dim():
         return 0
     if src.dim() == 0 or src.shape[0] <= 1:
         return 0
     reps = _repeats(args)
-    if len(reps) != out.dim() or any(r != 1 for r in reps[1:]) or reps[0] <= 1:
+    if len(reps) != out.dim() or any(r != 1 for r in reps[1:]) or reps[0] < (1 if one else 2):
         return 0
     return int(reps[0])
 
@@ -250,10 +251,17 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
     if FORWARD.rows_pending:
         _follow_rows(name, args, out)
     if name in FOLLOWS:
-        if name in _OVER_BATCH and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
+        one = _one_sample()
+        if (
+            name in _OVER_BATCH and isinstance(out, Tensor) and out.dim()
+            and (out.shape[0] > 1 or one)
+        ):
             src = args[0] if args else None
             info = getattr(src, SHARED, None) if isinstance(src, Tensor) else None
-            if info is not None and src.requires_grad and _over_batch(name, src, args, out):
+            if (
+                info is not None and src.requires_grad and _over_batch(name, src, args, out)
+                and (out.shape[0] > 1 or _free(src))
+            ):
                 # shared.expand(N, ...), shared.repeat(N, 1, ...): over the samples explicitly
                 wide = _widen_shared(src, out.dim(), out.shape[0])
                 if wide is not None:
@@ -262,7 +270,7 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
                     return wide.contiguous() if name == "repeat" else wide
                 _unsplit(info[0], _meets(name))
                 return out
-            r = _folded_repeat(name, src, args, out)
+            r = _folded_repeat(name, src, args, out, one)
             if info is not None and src.requires_grad and r and hasattr(src, FREE):
                 # shared.repeat(N, 1, ...) of an axis 0 of size H > 1: N copies in a row, the
                 # batch folded sample-major with that axis (DeBERTa's [N·heads, 2S, d]
@@ -457,14 +465,19 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         # (batch axes exist, and no vector operand, whose axes matmul would move)
         return args, kwargs
     n = max(t.shape[0] for t in tensors if t.dim() == rank) if rank else 1
-    if n <= 1:
+    if n < 1 or (n == 1 and not _one_sample()):
         return args, kwargs
     new_args = list(args)
-    against = tuple(t for t in tensors if t.dim() == rank and t.shape[0] == n)
+    against = tuple(
+        t for t in tensors if t.dim() == rank and t.shape[0] == n and (n > 1 or not _free(t))
+    )
     for i, a in enumerate(args):
         if i == 0 and name in _IN_PLACE:
             continue  # written into: it keeps its shape
-        if isinstance(a, Tensor) and a.requires_grad and (a.dim() < rank or a.shape[0] == 1):
+        if (
+            isinstance(a, Tensor) and a.requires_grad and (a.dim() < rank or a.shape[0] == 1)
+            and (n > 1 or _free(a))
+        ):
             # (added as it is, a call's output of batch size 1 could be widened by the
             # backward pass too, at the addition: no reason to keep the mode for it)
             plain = name in _ADDS and len(args) == 2 and not kwargs and a.dim() == rank
@@ -472,6 +485,28 @@ def broadcast_calls(name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if wide is not None:
                 new_args[i] = wide
     return tuple(new_args), kwargs
+
+
+def _free(t: Tensor) -> bool:
+    """Where the forward runs on one sample: whether ``t``, a shared call's output (or what
+    was computed from it), is widened to that sample. So is one the forward mode found the
+    same for every sample (:data:`FREE`: computed from factories' results and parameters
+    alone) whose call's axis 0 is not of size 1 (T5's ``[T, T]`` buckets) or that has no tensor
+    input (HF Swin's bias tables): a call of batch size 1 on inputs already is the sample's, and
+    a call on the sample itself (a token embedding of
+    ``[1, T]`` ids, also marked shared as a call on inputs that need no gradient) is no table."""
+    info = getattr(t, SHARED, None)
+    return (
+        info is not None and hasattr(t, FREE)
+        and (info[0].batch_size != 1 or not info[0].versions)  # (or without tensor inputs)
+    )
+
+
+def _one_sample() -> bool:
+    """The top-level forward runs on one sample: an operand of batch size 1 is that sample,
+    and a shared table that meets it is widened to it (as to ``N`` samples), so that its call
+    gets the batch size of the rest (a rank of a distributed run with a local batch of one)."""
+    return FORWARD.root_batch == 1
 
 
 def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -487,7 +522,9 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         _rows_met(getattr(mask, _ROWS), [q])
     if not isinstance(q, Tensor) or not isinstance(mask, Tensor) or not mask.requires_grad:
         return args, kwargs
-    if q.dim() < 3 or mask.dim() > q.dim() or q.shape[0] <= 1:
+    if q.dim() < 3 or mask.dim() > q.dim() or q.shape[0] < 1 or (
+        q.shape[0] == 1 and not (_one_sample() and _free(mask))
+    ):
         return args, kwargs
     wide = _widen_shared(mask, q.dim(), q.shape[0], (q,))
     if wide is None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from backprism.engine.backward import BackwardPass
-from backprism.engine.distributed import check_process_group
+from backprism.engine.distributed import announce_refusal, check_process_group
 from backprism.engine.extension import Extension, FirstOrderExtension, SecondOrderExtension
 from backprism.engine.graph import analyse
 from backprism.engine.state import active, reset_active, set_active
@@ -210,7 +210,13 @@ class collect:
         bp.create_graph = self.differentiable and _creates_graph(func, args, kwargs)
         if bp.calls:
             self._saw_calls = True
-        bp.check()
+        try:
+            bp.check()
+        except BaseException:
+            if announce_refusal(bp):
+                # the other ranks run their backward: DDP's gradient all-reduce needs ours
+                func(*args, **kwargs)
+            raise
         bp.start()
         self._running = bp
         ok = False

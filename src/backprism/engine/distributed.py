@@ -293,7 +293,22 @@ def setup(bp: Any) -> DistributedPass | None:
         )
     roots = _unique_roots(bp)
     _refuse_fsdp(roots)
-    if mode is None:
+    found = _group(bp, roots)
+    if found is None:
+        return None
+    group, name, ddps = found
+    params = [p for p, _ in bp.view.params.values()]
+    _refuse_extensions(bp, params, name)
+    reduction = _loss_reduction(bp)
+    synced = [d for d, sync in ddps if sync and d.process_group is group]
+    return DistributedPass(bp, group, reduction, synced)
+
+
+def _group(bp: Any, roots: list[nn.Module]) -> tuple[Any, str, list[tuple[Any, bool]]] | None:
+    """The process group a distributed pass of ``bp`` reduces over, what chose it (for
+    messages) and the DDP wrappers of its forwards; ``None`` for a local pass."""
+    mode = getattr(bp.ctx, "process_group", "auto")
+    if mode is None or not initialized():
         return None
     ddps: list[tuple[Any, bool]] = []
     for root in roots:
@@ -318,11 +333,38 @@ def setup(bp: Any) -> DistributedPass | None:
         name = "process_group"
     if dist.get_world_size(group) <= 1:
         return None
-    params = [p for p, _ in bp.view.params.values()]
-    _refuse_extensions(bp, params, name)
-    reduction = _loss_reduction(bp)
-    synced = [d for d, sync in ddps if sync and d.process_group is group]
-    return DistributedPass(bp, group, reduction, synced)
+    return group, name, ddps
+
+
+def announce_refusal(bp: Any) -> bool:
+    """This rank refuses backward pass ``bp`` (:meth:`BackwardPass.check` raised). Where the
+    pass would be distributed, tell the other ranks through the header they exchange when
+    their pass starts (:meth:`DistributedPass._send_header`; this rank's fingerprint ``-1``),
+    so that they raise at the end of theirs, naming this rank, instead of waiting for it.
+    Returns whether some other rank did not refuse: it is running its backward, and DDP's
+    gradient all-reduce needs this rank's, so the caller runs the plain backward before
+    raising (``.grad`` then holds DDP's gradient of the step; no rank writes results). Ranks
+    that all refuse run nothing."""
+    try:
+        found = _group(bp, _unique_roots(bp))
+    except Exception:  # (the refusal the caller raises says enough)
+        return False
+    if found is None:
+        return False
+    group = found[0]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = next((p.device for p, _ in bp.view.params.values()), torch.device("cpu"))
+    if str(dist.get_backend(group)) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    header = torch.zeros(3 * world, dtype=torch.int64, device=device)
+    header[rank] = 1  # (a batch size the others' scaling can divide by; never used)
+    header[world + rank] = REFUSED
+    dist.all_reduce(header, group=group)
+    return any(c != REFUSED for c in header[world : 2 * world].tolist())
+
+
+#: the fingerprint of a rank that refused the pass (crc32 fingerprints are non-negative)
+REFUSED = -1
 
 
 # -- the reduction -----------------------------------------------------------------------------
@@ -423,6 +465,7 @@ class DistributedPass:
         self._sender: _Sender | None = None
         self._key: Any = None
         self._global: tuple[GlobalBatch, bool, bool] | None = None
+        self._refused: list[int] = []  # ranks that refused the pass (:func:`announce_refusal`)
 
     # -- during the pass -----------------------------------------------------------------------
     def start(self, bp: Any) -> None:
@@ -651,6 +694,13 @@ class DistributedPass:
         every rank's DDP ``.grad`` is exact for its pending partials. Ranks that will compute
         different things are refused here (at the end of the pass: :meth:`_header_read`)."""
         batch, ddp_grad, same = self._header_read()
+        if self._refused:
+            raise RuntimeError(
+                f"backprism: rank(s) {self._refused} of this distributed backward pass refused "
+                "it before it ran (see the error raised there; the same model and data on one "
+                "process gives it too); no results were written on any rank, and .grad holds "
+                "DistributedDataParallel's gradient of the step"
+            )
         if not same:
             raise RuntimeError(_DIFFERENT)
         return batch, ddp_grad
@@ -672,6 +722,7 @@ class DistributedPass:
             )
             self.comm.batch = batch
             self._global = (batch, all(oks) and len(set(sizes)) == 1, len(set(crcs)) == 1)
+            self._refused = [r for r, c in enumerate(crcs) if c == REFUSED]
         return self._global
 
     def _items_check(self, items: list[_Item]) -> tuple[Tensor, Any]:

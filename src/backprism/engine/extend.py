@@ -123,7 +123,7 @@ def extend(module: nn.Module) -> nn.Module:
         return module
     MODE_FREE.pop(module, None)  # (sub-modules added since: its next forward is recorded)
     if not handles:
-        handles.append(module.register_forward_pre_hook(_ROOT_PRE))
+        handles.append(module.register_forward_pre_hook(_ROOT_PRE, with_kwargs=True))
         handles.append(module.register_forward_hook(_ROOT_POST, always_call=True))
         object.__setattr__(module, _EXTENDED_ATTR, handles)
     for sub in module.modules():

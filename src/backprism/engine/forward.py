@@ -89,7 +89,7 @@ def _flat(a: Any) -> bool:
     return a is None or isinstance(a, (Tensor, bool, int, float, str))
 
 
-def root_pre_hook(module: nn.Module, args: Any) -> None:
+def root_pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
     if FORWARD.suspended:
         return
     FORWARD.root_stack.append(module)
@@ -97,8 +97,19 @@ def root_pre_hook(module: nn.Module, args: Any) -> None:
         return
     FORWARD.call_stack.clear()
     FORWARD.layouts = False
+    FORWARD.root_batch = _leading_size(args, kwargs)
     for enter, _ in FORWARD_LISTENERS:
         enter(module)
+
+
+def _leading_size(args: tuple, kwargs: dict | None) -> int | None:
+    """Axis 0's size of the first tensor of a top-level forward's inputs (its batch, for
+    :mod:`engine.broadcast`, which must tell a batch of one sample from a table shared by all
+    samples), or ``None``."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    return None
 
 
 def root_post_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -132,7 +143,7 @@ def _record_root(
                 stops = tuple(
                     a.grad_fn for a in leaves if isinstance(a, Tensor) and a.grad_fn is not None
                 )
-                record = RootRecord(module, inputs, recorded, stops, modeless)
+                record = RootRecord(module, inputs, recorded, stops, modeless, FORWARD.root_batch)
             o.grad_fn.metadata[ROOT] = record
 
 

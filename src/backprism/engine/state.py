@@ -363,7 +363,7 @@ class RootRecord:
     (``recorded``) and the nodes that produced its differentiable inputs (``stops``: the
     forward's region of the graph ends there)."""
 
-    __slots__ = ("args", "modeless", "module", "recorded", "stops")
+    __slots__ = ("args", "batch", "modeless", "module", "recorded", "stops")
 
     def __init__(
         self,
@@ -372,11 +372,14 @@ class RootRecord:
         recorded: bool = False,
         stops: tuple = (),
         modeless: frozenset[str] | None = None,
+        batch: int | None = None,
     ) -> None:
         self.module = module
         self.args = args
         self.recorded = recorded
         self.stops = stops
+        #: axis 0's size of the forward's first input tensor, positional or keyword (its batch)
+        self.batch = batch
         #: for a forward run without the forward mode (:data:`MODE_FREE`), the operations the
         #: model's recorded forward had without refusal; ``None`` otherwise
         self.modeless = modeless
@@ -403,6 +406,8 @@ class _ForwardState(threading.local):
         self.call_stack: list[list[Any]] = []
         #: extended root models currently in their forward (outermost first)
         self.root_stack: list[nn.Module] = []
+        #: axis 0's size of the top-level forward's first input tensor (its batch), or None
+        self.root_batch: int | None = None
         self.suspended = 0
         #: > 0 inside a top-level forward whose nonlinearities are deliberately not recorded
         self.unrecorded = 0
