@@ -20,14 +20,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from backprism import collect, extend
-from backprism.extensions import (
-    KFLR,
-    BatchGrad,
-    BatchL2Grad,
-    DiagGGNExact,
-    SumGradSquared,
-    Variance,
-)
+from backprism.extensions import BatchGrad, BatchL2Grad, DiagGGNExact, SumGradSquared, Variance
+from backprism.extensions.kronecker import KFLR
 from tests.common import (
     TiedDecoder,
     assert_first_order,
