@@ -143,8 +143,32 @@ def _cross():
     return Cross().double(), torch.randn(16, 3, 4, dtype=torch.float64)
 
 
+class SharedNorm(nn.Module):
+    """One LayerNorm called twice: its parameters' Kronecker factor is the single diagonal
+    factor of all uses at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(5, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.inp(x)))
+        return self.out(torch.tanh(self.norm(self.mid(h))))
+
+
+def _shared_norm():
+    torch.manual_seed(0)
+    model = SharedNorm().double()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    return model, torch.randn(16, 5, dtype=torch.float64)
+
+
 MODELS = {
-    "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross
+    "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross,
+    "shared_norm": _shared_norm,
 }
 
 
@@ -487,6 +511,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "conv", [4, 4], [FIRST[0], [DiagGGNExact(), KFLR()]])
         _check_all(rank, world, "chain", [3, 5], [[KFRA(), KFLR()]])
         _check_all(rank, world, "cross", [3, 5], [[KFLR(), DiagGGNExact()]])
+        _check_all(rank, world, "shared_norm", [3, 5], [[KFLR(), DiagGGNExact()]])
         _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
