@@ -1160,23 +1160,30 @@ class BackwardPass:
         rule) gets the call with ``batch_size = N`` and ``fold = k`` and runs the module on a
         sample's ``k`` rows at once; any other rule computes per row, and :class:`_Folded`
         sums the rows of each sample (statistics from those sums)."""
-        tensors = parametrized(call)
-        if tensors:  # a parametrized weight: the originals' gradients pulled back from it
-            base = Parametrized(base, tensors)
+        rule = self._computing_rule(call, base)
         if call.fold <= 1:
-            return call, base, g
+            return call, rule, g
         n, k = self.n_samples, call.fold
         key = ("fold", id(call))
         view = self.scratch.get(key)
         if view is None:
-            view = _regrouped(call, n, k) if base.moves_batch_axis else (
+            # (extensions see N samples, e.g. Variance's 1/N; _Folded computes on the k·N rows)
+            view = _regrouped(call, n, k) if rule.moves_batch_axis else (
                 dataclasses.replace(call, batch_size=n, live=None)
             )
             self.scratch[key] = view
-        if base.moves_batch_axis or base.folds_rows:
-            return view, base, (_regroup_columns(g, n, k) if base.moves_batch_axis else g)
-        # (extensions see N samples, e.g. Variance's 1/N; the rule computes on the k·N rows)
-        return view, _Folded(base, n, k, call), g
+        return view, rule, (_regroup_columns(g, n, k) if rule.moves_batch_axis else g)
+
+    def _computing_rule(self, call: Call, base: Rule) -> Rule:
+        """The rule the extensions compute ``call`` with (:meth:`_rule_for`): ``base`` seen
+        through the call's parametrizations, and on a folded batch per row (:class:`_Folded`)
+        unless it moves the batch axis or folds rows itself."""
+        tensors = parametrized(call)
+        if tensors:  # a parametrized weight: the originals' gradients pulled back from it
+            base = Parametrized(base, tensors)
+        if call.fold > 1 and not (base.moves_batch_axis or base.folds_rows):
+            return _Folded(base, self.n_samples, call.fold, call)
+        return base
 
     # -- second order ------------------------------------------------------------------------
     def loss_calls(self, record: LossRecord | None = None) -> list[tuple[Call, list[Any]]]:
@@ -1371,14 +1378,9 @@ class BackwardPass:
         return frozenset(k for k, v in kronecker.items() if v)
 
     def _kronecker_form(self, call: Call) -> bool:
-        """:meth:`Rule.kronecker_form` of ``call`` seen as :meth:`_rule_for` sets it up (a
-        parametrized weight or a folded batch computed per row: no Kronecker form)."""
-        base = get_rule(call.module)
-        if parametrized(call):
-            return False
-        if call.fold > 1 and not (base.moves_batch_axis or base.folds_rows):
-            return False
-        return base.kronecker_form(call)
+        """:meth:`Rule.kronecker_form` of the rule the extensions compute ``call`` with (a
+        parametrized weight or a folded batch computed per row: none)."""
+        return self._computing_rule(call, get_rule(call.module)).kronecker_form(call)
 
     @staticmethod
     def _add_uses(
