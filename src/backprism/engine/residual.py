@@ -784,6 +784,21 @@ def _unary(func: Any, args: tuple, kwargs: dict) -> Callable[[Tensor], Tensor]:
     return fn
 
 
+def _add_in_place(out: Tensor, fn: Callable[[Tensor], Tensor] | None, name: str) -> None:
+    """The site of an in-place nonlinearity ``out = fn_(z)`` (``fn``: its out-of-place form,
+    or ``None``): a residual reading ``z`` from the node where the node kept it
+    (:func:`_saves_input`), else a refusal saying so."""
+    if fn is not None and _saves_input(out):
+        _add_residual(out, fn, None, name, getattr(out, AXIS, 0) or 0)
+        return
+    _add_error(
+        out, f"the in-place nonlinearity {name}",
+        why=f"it overwrites its input z, which its Hessian term ({name}''(z)) needs",
+        advice="Construct it with inplace=False (nn.SiLU(inplace=False); in a built model set "
+        "the activation modules' inplace attribute to False): that is supported. ",
+    )
+
+
 def _saves_input(out: Tensor) -> bool:
     """Whether the node of an in-place elementwise ``out = fn_(z)`` kept the input ``z`` (a
     copy autograd makes for its own derivative: ``silu_``, ``hardswish_``, ``mish_``; not
@@ -831,17 +846,7 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         if not isinstance(z, Tensor) or not z.requires_grad:
             return
         if out is z:
-            fn = _out_of_place(func, name, args, kwargs)
-            if fn is not None and _saves_input(out):
-                _add_residual(out, fn, None, name, getattr(out, AXIS, 0) or 0)
-                return
-            _add_error(
-                out, f"the in-place nonlinearity {name}",
-                why=f"it overwrites its input z, which its Hessian term ({name}''(z)) needs",
-                advice="Construct it with inplace=False (nn.SiLU(inplace=False); in a built "
-                "model set the activation modules' inplace attribute to False): that is "
-                "supported. ",
-            )
+            _add_in_place(out, _out_of_place(func, name, args, kwargs), name)
             return
         if out.shape != z.shape:
             _add_error(out, f"{name} (broadcasting its input)")
@@ -921,13 +926,12 @@ def activation_forward_hook(module: nn.Module, args: tuple, output: Any) -> None
     if not z.requires_grad or not output.requires_grad:
         return
     if output is z:
-        if getattr(module, "inplace", None) is True and _saves_input(output):
+        fn = None
+        if getattr(module, "inplace", None) is True:
             copy = _copy.copy(module)  # (an activation: no parameters, no state)
             copy.inplace = False
-            _add_residual(output, copy.forward, None, type(module).__name__,
-                          getattr(output, AXIS, 0) or 0)
-            return
-        _add_error(output, f"the in-place {type(module).__name__}")
+            fn = copy.forward
+        _add_in_place(output, fn, type(module).__name__)
         return
     _add_residual(output, module.forward, z, type(module).__name__)
 
