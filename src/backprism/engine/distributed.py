@@ -352,19 +352,37 @@ def announce_refusal(bp: Any) -> bool:
     if found is None:
         return False
     group = found[0]
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = next((p.device for p, _ in bp.view.params.values()), torch.device("cpu"))
-    if str(dist.get_backend(group)) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    header = torch.zeros(3 * world, dtype=torch.int64, device=device)
-    header[rank] = 1  # (a batch size the others' scaling can divide by; never used)
-    header[world + rank] = REFUSED
+    world = dist.get_world_size(group)
+    # (batch size 1: one the others' scaling can divide by; never used)
+    header = _header(world, dist.get_rank(group), _collective_device(group, bp), 1, REFUSED, False)
     dist.all_reduce(header, group=group)
     return any(c != REFUSED for c in header[world : 2 * world].tolist())
 
 
 #: the fingerprint of a rank that refused the pass (crc32 fingerprints are non-negative)
 REFUSED = -1
+
+
+def _collective_device(group: Any, bp: Any) -> torch.device:
+    """Where pass ``bp``'s collectives over ``group`` run: its parameters' device (the current
+    CUDA device for NCCL)."""
+    device = torch.device("cpu")
+    for p, _ in bp.view.params.values():
+        device = p.device
+    if str(dist.get_backend(group)) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _header(world: int, rank: int, device: torch.device, n: int, crc: int, ok: bool) -> Tensor:
+    """A pass's header (:meth:`DistributedPass._send_header`) before its all-reduce: this rank's
+    batch size ``n``, fingerprint ``crc`` and whether DDP's ``.grad`` serves it (``ok``) in its
+    slots of ``[sizes | fingerprints | flags]``, zeros in the other ranks'."""
+    header = torch.zeros(3 * world, dtype=torch.int64, device=device)
+    header[rank] = n
+    header[world + rank] = crc
+    header[2 * world + rank] = int(ok)
+    return header
 
 
 # -- the reduction -----------------------------------------------------------------------------
@@ -474,7 +492,6 @@ class DistributedPass:
         for p, _ in bp.view.params.values():
             if p.grad is None:
                 self.grad_none.add(id(p))
-            self.device = p.device
         for ddp in self.ddps:
             ignored = getattr(ddp, "parameters_to_ignore", set())
             for name, p in ddp.module.named_parameters():
@@ -484,8 +501,7 @@ class DistributedPass:
             cap = getattr(ddp, "bucket_bytes_cap", None)
             if cap:
                 self.bucket_bytes = int(cap)
-        if str(dist.get_backend(self.group)) == "nccl" and self.device.type != "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _collective_device(self.group, bp)
         order = self._param_order(bp)
         self._send_header(bp, order)
         self._key = _item_key(order, {id(e): i for i, e in enumerate(bp.extensions)})
@@ -513,11 +529,9 @@ class DistributedPass:
             ok = ok and all(
                 pid in self.grad_none and pid in self.ddp_params for pid in bp.view.params
             )
-        world, rank = self.world, self.rank
-        header = torch.zeros(3 * world, dtype=torch.int64, device=self.device)
-        header[rank] = self.n_local
-        header[world + rank] = zlib.crc32(text.encode())
-        header[2 * world + rank] = int(ok)
+        header = _header(
+            self.world, self.rank, self.device, self.n_local, zlib.crc32(text.encode()), ok
+        )
         self.comm.collectives += 1
         self.comm.bytes["(sizes)"] = header.numel() * header.element_size()
         self._header = (header, dist.all_reduce(header, group=self.group, async_op=True))
