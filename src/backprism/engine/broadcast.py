@@ -493,8 +493,8 @@ def _free(t: Tensor) -> bool:
     same for every sample (:data:`FREE`: computed from factories' results and parameters
     alone) whose call's axis 0 is not of size 1 (T5's ``[T, T]`` buckets) or that has no tensor
     input (HF Swin's bias tables): a call of batch size 1 on inputs already is the sample's, and
-    a call on the sample itself (a token embedding of
-    ``[1, T]`` ids, also marked shared as a call on inputs that need no gradient) is no table."""
+    a call on the sample itself (a token embedding of ``[1, T]`` ids, also marked shared as a
+    call on inputs that need no gradient) is no table."""
     info = getattr(t, SHARED, None)
     return (
         info is not None and hasattr(t, FREE)

@@ -661,9 +661,8 @@ class FoldAnalysis:
         a_node, b_node = node.next_functions[i][0], node.next_functions[i + 1][0]
         # a parameter, or an operand outside the graph (a frozen weight): the same matrix for
         # every row of the other operand
-        a_const, b_const = a_node is None or _param_only(a_node), b_node is None or _param_only(
-            b_node
-        )
+        a_const = a_node is None or _param_only(a_node)
+        b_const = b_node is None or _param_only(b_node)
         sa, a = (None, None) if a_const else self._in(node, i, depth)
         sb, b = (None, None) if b_const else self._in(node, i + 1, depth)
         if sa is not None and sb is None and b_const:

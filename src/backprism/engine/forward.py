@@ -634,10 +634,9 @@ def capture(
         owner=_releaser(params),
         shared_inputs=frozenset(i for i, src in enumerate(sources) if src is not None),
     )
-    if free is False and shareable and call.layout_error is None:
+    if shareable and not free and call.layout_error is None:
         call.layout_error = _no_batch_in_outputs(call)
-    if call.layout_error is not None and shareable:
-        shareable = False  # (refused, not widened where it meets the samples)
+        shareable = call.layout_error is None  # (refused: not widened where it meets samples)
     if not attach(call, outs):
         return None
     if call.shared_inputs and getattr(get_rule(module), "folds_rows", False) and any(
