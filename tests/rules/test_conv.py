@@ -287,6 +287,39 @@ def test_sum_squared_paths(pairs: bool, case: dict) -> None:
             _check_case(case)
 
 
+@pytest.mark.parametrize("gram", [True, False])
+@settings(max_examples=20, deadline=None)
+@given(case=conv_case(transpose=False))
+def test_positions_first_unfold(gram: bool, case: dict) -> None:
+    """``batch_l2`` from the input unfolded positions-first (features in the
+    order ``(κ, c)``, a speed heuristic: :meth:`~backprism.rules.conv._ConvRule.
+    positions_first`), in the Gram form and by materialising ``V``, whole and in sample
+    chunks, against the per-sample gradients from the definition."""
+    from backprism.rules.conv import _ConvRule
+
+    module, x, m = case["module"], case["x"], case["m"]
+    if module.groups != 1:
+        return
+    out = module(x, **case["kwargs"])
+    g = torch.randn(m, *out.shape, dtype=torch.float64)
+    v = ref_per_sample(module, x, g, case["kwargs"])["weight"]  # [M, N, *weight.shape]
+    rule = get_rule(module)
+    with (
+        mock.patch.object(_ConvRule, "positions_first", lambda self, call: True),
+        mock.patch("backprism.rules.unfold.gram_form_cheaper", lambda *a: gram),
+        mock.patch.object(
+            _ConvRule, "unfold_positions", autospec=True,
+            side_effect=_ConvRule.unfold_positions,
+        ) as used,
+    ):
+        for chunk in (None, 20):
+            with mock.patch("backprism.rules.unfold.CHUNK_ELEMENTS", chunk or 2**22):
+                # a fresh call each: nothing cached from another statistic
+                l2 = rule.batch_l2(_call(module, x, case["kwargs"])[0], g)["weight"]
+                torch.testing.assert_close(l2, v.flatten(2).square().sum((0, 2)))
+    assert used.called
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=conv_case(transpose=True))
 def test_conv_transpose_rule_methods(case: dict) -> None:

@@ -62,7 +62,7 @@ def _patch_view(
     padding_mode: str,
 ) -> Tensor:
     """The patches of ``x`` as a view (no copy but the padding): ``[N, C, *L_shape, *k]``."""
-    return _windows(padded_input(x, padding, padding_mode), kernel_size, stride, dilation)
+    return windows(padded_input(x, padding, padding_mode), kernel_size, stride, dilation)
 
 
 def padded_input(
@@ -76,7 +76,7 @@ def padded_input(
     return x
 
 
-def _windows(
+def windows(
     x: Tensor, kernel_size: Sequence[int], stride: Sequence[int], dilation: Sequence[int]
 ) -> Tensor:
     """The windows of axes ``2 … 2+d−1`` of ``x`` (already padded) as a view:
@@ -133,12 +133,12 @@ def unfold_conv_rows(
     d = len(kernel_size)
     n, c = x.shape[:2]
     xp = padded_input(x, padding, padding_mode)
-    v = _windows(xp, kernel_size, stride, dilation)
+    v = windows(xp, kernel_size, stride, dilation)
     out_size = v.shape[2 : 2 + d]
     k, length = math.prod(kernel_size), math.prod(out_size)
     if out_size[-1] < 16 and length > 1:
         xt = xp.movedim(0, -1).contiguous()  # [C, *S̃, N]
-        v = _windows(xt.unsqueeze(0), kernel_size, stride, dilation)[0]  # [C, *L, N, *k]
+        v = windows(xt.unsqueeze(0), kernel_size, stride, dilation)[0]  # [C, *L, N, *k]
         v = v.permute(0, *range(2 + d, 2 + 2 * d), *range(1, 2 + d))
         return v.reshape(c * k, length * n)
     v = v.permute(1, *range(2 + d, 2 + 2 * d), 0, *range(2, 2 + d))
@@ -179,11 +179,13 @@ def unfold_conv_transpose(
 
 
 class _UnfoldCache:
-    """One entry: the unfolded input of the latest call, and ``per_sample``'s result for the
-    latest columns tensor. Weakly keyed, so nothing outlives the call / columns."""
+    """One entry each: the unfolded input of the latest call (features first, and positions
+    first), and ``per_sample``'s result for the latest columns tensor. Weakly keyed, so nothing
+    outlives the call / columns."""
 
     def __init__(self) -> None:
         self._x: weakref.WeakKeyDictionary[Call, Tensor] = weakref.WeakKeyDictionary()
+        self._xp: weakref.WeakKeyDictionary[Call, Tensor] = weakref.WeakKeyDictionary()
         self._v: weakref.WeakKeyDictionary[Call, tuple[weakref.ref[Tensor], Tensor]] = (
             weakref.WeakKeyDictionary()
         )
@@ -198,6 +200,14 @@ class _UnfoldCache:
             self._x.clear()
             x = make(call)
             self._x[call] = x
+        return x
+
+    def positions_first(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
+        x = self._xp.get(call)
+        if x is None:
+            self._xp.clear()
+            x = make(call)
+            self._xp[call] = x
         return x
 
     def get_v(self, call: Call, g: Tensor) -> Tensor | None:
@@ -217,6 +227,12 @@ def pair_form_cheaper(m: int, length: int) -> bool:
     positions (the last stages of a ResNet on small images: ``L = 1``, ``4``) or many
     columns (exact curvature) favour the pairs."""
     return length * (length + 1) < 2 * m * (length + 4)
+
+
+def gram_form_cheaper(m: int, o: int, i: int, length: int) -> bool:
+    """Whether ``Σ_m ‖V_{mn}‖²`` is cheaper in the Gram form (``L²(M·O + I)`` multiply-adds
+    per sample) than by materialising ``V`` (``M·O·I·L``)."""
+    return length * length * (m * o + i) < m * o * i * length
 
 
 def _sample_chunks(n: int, per_sample: int) -> Iterator[slice]:
@@ -281,6 +297,26 @@ class UnfoldRule(Rule):
 
         return self._cache.unfolded(call, make)
 
+    def positions_first(self, call: Call) -> bool:
+        """Whether :meth:`unfold_positions` serves ``call`` (faster than :meth:`unfold_input`
+        there); ``False`` here."""
+        return False
+
+    def unfold_positions(self, call: Call) -> Tensor:
+        """The unfolded input of a one-group call with the positions first and the features
+        last, ``[N, L, I]``, the features in the order ``(κ, c)`` (kernel element major,
+        channel minor; the weight's is ``(c, κ)``): for the per-sample norms (``batch_l2``),
+        which do not see the order of the features, where :meth:`positions_first`."""
+        raise NotImplementedError
+
+    def _xp(self, call: Call) -> Tensor | None:
+        """:meth:`unfold_positions` (cached) where :meth:`positions_first`, else ``None``; also
+        ``None`` when the features-first unfold is cached already (it serves as well, without
+        another copy)."""
+        if self._cache.peek(call) is not None or not self.positions_first(call):
+            return None
+        return self._cache.positions_first(call, self.unfold_positions)
+
     def _g(self, call: Call, g: Tensor) -> Tensor:
         """Columns grouped: ``[M, N, G, O, L]``."""
         m, n, cout = g.shape[:3]
@@ -294,6 +330,13 @@ class UnfoldRule(Rule):
     def _samples(self, call: Call, g5: Tensor, sl: slice) -> Tensor:
         """``V`` for the samples ``sl``: ``[M, n, G, O, I]`` (from the unfolded input)."""
         return self._vmat(g5[:, sl], self._x(call)[sl])
+
+    @staticmethod
+    def _vp(g5: Tensor, xp: Tensor, sl: slice) -> Tensor:
+        """``V`` for the samples ``sl`` from :meth:`unfold_positions` (one group): ``[M, n, 1,
+        O, I]``, the input features in its ``(κ, c)`` order."""
+        x = xp[sl]
+        return torch.stack([torch.bmm(gm[:, 0], x) for gm in g5[:, sl]]).unsqueeze(2)
 
     @staticmethod
     def _vmat(g5: Tensor, x: Tensor) -> Tensor:
@@ -462,10 +505,14 @@ class UnfoldRule(Rule):
         m, n, grp, o, length = g5.shape
         i = self._in_features(call)
         parts = []
-        if length * length * (m * o + i) < m * o * i * length:  # Gram form is cheaper
-            x = self._x(call)
+        xp = self._xp(call)  # [N, L, I] or None
+        if gram_form_cheaper(m, o, i, length):
+            x = self._x(call) if xp is None else xp.unsqueeze(1)
             for sl in _sample_chunks(n, grp * length * length * 2):
-                gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
+                if xp is None:
+                    gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
+                else:
+                    gram_x = torch.matmul(x[sl], x[sl].transpose(-1, -2))
                 gs = g5[:, sl]
                 if m == 1:
                     gram_g = torch.matmul(gs[0].transpose(-1, -2), gs[0])
@@ -474,7 +521,7 @@ class UnfoldRule(Rule):
                 parts.append((gram_x * gram_g).sum((1, 2, 3)))
         else:
             for sl in _sample_chunks(n, m * grp * o * i):
-                v = self._samples(call, g5, sl)
+                v = self._samples(call, g5, sl) if xp is None else self._vp(g5, xp, sl)
                 k = v.shape[1]
                 # fused norm: no squared temporary
                 norms = torch.linalg.vector_norm(v.reshape(m, k, -1), dim=-1).square()
