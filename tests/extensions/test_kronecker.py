@@ -295,3 +295,67 @@ def test_kfra_linear_middle_axes_last_layer_single_sample_is_kflr():
     for p in model[2].parameters():
         for a, b in zip(p.kfra, p.kflr):
             torch.testing.assert_close(a, b)
+
+
+class _TiedLM(nn.Module):
+    """One token in, logits over the vocabulary through the embedding's own weight."""
+
+    def __init__(self, vocab: int = 30, d: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return torch.tanh(self.lin(self.emb(tokens))) @ self.emb.weight.t()
+
+
+def _factor_size_case(name: str) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    n = 3
+    if name == "linear":
+        model: nn.Module = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 4))
+        x = torch.randn(n, 6)
+    elif name == "conv":
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 4))
+        x = torch.randn(n, 2, 4, 4)
+    elif name == "conv_transpose":  # A over C_in·K = 45 features: not the weight's first axis
+        model = nn.Sequential(nn.ConvTranspose2d(5, 2, 3), nn.Flatten(), nn.Linear(32, 4))
+        x = torch.randn(n, 5, 2, 2)
+    else:  # tied embedding and output layer: [V, V] factors
+        model = _TiedLM()
+        x = torch.randint(0, 30, (n,))
+    model = model.double()
+    x = x if x.dtype == torch.long else x.double()
+    out = model(x)
+    return model, x, torch.randint(0, out.shape[-1], (n,))
+
+
+@pytest.mark.parametrize("name", ["linear", "conv", "conv_transpose", "tied_embedding"])
+@pytest.mark.parametrize("ext", [KFLR, KFAC])
+def test_factor_size_limit(monkeypatch, name, ext):
+    """Kronecker factors above ``KRONECKER_FACTOR_MAX_BYTES`` are refused by name before
+    anything is written; the limit at the largest factor the pass builds lets it through
+    (the sides known before computing, ``Rule.kronecker_sides``, are the factors' own)."""
+    from backprism.engine import rule as rule_module
+
+    model, x, y = _factor_size_case(name)
+    extend(model)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    with collect(ext()):
+        lossfunc(model(x), y).backward()
+    largest = max(f.numel() * f.element_size() for p in model.parameters()
+                  for f in getattr(p, ext.savefield) if f.dim() == 2)
+    side = round((largest / 8) ** 0.5)
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        delattr(p, ext.savefield)
+    monkeypatch.setattr(rule_module, "KRONECKER_FACTOR_MAX_BYTES", largest - 1)
+    refused = rf"\[{side}, {side}\] Kronecker factor"
+    with pytest.raises(NotImplementedError, match=refused), collect(ext()):
+        lossfunc(model(x), y).backward()
+    for p in model.parameters():  # refused before anything was written
+        assert p.grad is None and not hasattr(p, ext.savefield)
+    monkeypatch.setattr(rule_module, "KRONECKER_FACTOR_MAX_BYTES", largest)
+    with collect(ext()):
+        lossfunc(model(x), y).backward()
+    assert all(hasattr(p, ext.savefield) for p in model.parameters())

@@ -773,6 +773,10 @@ class BackwardPass:
         residual = [e for e in self.second if e.needs_residual]
         if residual:
             RESIDUAL_CHECK[0](self, residual)
+        for call in self.calls:
+            if call.params:
+                for ext in self.second:
+                    ext.check_call(call, lambda c=call: self._kronecker_form(c))
 
     def _param_name(self, p: nn.Parameter) -> str:
         for root in self.roots:

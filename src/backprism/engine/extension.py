@@ -26,7 +26,7 @@ calls. :class:`GlobalBatch` says what a rank knows about the global batch then.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +198,12 @@ class Extension:
         parameter Kronecker factors (:meth:`~backprism.engine.rule.Rule.kronecker_form`).
         Default: :attr:`additive`."""
         return self.additive
+
+    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
+        """Raise if this extension cannot store its results for ``call``'s parameters (a
+        result too large to build); asked before anything is written. ``kronecker()``: whether
+        the rule the pass computes ``call`` with gives Kronecker factors
+        (:meth:`~backprism.engine.rule.Rule.kronecker_form`). Default: nothing to refuse."""
 
     def whole_batch_result(self, value: Any, rows: int) -> Any:
         """The final result of a whole-batch pass (``whole_batch``) from the accumulated one,

@@ -31,6 +31,7 @@ from backprism.engine.state import Call, Inside
 __all__ = [
     "KFAC_APPROXIMATIONS",
     "KRONECKER_DIAGONAL_MAX_BYTES",
+    "KRONECKER_FACTOR_MAX_BYTES",
     "Call",
     "Outer",
     "Rule",
@@ -249,6 +250,18 @@ class Rule:
             check_diagonal_size(p, call, name, f"its rule {type(self).__name__} has none")
         return {k: [torch.diag(v.reshape(-1))] for k, v in self.sum_squared(call, g).items()}
 
+    def kronecker_sides(self, call: Call, name: str) -> tuple[int, ...]:
+        """The sides of the square Kronecker factors of parameter ``name`` (an upper bound
+        where they are block-diagonal), known before they are computed: by default
+        ``(p.shape[0], p[0].numel())`` for a weight-like parameter (``[out, in]`` of a Linear,
+        ``[V, D]`` of an Embedding, ``[C_out, C_in/G, *k]`` of a convolution) and
+        ``(p.shape[0],)`` for a bias. Rules whose factors do not follow the weight's first
+        axis (transpose convolutions) override this."""
+        p = call.params[name]
+        if p.dim() < 2:
+            return (p.shape[0] if p.dim() else 1,)
+        return (p.shape[0], p[0].numel())
+
     def kronecker_grad_side(self, call: Call, name: str, n_factors: int) -> list[bool]:
         """Which of :meth:`kronecker_factors`' factors depend on the backpropagated columns
         (summed over column chunks) rather than on the inputs only (computed once per call)."""
@@ -274,6 +287,25 @@ def check_diagonal_size(
         "DiagGGNExact/DiagGGNMC (and freeze it with requires_grad_(False) for the Kronecker "
         f"pass), or register a Rule with kfac_input/kfac_output for {module}"
     )
+
+
+def check_factor_sizes(rule: Rule, call: Call, name: str, extension: str) -> None:
+    """Refuse Kronecker factors of ``call``'s parameter ``name`` larger than
+    :data:`KRONECKER_FACTOR_MAX_BYTES` (:meth:`Rule.kronecker_sides`), before they are built."""
+    p = call.params[name]
+    for side in rule.kronecker_sides(call, name):
+        size = side * side * p.element_size()
+        if size <= KRONECKER_FACTOR_MAX_BYTES:
+            continue
+        module = type(call.module).__name__
+        raise NotImplementedError(
+            f"backprism: {extension} would store a [{side}, {side}] Kronecker factor for the "
+            f"parameter {name!r} of {module} ({size / 2**30:.1f} GiB; the limit is "
+            "backprism.engine.rule.KRONECKER_FACTOR_MAX_BYTES). A factor over a vocabulary "
+            "(an Embedding, a language model's output layer) is that large by definition. "
+            "Freeze the parameter (requires_grad_(False)) for the Kronecker pass and take its "
+            "curvature from DiagGGNMC/DiagGGNExact, or raise the limit if the memory is there"
+        )
 
 
 #: the conventions of :meth:`Rule.kronecker_factors` besides BackPACK's (``None``)
@@ -304,6 +336,11 @@ def with_approx(method: Any, *args: Any, approx: str | None) -> Any:
 
 _TAKES_APPROX: dict[Any, bool] = {}
 
+
+#: largest Kronecker factor (bytes) that KFAC/KFLR/KFRA build for a parameter with Kronecker
+#: structure: a ``[V, V]`` factor of a vocabulary of ``V = 50 257`` tokens (GPT-2's embedding
+#: and output layer) takes 9.4 GiB in float32
+KRONECKER_FACTOR_MAX_BYTES = 2**31
 
 #: largest single diagonal Kronecker factor ``[P, P]`` (bytes) that :meth:`Rule.kronecker_diagonal`
 #: builds (a norm weight of 16384 entries in float64 takes 2 GiB)

@@ -37,6 +37,12 @@ another a single product (one ``MultiheadAttention`` run as self- and as cross-a
 single product's ``B`` contributes its diagonal blocks and its ``A`` every block. Embedding
 weights ``[V, D]`` store ``[A_tokens, B]`` in the weight's own axis order (see the Embedding rule).
 
+**Size.** A factor above :data:`~backprism.engine.rule.KRONECKER_FACTOR_MAX_BYTES` (2 GiB) is
+refused, naming the parameter, when the pass starts (before anything is computed or written):
+a factor over a vocabulary (an Embedding's ``A_tokens``, a language model's output layer's
+``B``) is ``[V, V]`` by definition, 9.4 GiB at ``V = 50 257`` in float32. Freeze such a
+parameter for the Kronecker pass, or raise the limit.
+
 **Parameters without Kronecker structure** — elementwise ones (LayerNorm, RMSNorm (also Hugging
 Face's ``LlamaRMSNorm`` & co.), GroupNorm and eval-mode BatchNorm scales and shifts) and those of
 any module whose rule has no Kronecker form (the generic ``torch.func`` rule): the single-factor
@@ -62,7 +68,7 @@ at the loss).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -75,6 +81,7 @@ from backprism.engine.rule import (
     Call,
     Rule,
     check_diagonal_size,
+    check_factor_sizes,
     get_rule,
     with_approx,
 )
@@ -119,6 +126,9 @@ class _Kronecker(SecondOrderExtension):
         all its uses at once."""
         return kronecker
 
+    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
+        _check_sizes(self, call, kronecker)
+
     def from_statistic(self, statistic: Tensor, call: Call) -> KroneckerFactors:
         return _diagonal_factor(statistic, call)
 
@@ -162,6 +172,19 @@ class _Kronecker(SecondOrderExtension):
             for o, n, g in zip(old, new, new.grad_side, strict=True)
         ]
         return KroneckerFactors(merged, old.calls | new.calls, new.grad_side)
+
+
+def _check_sizes(ext: Any, call: Call, kronecker: Callable[[], bool]) -> None:
+    """Refuse, before the pass computes anything, a factor of ``call``'s parameters above
+    the size limits: Kronecker factors (:func:`~backprism.engine.rule.check_factor_sizes`),
+    or the single diagonal factor ``[P, P]`` where ``call`` has no Kronecker form."""
+    rule = get_rule(call.module)
+    form = kronecker()
+    for name, p in call.params.items():
+        if form:
+            check_factor_sizes(rule, call, name, type(ext).__name__)
+        else:
+            check_diagonal_size(p, call, name, "the rule it is computed with gives none")
 
 
 def _diagonal_factor(diagonal: Tensor, call: Call) -> KroneckerFactors:
@@ -351,6 +374,9 @@ class KFRA(SecondOrderExtension):
 
     savefield = "kfra"
     additive = True
+
+    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
+        _check_sizes(self, call, kronecker)
 
     def column_key(self) -> Hashable:
         return ("exact",)

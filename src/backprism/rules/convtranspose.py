@@ -18,6 +18,8 @@ Kronecker factors follow BackPACK: they approximate the curvature w.r.t.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -56,6 +58,14 @@ class _ConvTransposeRule(UnfoldRule):
             g, x, mod.weight.detach(), None, mod.stride, mod.padding, mod.dilation, True, opad,
             mod.groups, [False, True, False],
         )[1]
+
+    def kronecker_sides(self, call: Call, name: str) -> tuple[int, ...]:
+        """``B`` over the ``C_out`` output channels, ``A`` over the ``C_in·K`` unfolded input
+        features (the weight is ``[C_in, C_out/G, *k]``)."""
+        mod = call.module
+        if name == "bias":
+            return (mod.out_channels,)
+        return (mod.out_channels, mod.in_channels * math.prod(mod.kernel_size))
 
     def to_param(self, call: Call, v: Tensor) -> Tensor:
         w = call.module.weight  # [C_in, O, *k]
