@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -223,11 +224,16 @@ def test_kronecker_on_device(name, ext, device):
             torch.testing.assert_close(f, f.T)
 
 
-def _dense_kfra(model: nn.Sequential, lossfunc: nn.Module, X: Tensor, y: Tensor) -> dict:
+def _dense_kfra(
+    model: nn.Sequential, lossfunc: nn.Module, X: Tensor, y: Tensor, approx: str | None = None
+) -> dict:
     """KFRA from its definition on dense matrices (``torch.func``): ``Ḡ = Σₙ ∇²_{fₙ} L`` at
     the output, ``Ḡ_in = (1/N) Σₙ Jₙᵀ Ḡ_out Jₙ`` with per-sample Jacobians of each module on the
-    flattened sample, and for a Linear layer with output ``[N, *T, O]``:
-    ``B = Σₜₛ Ḡ_out[t, s]`` (``[O, O]`` blocks), ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``."""
+    flattened sample, and for a Linear layer with output ``[N, *T, O]`` (a Conv2d: ``O``
+    channels, ``T`` output pixels, ``x`` its input patches from ``F.unfold``):
+    ``B = Σₜₛ Ḡ_out[t, s]`` (``[O, O]`` blocks), ``A = (1/N) Σₙₜ xₙₜ xₙₜᵀ``; ``"expand"``:
+    ``B = Σₜ Ḡ_out[t, t]``, ``A`` divided by ``T``; ``"reduce"``: ``A = (1/N) Σₙ x̄ₙ x̄ₙᵀ`` of
+    the position means."""
     from torch.func import hessian, jacrev
 
     n = X.shape[0]
@@ -240,11 +246,28 @@ def _dense_kfra(model: nn.Sequential, lossfunc: nn.Module, X: Tensor, y: Tensor)
     refs = {}
     for k in reversed(range(len(model))):
         m, x = model[k], xs[k]
-        if isinstance(m, nn.Linear):
-            o = m.out_features
-            t = xs[k + 1][0].numel() // o
-            xf = x.reshape(-1, x.shape[-1])
-            refs[k] = (G.reshape(t, o, t, o).sum((0, 2)), xf.t() @ xf / n)
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            if isinstance(m, nn.Linear):
+                o = m.out_features
+                t = xs[k + 1][0].numel() // o
+                blocks = G.reshape(t, o, t, o).permute(0, 2, 1, 3)  # [t, s, O, O]
+                xt = x.reshape(n, t, x.shape[-1])  # [N, T, I]
+            else:
+                o = m.out_channels
+                t = xs[k + 1][0].numel() // o
+                blocks = G.reshape(o, t, o, t).permute(1, 3, 0, 2)
+                xt = F.unfold(x, m.kernel_size, m.dilation, m.padding, m.stride).transpose(1, 2)
+            if approx == "expand":
+                B = torch.diagonal(blocks, dim1=0, dim2=1).sum(-1)
+            else:
+                B = blocks.sum((0, 1))
+            if approx == "reduce":
+                xm = xt.mean(1)
+                A = xm.t() @ xm / n
+            else:
+                xf = xt.reshape(-1, xt.shape[-1])
+                A = xf.t() @ xf / (n * t if approx == "expand" else n)
+            refs[k] = (B, A)
 
         def f(v: Tensor, m: nn.Module = m, x: Tensor = x) -> Tensor:
             return m(v.reshape(1, *x.shape[1:])).reshape(-1)
@@ -262,9 +285,11 @@ def _dense_kfra(model: nn.Sequential, lossfunc: nn.Module, X: Tensor, y: Tensor)
         ((2, 3, 5), nn.Tanh, nn.CrossEntropyLoss()),
     ],
 )
-def test_kfra_linear_with_middle_axes(shape, act, lossfunc):
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+def test_kfra_linear_with_middle_axes(shape, act, lossfunc, approx):
     """Linear layers with inputs ``[N, *T, I]`` in the KFRA chain: the recursion goes through
-    ``I_T ⊗ W`` and ``B`` sums ``Ḡ_out`` over the positions (previously a shape error)."""
+    ``I_T ⊗ W`` and ``B`` sums ``Ḡ_out`` over the positions (previously a shape error), or
+    its diagonal blocks (``"expand"``)."""
     torch.manual_seed(7)
     model = extend(nn.Sequential(nn.Linear(5, 3), act(), nn.Linear(3, 2), nn.Flatten())).to(DT)
     lossfunc = extend(lossfunc)
@@ -274,14 +299,35 @@ def test_kfra_linear_with_middle_axes(shape, act, lossfunc):
         y = torch.randint(0, d, (X.shape[0],))
     else:
         y = torch.randn(X.shape[0], d, dtype=DT)
-    with collect(KFRA(), KFLR()):
+    with collect(KFRA(kfac_approx=approx), KFLR(kfac_approx=approx)):
         lossfunc(model(X), y).backward()
-    for k, (B, A) in _dense_kfra(model, lossfunc, X, y).items():
+    for k, (B, A) in _dense_kfra(model, lossfunc, X, y, approx).items():
         torch.testing.assert_close(model[k].weight.kfra[0], B)
         torch.testing.assert_close(model[k].weight.kfra[1], A)
         torch.testing.assert_close(model[k].bias.kfra[0], B)
         # the input factor is KFLR's
         torch.testing.assert_close(model[k].weight.kfra[1], model[k].weight.kflr[1])
+
+
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+def test_kfra_conv_chain_positions(approx):
+    """A batch through convolutions with several output positions (padding, stride): KFRA's
+    factors in each convention against the dense recursion."""
+    torch.manual_seed(9)
+    model = extend(nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 2, stride=2), nn.Flatten(),
+        nn.Linear(8, 3),
+    )).to(DT)
+    lossfunc = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 2, 4, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with collect(KFRA(kfac_approx=approx)):
+        lossfunc(model(X), y).backward()
+    refs = _dense_kfra(model, lossfunc, X, y, approx)
+    assert sorted(refs) == [0, 2, 4]
+    for k, (B, A) in refs.items():
+        torch.testing.assert_close(model[k].weight.kfra[0], B)
+        torch.testing.assert_close(model[k].weight.kfra[1], A)
+        torch.testing.assert_close(model[k].bias.kfra[0], B)
 
 
 def test_kfra_linear_middle_axes_last_layer_single_sample_is_kflr():

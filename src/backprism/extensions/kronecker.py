@@ -23,7 +23,8 @@ Eschenhagen et al. (2023) for weights shared over positions, as curvlinops does:
 For one position (no middle axes, a 1×1 output map) the three agree. Embedding weights:
 ``A_tokens = diag(counts)/N`` (``"expand"``: ``/T``; ``"reduce"``: the mean one-hot inputs'
 ``(1/N) Σₙ c̄ₙ c̄ₙᵀ``, dense), ``B = Σₘₙₜ gₘₙₜ gₘₙₜᵀ`` (``"reduce"``: of the summed columns).
-KFRA takes BackPACK's convention only.
+KFRA takes the same ``A`` and, from its recursion, ``B = Σₜ Ḡ_out[t, t]`` (``"expand"``) or
+``Σₜₛ Ḡ_out[t, s]`` (``None``, ``"reduce"``).
 
 **Block-diagonal factors.** Weights whose row blocks see different inputs are taken
 block-diagonal over the blocks, the factors stacked along a leading axis: ``[B_g, A_g]`` of
@@ -353,6 +354,14 @@ class KFRA(SecondOrderExtension):
     convolutions and as :class:`KFLR`'s ``B`` sums the columns over positions), a bias ``[B]``;
     a grouped convolution's weight ``B``'s diagonal blocks ``[G, O, O]`` (as :class:`KFLR`).
 
+    ``kfac_approx`` as for :class:`KFAC` (Eschenhagen et al., 2023), with ``Ḡ`` in place of
+    the columns' outer products: ``"expand"`` (every position a sample) takes ``A`` of
+    :class:`KFLR`'s ``"expand"`` (divided by the ``T`` positions) and
+    ``B = Σₜ Ḡ_out[t, t]``, the diagonal blocks only (the bias's ``B`` too); ``"reduce"``
+    (positions aggregated first) takes ``A`` of the position means and ``B = Σₜₛ Ḡ_out[t, s]``
+    as BackPACK's. With one position (no middle axes, a 1×1 output map) the three agree; for
+    ``N = 1`` each equals :class:`KFLR` with the same ``kfac_approx``.
+
     Parameters without Kronecker structure — the scales and shifts of LayerNorm, RMSNorm,
     GroupNorm and eval-mode BatchNorm, and the parameters of any other module in the chain whose
     rule has no Kronecker form (a module of its own with the generic ``torch.func`` rule, e.g. a
@@ -374,6 +383,11 @@ class KFRA(SecondOrderExtension):
 
     savefield = "kfra"
     additive = True
+    #: how weights shared over positions are factored (None: BackPACK's convention)
+    kfac_approx: str | None = None
+
+    def __init__(self, kfac_approx: str | None = None) -> None:
+        self.kfac_approx = _check_approx(kfac_approx)
 
     def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
         _check_sizes(self, call, kronecker)
@@ -467,15 +481,24 @@ class KFRA(SecondOrderExtension):
     def _store_factors(self, bp, call, m, G, out) -> None:
         if call is None:
             return
-        a = get_rule(m).kfac_input(call)
+        a = with_approx(get_rule(m).kfac_input, call, approx=self.kfac_approx)
+        expand = self.kfac_approx == "expand"
         if isinstance(m, nn.Linear):  # features last: output [N, *T, O], Ḡ over (t, o)
             c = out.shape[-1]
             positions = out[0].numel() // c
-            B = G.reshape(positions, c, positions, c).sum((0, 2)) if positions > 1 else G
+            G4 = G.reshape(positions, c, positions, c)
+            pos = (0, 2)
         else:  # convolutions: channels first, output [N, C, *S], Ḡ over (c, s)
             c = out.shape[1]
             positions = out[0].numel() // c
-            B = G.view(c, positions, c, positions).sum((1, 3)) if positions > 1 else G
+            G4 = G.view(c, positions, c, positions)
+            pos = (1, 3)
+        if positions == 1:
+            B = G
+        elif expand:  # Σₜ Ḡ[t, t]: the positions' diagonal blocks
+            B = torch.diagonal(G4, dim1=pos[0], dim2=pos[1]).sum(-1)
+        else:
+            B = G4.sum(pos)
         groups = getattr(m, "groups", 1)
         for name, p in call.params.items():
             bw = B
