@@ -776,7 +776,9 @@ class BackwardPass:
         for call in self.calls:
             if call.params:
                 for ext in self.second:
-                    ext.check_call(call, lambda c=call: self._kronecker_form(c))
+                    ext.check_call(
+                        call, lambda c=call: self._kronecker_form(c), self._param_name
+                    )
 
     def _param_name(self, p: nn.Parameter) -> str:
         for root in self.roots:

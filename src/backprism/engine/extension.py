@@ -199,11 +199,14 @@ class Extension:
         Default: :attr:`additive`."""
         return self.additive
 
-    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
+    def check_call(
+        self, call: Call, kronecker: Callable[[], bool], label: Callable[[nn.Parameter], str]
+    ) -> None:
         """Raise if this extension cannot store its results for ``call``'s parameters (a
         result too large to build); asked before anything is written. ``kronecker()``: whether
         the rule the pass computes ``call`` with gives Kronecker factors
-        (:meth:`~backprism.engine.rule.Rule.kronecker_form`). Default: nothing to refuse."""
+        (:meth:`~backprism.engine.rule.Rule.kronecker_form`); ``label(p)``: the parameter's
+        name in the model, for the message. Default: nothing to refuse."""
 
     def whole_batch_result(self, value: Any, rows: int) -> Any:
         """The final result of a whole-batch pass (``whole_batch``) from the accumulated one,

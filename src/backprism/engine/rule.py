@@ -19,6 +19,7 @@ the signs of the Hessian residual terms used by ``DiagHessian``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,15 +271,18 @@ class Rule:
 
 def check_diagonal_size(
     p: Tensor, call: Call, name: str | None = None,
-    why: str = "one of its calls gives it none",
+    why: str = "one of its calls gives it none", label: Callable[[], str] | None = None,
 ) -> None:
     """Refuse a single diagonal Kronecker factor ``[P, P]`` of ``p`` (``P = p.numel()``) larger
-    than :data:`KRONECKER_DIAGONAL_MAX_BYTES`."""
+    than :data:`KRONECKER_DIAGONAL_MAX_BYTES` (``label()``: the parameter's name in the model,
+    e.g. ``"'blocks.0.norm.weight' of Net"``, asked only to refuse)."""
     size = p.numel() ** 2 * p.element_size()
     if size <= KRONECKER_DIAGONAL_MAX_BYTES:
         return
     module = type(call.module).__name__
     what = f"the parameter {name!r} of {module}" if name else f"a parameter of {module}"
+    if label is not None:
+        what = f"the parameter {label()}, used by a {module},"
     raise NotImplementedError(
         f"backprism: {what} ({p.numel()} entries) has no Kronecker factors ({why}), so "
         f"KFAC/KFLR/KFRA would store its GGN diagonal as a [{p.numel()}, {p.numel()}] diagonal "
@@ -289,19 +293,24 @@ def check_diagonal_size(
     )
 
 
-def check_factor_sizes(rule: Rule, call: Call, name: str, extension: str) -> None:
+def check_factor_sizes(
+    rule: Rule, call: Call, name: str, extension: str, label: Callable[[], str] | None = None
+) -> None:
     """Refuse Kronecker factors of ``call``'s parameter ``name`` larger than
-    :data:`KRONECKER_FACTOR_MAX_BYTES` (:meth:`Rule.kronecker_sides`), before they are built."""
+    :data:`KRONECKER_FACTOR_MAX_BYTES` (:meth:`Rule.kronecker_sides`), before they are built
+    (``label()``: the parameter's name in the model, asked only to refuse)."""
     p = call.params[name]
     for side in rule.kronecker_sides(call, name):
         size = side * side * p.element_size()
         if size <= KRONECKER_FACTOR_MAX_BYTES:
             continue
         module = type(call.module).__name__
+        what = f"{label()}, used by a {module}" if label is not None else f"{name!r} of {module}"
         raise NotImplementedError(
-            f"backprism: {extension} would store a [{side}, {side}] Kronecker factor for the "
-            f"parameter {name!r} of {module} ({size / 2**30:.1f} GiB; the limit is "
-            "backprism.engine.rule.KRONECKER_FACTOR_MAX_BYTES). A factor over a vocabulary "
+            f"backprism: {extension} would store a [{side}, {side}] Kronecker factor "
+            f"({size / 2**30:.1f} GiB) for the parameter {what}; the limit is "
+            f"{KRONECKER_FACTOR_MAX_BYTES / 2**30:.1f} GiB "
+            "(backprism.engine.rule.KRONECKER_FACTOR_MAX_BYTES). A factor over a vocabulary "
             "(an Embedding, a language model's output layer) is that large by definition. "
             "Freeze the parameter (requires_grad_(False)) for the Kronecker pass and take its "
             "curvature from DiagGGNMC/DiagGGNExact, or raise the limit if the memory is there"

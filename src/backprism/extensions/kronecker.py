@@ -127,8 +127,10 @@ class _Kronecker(SecondOrderExtension):
         all its uses at once."""
         return kronecker
 
-    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
-        _check_sizes(self, call, kronecker)
+    def check_call(
+        self, call: Call, kronecker: Callable[[], bool], label: Callable[[nn.Parameter], str]
+    ) -> None:
+        _check_sizes(self, call, kronecker, label)
 
     def from_statistic(self, statistic: Tensor, call: Call) -> KroneckerFactors:
         return _diagonal_factor(statistic, call)
@@ -175,7 +177,9 @@ class _Kronecker(SecondOrderExtension):
         return KroneckerFactors(merged, old.calls | new.calls, new.grad_side)
 
 
-def _check_sizes(ext: Any, call: Call, kronecker: Callable[[], bool]) -> None:
+def _check_sizes(
+    ext: Any, call: Call, kronecker: Callable[[], bool], label: Callable[[nn.Parameter], str]
+) -> None:
     """Refuse, before the pass computes anything, a factor of ``call``'s parameters above
     the size limits: Kronecker factors (:func:`~backprism.engine.rule.check_factor_sizes`),
     or the single diagonal factor ``[P, P]`` where ``call`` has no Kronecker form."""
@@ -183,9 +187,11 @@ def _check_sizes(ext: Any, call: Call, kronecker: Callable[[], bool]) -> None:
     form = kronecker()
     for name, p in call.params.items():
         if form:
-            check_factor_sizes(rule, call, name, type(ext).__name__)
+            check_factor_sizes(rule, call, name, type(ext).__name__, lambda p=p: label(p))
         else:
-            check_diagonal_size(p, call, name, "the rule it is computed with gives none")
+            check_diagonal_size(
+                p, call, name, "the rule it is computed with gives none", lambda p=p: label(p)
+            )
 
 
 def _diagonal_factor(diagonal: Tensor, call: Call) -> KroneckerFactors:
@@ -389,8 +395,10 @@ class KFRA(SecondOrderExtension):
     def __init__(self, kfac_approx: str | None = None) -> None:
         self.kfac_approx = _check_approx(kfac_approx)
 
-    def check_call(self, call: Call, kronecker: Callable[[], bool]) -> None:
-        _check_sizes(self, call, kronecker)
+    def check_call(
+        self, call: Call, kronecker: Callable[[], bool], label: Callable[[nn.Parameter], str]
+    ) -> None:
+        _check_sizes(self, call, kronecker, label)
 
     def column_key(self) -> Hashable:
         return ("exact",)
