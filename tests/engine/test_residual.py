@@ -213,7 +213,39 @@ class Derived(nn.Module):
         return self.b(h * self.s.exp() if self.how == "exp" else h + 2 * self.s)
 
 
+class LinearAttention(nn.Module):
+    """``(q kᵀ) v`` without a softmax on hidden features: a batched ``matmul``, whose output
+    node is a view of its ``bmm`` (the products' operands are read behind it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 3)
+        self.q, self.k, self.v, self.o = (nn.Linear(3, 3) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.o((self.q(h) @ self.k(h).transpose(1, 2)) @ self.v(h)).mean(1)
+
+
+class BodyProduct(nn.Module):
+    """A product of two values of the same parameters in the body of a module that uses a
+    parameter of its own there (a position embedding, released to functional attribution): no
+    rule covers that body. (Before, such a product was taken for part of a module call and not
+    recorded: DiagHessian was wrong by up to 0.16, with no error.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.pos = nn.Parameter(torch.randn(1, 2, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.embed(x)) + self.pos
+        return self.head(((h @ h.transpose(1, 2)) @ h).mean(1))
+
+
 CASES = {
+    "body_product": (BodyProduct, (4, 2, 3), "matmul"),
+    "linear_attention": (LinearAttention, (4, 2, 3), "matmul"),
     "attention": (SoftmaxAttention, (4, 2, 3), "matmul|softmax"),
     "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
     "product": (SharedProduct, (4, 3), "product of two parameter-dependent"),

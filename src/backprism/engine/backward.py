@@ -218,6 +218,7 @@ class BackwardPass:
         #: extended losses whose hook has not run yet: second-order results are final once
         #: every one has (their columns are pushed from there)
         self.losses_left = len(self.loss_records)
+        self._samples_analysis: FoldAnalysis | None = None
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
@@ -541,6 +542,17 @@ class BackwardPass:
     def _one_sample(self) -> bool:
         """Every forward of the pass ran on one sample (its first input's axis 0 of size 1)."""
         return bool(self.roots) and all(root.batch == 1 for root in self.roots)
+
+    def samples_on_axis_0(self, node: Any, nr: int) -> bool:
+        """Whether axis 0 of output ``nr`` of ``node`` (a tensor of this pass's graph) holds
+        the pass's samples, one per row, as the graph shows (:class:`FoldAnalysis` anchored at
+        the calls' outputs); ``False`` where it holds something else or cannot be told (a
+        transposed activation whose first axis merely has the batch's size)."""
+        if node is None or not self.n_samples:
+            return False
+        if self._samples_analysis is None:
+            self._samples_analysis = self._fold_analysis(self.n_samples)
+        return self._samples_analysis.status(node, nr) == (0, 1)
 
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""

@@ -282,8 +282,27 @@ class ProductSite(ErrorSite):
         return None
 
 
+#: reshaping nodes between a product's own node and the output the forward mode saw (a batched
+#: ``matmul`` ends in ``_unsafe_view`` of its ``bmm``)
+_PRODUCT_VIEWS = frozenset({
+    "UnsafeViewBackward0", "ViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0",
+    "ExpandBackward0", "TransposeBackward0", "PermuteBackward0", "TBackward0",
+})
+
+
 def shares_parameters(node: Any, view: Any) -> bool:
-    """Whether an extended parameter of ``view`` lies upstream of two of ``node``'s inputs."""
+    """Whether an extended parameter of ``view`` lies upstream of two of the inputs of the
+    product whose output node is ``node`` (reached through the reshaping nodes that end a
+    batched ``matmul``). A node of fewer than two inputs that is no such view counts as
+    sharing (refused: the operands cannot be told apart)."""
+    for _ in range(8):
+        inputs = [f for f, _ in node.next_functions if f is not None]
+        if len(inputs) != 1 or type(node).__name__ not in _PRODUCT_VIEWS:
+            break
+        node = inputs[0]
+    if sum(f is not None for f, _ in node.next_functions) < 2:
+        return True
     owner: dict[int, int] = {}
     for i, (start, _) in enumerate(node.next_functions):
         if start is None:
@@ -335,13 +354,17 @@ class ResidualSite:
             grad_a = grad_outputs[self.output_nr]
             if grad_a is None or self.pass_ is not bp or bp.in_columns:
                 return
-            if self.z is not None:
-                push_residual(bp, exts, self.fn, self.z, grad_a)
-            else:  # in place: z's values saved by the node, its graph behind the node's input
-                edge = GradientEdge(*node.next_functions[0])
-                push_residual(bp, exts, self.fn, node._saved_self, grad_a, edge, self.axis)
+            self.push(bp, exts, grad_a, node)
 
         return hook
+
+    def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
+        """Push the site's residual columns (pass ``bp``, ``grad_a = ∂L/∂a``)."""
+        if self.z is not None:
+            push_residual(bp, exts, self.fn, self.z, grad_a)
+        else:  # in place: z's values saved by the node, its graph behind the node's input
+            edge = GradientEdge(*node.next_functions[0])
+            push_residual(bp, exts, self.fn, node._saved_self, grad_a, edge, self.axis)
 
 
 def _add_site(out: Tensor, site: Any) -> None:
@@ -718,9 +741,14 @@ def push_residual(
     r = grad_a.detach() * second_derivative(fn, z)
     n_calls = bp.n_samples
     # one column per element of a sample, covering all samples at once, needs z's first axis to
-    # be the batch axis of the calls; otherwise one column per element of z (always exact)
-    batched = r.dim() > 0 and r.shape[0] == n_calls and not (
-        getattr(z, AXIS, 0) if axis is None else axis
+    # hold the calls' samples (the graph tells, not the size alone: a transposed activation's
+    # first axis may have the batch's size); otherwise one column per element of z (always
+    # exact)
+    edge = (origin.node, origin.output_nr) if origin is not None else (z.grad_fn, z.output_nr)
+    batched = (
+        r.dim() > 0 and r.shape[0] == n_calls
+        and not (getattr(z, AXIS, 0) if axis is None else axis)
+        and bp.samples_on_axis_0(*edge)
     )
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
@@ -836,7 +864,12 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         out = next((o for o in out if isinstance(o, Tensor) and o.requires_grad), None)
     if not isinstance(out, Tensor) or not out.requires_grad or not out.is_floating_point():
         return
-    inside_module = bool(FORWARD.call_stack)
+    # inside the forward of a hooked module whose call its rule computes as a whole (linear in
+    # input and parameters, or refused: check_linear_in_params); not in the body of a module
+    # that released its parameters to functional attribution (a container's position
+    # embedding or layer scale), whose operations no rule covers
+    stack = FORWARD.call_stack
+    inside_module = bool(stack) and not stack[-1][2]
     if kind == _SMOOTH_KIND:
         z = args[0] if args else None
         others = _grad_tensors(args[1:], kwargs)
