@@ -2,9 +2,10 @@
 non-GGN part of ``DiagHessian``): the recording of nonlinearities during the forward (switch,
 no reference cycles, forwards inside a context without the DiagHessian family) and the clear
 refusals, before anything is written, of what has no residual decomposition (in-place
-nonlinearities, attention, LayerNorm between parameters, products of parameter-dependent
-values, a parameter used by several calls, parameters entering a generic-rule module
-nonlinearly, parameter-only values broadcast into the activations).
+nonlinearities, attention on hidden features and other products of values that depend on the
+same parameters, GroupNorm between parameters, a parameter used by several calls, parameters
+entering a generic-rule module nonlinearly, parameter-only values broadcast into the
+activations).
 
 The values of ``DiagHessian`` against dense Hessians are tested in
 ``tests/extensions/test_hessian.py``.
@@ -25,7 +26,7 @@ from backprism.engine.residual import NonlinearityError
 from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
-from tests.common import LayerNormBetween, SoftmaxAttention
+from tests.common import SoftmaxAttention
 from tests.reference import diag_ggn, loss_hessian, split
 
 DT = torch.float64
@@ -213,6 +214,18 @@ class Derived(nn.Module):
         return self.b(h * self.s.exp() if self.how == "exp" else h + 2 * self.s)
 
 
+class HiddenAttention(nn.Module):
+    """Attention on hidden features: its query and key both depend on ``inp``'s parameters,
+    so the product ``q kᵀ`` has a term in their diagonal blocks (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.att = nn.Linear(3, 3), SoftmaxAttention()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.att(torch.tanh(self.inp(x)))
+
+
 class LinearAttention(nn.Module):
     """``(q kᵀ) v`` without a softmax on hidden features: a batched ``matmul``, whose output
     node is a view of its ``bmm`` (the products' operands are read behind it)."""
@@ -245,9 +258,12 @@ class BodyProduct(nn.Module):
 
 CASES = {
     "body_product": (BodyProduct, (4, 2, 3), "matmul"),
+    "attention": (HiddenAttention, (4, 2, 3), "matmul"),
     "linear_attention": (LinearAttention, (4, 2, 3), "matmul"),
-    "attention": (SoftmaxAttention, (4, 2, 3), "matmul|softmax"),
-    "layernorm": (LayerNormBetween, (4, 3), "layer_norm"),
+    "groupnorm": (
+        lambda: nn.Sequential(nn.Linear(3, 4), nn.GroupNorm(2, 4), nn.Linear(4, 3)), (4, 3),
+        "group_norm",
+    ),
     "product": (SharedProduct, (4, 3), "product of two parameter-dependent"),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),

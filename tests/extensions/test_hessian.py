@@ -312,25 +312,90 @@ def test_parallel_shared_parameter():
     check_diag(Siamese(), lf, X, y)
 
 
+# -- row-wise nonlinearities (layer_norm, rms_norm, softmax, softmin) --------------------------
+class RowWise(nn.Module):
+    """``Linear → row-wise nonlinearity → Linear`` on ``[N, *T, 3]``; the nonlinearity over
+    the last axis, a middle axis (softmax over positions) or two trailing axes (a LayerNorm of
+    a ``[2, 3]`` block), between smooth activations."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(3, 6), nn.Linear(6, 3)
+        self.norm = {
+            "layer_norm": nn.LayerNorm(6), "layer_norm_2d": nn.LayerNorm((2, 3)),
+            "rms_norm": nn.RMSNorm(6),
+            "layer_norm_plain": nn.LayerNorm(6, elementwise_affine=False),
+        }.get(kind)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        if self.kind == "softmax":
+            h = torch.softmax(h, dim=-1)
+        elif self.kind == "softmin":
+            h = F.softmin(h, dim=-1)
+        elif self.kind == "softmax_positions":  # over the middle axis T
+            h = h.softmax(1)
+        elif self.kind == "layer_norm_2d":
+            h = self.norm(h.unflatten(-1, (2, 3))).flatten(-2)
+        else:
+            h = self.norm(h)
+        out = self.b(torch.sigmoid(h))
+        return out.mean(1) if out.dim() == 3 else out
+
+
+ROW_KINDS = ["layer_norm", "layer_norm_plain", "layer_norm_2d", "rms_norm", "softmax",
+             "softmin", "softmax_positions"]
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_row_wise_nonlinearities(kind: str, loss: str):
+    """Norms and softmaxes between parameters: their Hessian term is block-diagonal over the
+    rows they act on; DiagHessian and BatchDiagHessian against the dense Hessian."""
+    torch.manual_seed(21)
+    model = RowWise(kind)
+    for p in model.parameters():  # away from the initialisation (norm weights 1, biases 0)
+        with torch.no_grad():
+            p.add_(0.5 * torch.randn_like(p))
+    shape = (4, 5, 3) if kind == "softmax_positions" else (4, 3)
+    X = torch.randn(*shape)
+    y = torch.randint(0, 3, (4,)) if loss == "ce" else torch.randn(4, 3)
+    check_diag(model, nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss(), X, y)
+
+
+def test_attention_on_the_data():
+    """``softmax(q kᵀ) v`` of projections of the input: the products' operands depend on
+    different parameters (their terms lie off the parameters' blocks) and the softmax is
+    row-wise, so DiagHessian is exact (attention on hidden features is refused:
+    ``tests/engine/test_residual.py``)."""
+    torch.manual_seed(22)
+    X, y = torch.randn(4, 3, 3), torch.randint(0, 3, (4,))
+    check_diag(SoftmaxAttention(), nn.CrossEntropyLoss(), X, y)
+
+
 class TransposedBatchSized(nn.Module):
-    """A nonlinearity on a transposed activation ``[features, N]`` whose first axis has the
+    """Nonlinearities on a transposed activation ``[features, N]`` whose first axis has the
     batch's size: the samples are on axis 1, which the graph shows (the size alone does not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, row: bool) -> None:
         super().__init__()
+        self.row = row
         self.l1, self.l2 = nn.Linear(3, 4), nn.Linear(4, 2)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.l1(x).t()  # [4, N] with N = 4
-        return self.l2(torch.tanh(h).t())
+        h = torch.softmax(h, dim=0) if self.row else torch.tanh(h)
+        return self.l2(h.t())
 
 
-def test_nonlinearity_on_a_transposed_batch_sized_axis():
+@pytest.mark.parametrize("row", [False, True], ids=["tanh", "softmax"])
+def test_nonlinearity_on_a_transposed_batch_sized_axis(row: bool):
     """(Before, a first axis of the batch's size was taken for the samples: DiagHessian was
     wrong for the elementwise case, by up to 3.5× relative, with no error.)"""
     torch.manual_seed(23)
     X, y, lf = data(4, 3, 2, "ce")
-    check_diag(TransposedBatchSized(), lf, X, y)
+    check_diag(TransposedBatchSized(row), lf, X, y)
 
 
 # -- Hutchinson ----------------------------------------------------------------------------------

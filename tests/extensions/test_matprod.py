@@ -201,3 +201,31 @@ def test_errors():
     P = w.numel()
     dense = w.hmp(torch.eye(P).reshape(P, *w.shape)).reshape(P, P)
     torch.testing.assert_close(torch.diagonal(dense).reshape(w.shape), w.diag_h)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "softmax_positions"])
+def test_hmp_through_row_wise_nonlinearities(kind: str):
+    """HMP's blocks through a LayerNorm / a softmax over positions (their Hessian terms
+    block-diagonal over rows, eigen-decomposed into signed columns) against the dense Hessian;
+    PCHMP's blocks (negative eigenvalues of those terms clipped or flipped) are PSD."""
+    from tests.extensions.test_hessian import RowWise
+
+    torch.manual_seed(24)
+    model = RowWise(kind)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    X = torch.randn(4, 5, 3) if kind == "softmax_positions" else torch.randn(4, 3)
+    y = torch.randint(0, 3, (4,))
+    lf = nn.CrossEntropyLoss()
+    expected = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
+    extend(model)
+    with collect(HMP(), PCHMP("clip")):
+        extend(lf)(model(X), y).backward()
+    for name, p in model.named_parameters():
+        P = p.numel()
+        eye = torch.eye(P).reshape(P, *p.shape)
+        torch.testing.assert_close(p.hmp(eye).reshape(P, P), expected[name], rtol=1e-8,
+                                   atol=1e-10, msg=name)
+        pch = p.pchmp(eye).reshape(P, P)
+        assert torch.linalg.eigvalsh((pch + pch.t()) / 2).min() > -1e-10, name

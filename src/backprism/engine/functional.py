@@ -1283,7 +1283,10 @@ def _exit(root: nn.Module, output: Any) -> None:
             )
             known = MODE_FREE.setdefault(root, {})
             known[mode.learn] = (  # type: ignore[attr-defined]
-                residual.node_ops(output, refused_only=FORWARD.residual_acts > 0)
+                residual.node_ops(
+                    output, refused_only=FORWARD.residual_acts > 0,
+                    params={id(p) for p in root.parameters() if p.requires_grad},
+                )
                 if free
                 else None
             )

@@ -1,4 +1,4 @@
-r"""Hessian residual terms of elementwise nonlinearities (the non-GGN part of ``DiagHessian``).
+r"""Hessian residual terms of nonlinearities (the non-GGN part of ``DiagHessian``).
 
 For a loss ``L`` reached from the parameters ``θ`` through an elementwise nonlinearity
 ``a = σ(z)`` (``z = z(θ)``), the exact Hessian is the GGN plus one *residual* term per
@@ -9,11 +9,15 @@ nonlinearity:
     ∇²_θ L = J_θ(f)ᵀ ∇²_f L\, J_θ(f) + \sum_{σ} J_θ(z)ᵀ \operatorname{diag}(r)\, J_θ(z) + (\ldots),
     \qquad r = \frac{∂L}{∂a} ⊙ σ''(z),
 
-where ``(…)`` collects the terms of operations that are *not* linear in their inputs apart from
-elementwise nonlinearities (products of two parameter-dependent tensors, softmax, normalisation,
-parameters entering a module nonlinearly). Those are refused for the DiagHessian family with a
-clear error; everything linear or piecewise linear (Linear, Conv, ReLU, LeakyReLU, max/avg
-pooling, Flatten, residual additions, dropout) contributes nothing.
+where ``(…)`` collects the terms of the other operations that are *not* linear in their inputs.
+*Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``: each row of
+``d`` entries on its own) contribute one ``d × d`` block per row, eigen-decomposed into signed
+columns (:class:`RowSite`, :func:`push_rows`). Products of two values that depend on the same
+parameters (attention's ``q kᵀ`` on hidden features), other normalisations (group norm, batch
+statistics), fused attention kernels and parameters entering a module nonlinearly are refused
+for the DiagHessian family with a clear error; everything linear or piecewise linear (Linear,
+Conv, ReLU, LeakyReLU, max/avg pooling, Flatten, residual additions, dropout) contributes
+nothing.
 
 ``r`` already carries the loss's scaling (``1/N`` for a mean reduction), because ``∂L/∂a`` does.
 The residual is written with *signed columns*: for every element ``j`` of ``zₙ`` (sample ``n``),
@@ -65,9 +69,11 @@ clear error — put it inside the model.
 from __future__ import annotations
 
 import copy as _copy
+import math
 import re
 import weakref
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -80,7 +86,7 @@ from backprism.engine.columns import Columns
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rule import get_rule
-from backprism.engine.state import AXIS, FORWARD, SITES, active
+from backprism.engine.state import AXIS, CALLS, FORWARD, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -367,6 +373,27 @@ class ResidualSite:
             push_residual(bp, exts, self.fn, node._saved_self, grad_a, edge, self.axis)
 
 
+class RowSite(ResidualSite):
+    """``a = fn(z)`` for a smooth ``fn`` acting on rows of ``z`` independently: the last
+    ``trailing`` axes (``layer_norm``, ``rms_norm`` over their ``normalized_shape``) or axis
+    ``dim`` (``softmax``, ``softmin``). Its Hessian term is block-diagonal over the rows, one
+    ``d × d`` block per row (``d`` entries), :func:`push_rows`."""
+
+    __slots__ = ("dim", "trailing")
+
+    def __init__(
+        self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int,
+        dim: int | None, trailing: int,
+    ) -> None:
+        super().__init__(fn, z, name, nr, getattr(z, AXIS, 0) or 0)
+        self.dim = dim
+        self.trailing = trailing
+
+    def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
+        assert self.z is not None
+        push_rows(bp, exts, self.fn, self.z, grad_a, self.dim, self.trailing, self.axis)
+
+
 def _add_site(out: Tensor, site: Any) -> None:
     if out.grad_fn is not None:
         out.grad_fn.metadata.setdefault(SITES, []).append(site)
@@ -429,7 +456,9 @@ _NODE_LINEAR = frozenset(
 )
 
 
-def node_ops(output: Any, refused_only: bool = False) -> frozenset[str] | None:
+def node_ops(
+    output: Any, refused_only: bool = False, params: AbstractSet[int] = frozenset()
+) -> frozenset[str] | None:
     """The operations (:func:`_node_op`) of the graph upstream of ``output`` (tensors, or
     containers of them) that carry no refusal site: what a later forward of the same model
     without the forward mode may contain outside module calls (:func:`_unrecorded_nonlinearity`).
@@ -437,10 +466,13 @@ def node_ops(output: Any, refused_only: bool = False) -> frozenset[str] | None:
 
     ``refused_only``: the forward recorded Hessian residuals of elementwise nonlinearities and
     nothing else the mode alone does; ``None`` (keep the mode, which records them) unless the
-    graph also holds an operation that the DiagHessian family refuses (a softmax, a layer
-    norm: every transformer's), so that no extension can use those records. Without the mode
-    such nonlinearities carry no site, and the DiagHessian family refuses a pass through them
-    (:func:`_unrecorded_nonlinearity`)."""
+    graph also holds an operation that the DiagHessian family refuses (a group norm, a fused
+    attention kernel, a product of two values that depend on the same parameters among
+    ``params`` (ids): every transformer's attention; a module call whose parameters enter
+    nonlinearly, :func:`check_linear_in_params`), so that no extension can use those
+    records. Without the mode such nonlinearities carry no site, and the DiagHessian family
+    refuses a pass through them (:func:`_unrecorded_nonlinearity`)."""
+    view = _Params(params)
     outs = [output] if isinstance(output, Tensor) else torch.utils._pytree.tree_flatten(output)[0]
     starts = [o.grad_fn for o in outs if isinstance(o, Tensor) and o.grad_fn is not None]
     ok: set[str] = set()
@@ -452,12 +484,30 @@ def node_ops(output: Any, refused_only: bool = False) -> frozenset[str] | None:
         errors = [x for x in sites if isinstance(x, ErrorSite)]
         # (a product may be allowed, its operands depending on different parameters)
         blocked = blocked or any(
-            e.nll_output is None and not isinstance(e, ProductSite) for e in errors
+            e.nll_output is None
+            and (not isinstance(e, ProductSite) or shares_parameters(fn, view))
+            for e in errors
         )
+        if not blocked and fn.metadata:
+            blocked = any(
+                call.params and (
+                    parametrized(call) or not get_rule(call.module).is_linear_in_params(call)
+                )
+                for call, *_ in fn.metadata.get(CALLS, ())
+            )
         (refused if errors else ok).add(op)
     if refused_only and not blocked:
         return None
     return frozenset(ok - refused)
+
+
+class _Params:
+    """The ``params`` (ids) :func:`shares_parameters` reads off a pass's graph view."""
+
+    __slots__ = ("params",)
+
+    def __init__(self, params: AbstractSet[int]) -> None:
+        self.params = params
 
 
 _NODE_NONLINEAR = ("native_layer_norm", "native_group_norm", "linalg_vector_norm", "linalg_norm")
@@ -775,6 +825,102 @@ def push_residual(
                        exts, weights)
 
 
+def push_rows(
+    bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
+    dim: int | None, trailing: int, axis: int = 0,
+) -> None:
+    r"""Push the signed residual columns of a row-wise ``a = fn(z)`` (:class:`RowSite`) back
+    from ``z`` (pass ``bp``).
+
+    Rows: the last ``trailing`` axes of ``z`` (after moving axis ``dim`` last, if given), ``d``
+    entries each. Row ``ρ``'s Hessian term is ``R_ρ = Σₖ (∂L/∂a_ρₖ) ∇²a_ρₖ(z_ρ)`` (``d × d``,
+    the second derivative of ``⟨∂L/∂a, fn(z)⟩`` within the row; rows do not couple), built by
+    ``d`` Hessian-vector products of the whole tensor (probe ``k``: the unit vector ``eₖ`` in
+    every row at once). With ``R_ρ = Σⱼ λ_ρⱼ u_ρⱼ u_ρⱼᵀ`` (eigen-decomposition), column
+    ``(ρ, j)`` is ``√|λ_ρⱼ| u_ρⱼ`` in row ``ρ`` (zero elsewhere) with weight
+    ``sign(λ_ρⱼ)``: one column per element of a sample, as for elementwise nonlinearities
+    (:func:`push_residual`, whose layout rules this follows), covering all samples at once.
+    Eigenvalues below ``10⁻¹²`` of the largest are dropped (round-off of the exact zeros of a
+    normalisation's invariant directions). Cost: ``d`` Hessian-vector products and a batched
+    ``d × d`` eigen-decomposition per row — for small ``d`` (a norm over a few hundred
+    features, a softmax over a few hundred positions) like one more layer's columns; large
+    ``d`` is cubic."""
+    calls = bp.loss_calls()
+    if not calls:
+        return
+    if dim is not None:
+        dim %= z.dim()
+    moved = dim is not None and dim != z.dim() - 1
+    zm = z.detach().movedim(dim, -1) if moved else z.detach()
+    ga = grad_a.detach().movedim(dim, -1) if moved else grad_a.detach()
+    f = (lambda t: fn(t.movedim(-1, dim)).movedim(dim, -1)) if moved else fn
+    d = math.prod(zm.shape[zm.dim() - trailing:])
+    n_calls = bp.n_samples
+    batched = (
+        zm.dim() > trailing and zm.shape[0] == n_calls and not axis and dim != 0
+        and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
+    )
+    n = zm.shape[0] if batched else 1
+    rows = zm.numel() // (n * d)  # per sample
+    H = _row_hessians(f, zm, ga, d, bp.ctx.memory_budget)  # [n·rows, d, d]
+    lam, vecs = torch.linalg.eigh(H)
+    tol = lam.abs().max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
+    lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
+    flat = lam.reshape(n, rows * d)  # column (ρ, j) at ρ·d + j
+    vecs = vecs.reshape(n, rows, d, d)  # [..., entry, j]
+    if flat.device.type == "cpu":  # (see push_residual)
+        active = (flat != 0).any(0).nonzero().flatten()
+        if active.numel() == 0:
+            return
+    else:
+        active = torch.arange(flat.shape[1], device=flat.device)
+    sqrt_abs = flat.abs().sqrt()[:, active]  # [n, K]
+    signs = flat.sign()[:, active].t()  # [K, n]
+    weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()
+    shape = zm.shape
+
+    def make(start: int, stop: int) -> list[Tensor]:
+        idx = active[start:stop]
+        k = idx.numel()
+        r, j = idx // d, idx % d
+        cols = flat.new_zeros(k, n, rows, d)
+        # vecs[:, r, :, j]: [k, n, d], column j of row r's eigenvectors for every sample
+        cols[torch.arange(k, device=flat.device), :, r, :] = (
+            vecs[:, r, :, j] * sqrt_abs[:, start:stop].t()[..., None]
+        )
+        cols = cols.reshape(k, *shape)
+        return [cols.movedim(-1, dim + 1) if moved else cols]
+
+    bp.process_columns(calls, [z], Columns(active.numel(), make), exts, weights)
+
+
+def _row_hessians(
+    fn: Callable[[Tensor], Tensor], z: Tensor, ga: Tensor, d: int, budget: int
+) -> Tensor:
+    """``[rows, d, d]``: the Hessian of ``⟨ga, fn(z)⟩`` within each row of ``z`` (rows of the
+    last ``d`` entries, flattened), by Hessian-vector products with the unit vectors ``eₖ``
+    placed in every row at once, in chunks of ``k`` bounded by ``budget`` bytes."""
+    rows = z.numel() // d
+    out = z.new_empty(d, rows, d)
+    with torch.enable_grad():
+        zz = z.detach().requires_grad_(True)
+        (g1,) = torch.autograd.grad((fn(zz) * ga).sum(), zz, create_graph=True)
+        if not g1.requires_grad:  # fn is linear in z: no Hessian term
+            return z.new_zeros(rows, d, d)
+        step = max(1, budget // max(1, 2 * z.numel() * z.element_size()))
+        for k0 in range(0, d, step):
+            k1 = min(d, k0 + step)
+            probes = z.new_zeros(k1 - k0, rows, d)
+            probes[torch.arange(k1 - k0), :, torch.arange(k0, k1)] = 1
+            (hv,) = torch.autograd.grad(
+                g1, zz, probes.reshape(k1 - k0, *z.shape), retain_graph=True,
+                is_grads_batched=True,
+            )
+            out[k0:k1] = hv.reshape(k1 - k0, rows, d)
+    H = out.permute(1, 2, 0)  # [rows, entry, k]: column k of each row's Hessian
+    return (H + H.transpose(1, 2)) / 2
+
+
 # -- recording during forward ------------------------------------------------------------------
 _RECORDING = [True]
 
@@ -905,6 +1051,13 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
     if kind == _NONLIN:
         if name == "batch_norm" and not _bn_training(args, kwargs):
             return  # eval-mode batch norm is affine in its input
+        if name in _ROW_WISE:
+            site = _row_site(func, name, args, kwargs, out)
+            if site is not None:
+                _add_site(out, site)
+                FORWARD.acted += 1
+                FORWARD.residual_acts += 1
+                return
         if name == "log_softmax":
             _add_error(out, "log_softmax", weakref.ref(out))
             return
@@ -913,6 +1066,40 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
     if inside_module:
         return  # the module's rule accounts for its internals
     _add_error(out, f"the operation {name or func!r} (not known to be linear)")
+
+
+#: smooth nonlinear operations acting on rows of their input independently (:class:`RowSite`)
+_ROW_WISE = frozenset({"softmax", "_softmax", "softmin", "layer_norm", "rms_norm"})
+
+
+def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> RowSite | None:
+    """The :class:`RowSite` of a row-wise operation ``out = func(z, ...)``, or ``None``
+    (refused as before): an input ``z`` that needs gradients, of ``out``'s shape, its rows
+    known (``dim`` of a softmax given; ``normalized_shape`` of a norm), every other tensor
+    argument (a norm's weight and bias) taken as fixed — their own terms are linear."""
+    z = args[0] if args else None
+    if not isinstance(z, Tensor) or not z.requires_grad or out.shape != z.shape or out is z:
+        return None
+    params = ("dim",) if "softmax" in name or "softmin" in name else ("normalized_shape",)
+    spec = args[1] if len(args) > 1 else kwargs.get(params[0])
+    if "norm" in name:
+        if spec is None:
+            return None
+        trailing = 1 if isinstance(spec, int) else len(spec)
+        if trailing == 0 or trailing > z.dim():
+            return None
+        dim = None
+    else:
+        if not isinstance(spec, int) or z.dim() == 0:
+            return None  # (softmax without dim: PyTorch's implicit choice)
+        dim, trailing = spec, 1
+    rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
+    kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+
+    def fn(zz: Tensor) -> Tensor:
+        return func(zz, *rest, **kw)
+
+    return RowSite(fn, z, name, out.output_nr, dim, trailing)
 
 
 def _bn_training(args: tuple, kwargs: dict) -> bool:

@@ -1,8 +1,8 @@
 r"""Exact Hessian diagonals and a Hutchinson estimator.
 
 With ``L = (1/N) Σₙ ℓₙ`` (``"sum"`` drops the ``1/N``), the Hessian of ``L`` w.r.t. the parameters
-is the GGN plus one residual term per elementwise nonlinearity ``a = σ(z)`` between parameters
-and loss (see :mod:`backprism.engine.residual`):
+is the GGN plus one residual term per nonlinearity ``a = σ(z)`` between parameters and loss
+(see :mod:`backprism.engine.residual`; for an elementwise ``σ``):
 
 .. math::
 
@@ -24,13 +24,18 @@ mean loss): ``diag_h`` and ``diag_h_hutchinson`` are ``Σ_r ρ_r · local`` (glo
 this rank's rows ``ρ · local``. The Hutchinson estimate equals one process's when all ranks
 draw the same Rademacher vectors (the same random state); otherwise it is still unbiased.
 
+A row-wise nonlinearity (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``) contributes
+``Σ_ρ J(z_ρ)ᵀ R_ρ J(z_ρ)`` with ``R_ρ = Σₖ (∂L/∂a_ρₖ) ∇²a_ρₖ(z_ρ)`` per row ``ρ`` of ``d``
+entries (``d`` Hessian-vector products and one ``d × d`` eigen-decomposition per row).
+
 ``DiagHessian``/``BatchDiagHessian`` are exact for graphs built from layers that are linear in
-their input and parameters (Linear, Conv, …), elementwise nonlinearities, piecewise-linear
-operations and linear glue code, including parameters shared by parallel branches; anything else
-between parameters and loss (softmax/attention, LayerNorm of a parameter-dependent input, products
-of two parameter-dependent tensors, a parameter used by nested calls) raises a clear error
-pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on any
-twice-differentiable graph.
+their input and parameters (Linear, Conv, …), elementwise and row-wise nonlinearities (MLPs with
+LayerNorm, ConvNeXt, attention on the inputs), products of values of different parameters,
+piecewise-linear operations and linear glue code, including parameters shared by parallel
+branches; anything else between parameters and loss (attention on hidden features — its ``q kᵀ``
+multiplies two values of the same parameters —, fused attention kernels, GroupNorm of a
+parameter-dependent input, a parameter used by nested calls) raises a clear error pointing to
+``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on any twice-differentiable graph.
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ class PCHMP(_MatProd):
 
     Args:
         modify: how negative residual curvature ``r = ∂L/∂a ⊙ σ''(z) < 0`` is made
-            non-negative: ``"clip"`` sets it to zero, ``"abs"`` takes ``|r|``.
+            non-negative: ``"clip"`` sets it to zero, ``"abs"`` takes ``|r|`` (for a row-wise
+            nonlinearity, a norm or a softmax: the eigenvalues of each row's residual block).
     """
 
     savefield = "pchmp"
