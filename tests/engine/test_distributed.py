@@ -166,9 +166,21 @@ def _shared_norm():
     return model, torch.randn(16, 5, dtype=torch.float64)
 
 
+def _norms():
+    """A LayerNorm and a softmax between parameters (row-wise Hessian terms, DiagHessian)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 4), nn.LayerNorm(4), nn.Tanh(), nn.Linear(4, 4), nn.Softmax(-1),
+        nn.Linear(4, 3),
+    ).double()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+    return model, torch.randn(16, 5, dtype=torch.float64)
+
+
 MODELS = {
     "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross,
-    "shared_norm": _shared_norm,
+    "shared_norm": _shared_norm, "norms": _norms,
 }
 
 
@@ -512,6 +524,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "chain", [3, 5], [[KFRA(), KFLR()]])
         _check_all(rank, world, "cross", [3, 5], [[KFLR(), DiagGGNExact()]])
         _check_all(rank, world, "shared_norm", [3, 5], [[KFLR(), DiagGGNExact()]])
+        _check_all(rank, world, "norms", [3, 5], [SECOND[1]])
         _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
