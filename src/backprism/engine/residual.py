@@ -802,15 +802,10 @@ def push_residual(
     )
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
-    if flat.device.type == "cpu":  # skip elements whose residual vanishes for every sample
-        active = (flat != 0).any(0).nonzero().flatten()  # [K] element indices
-        if active.numel() == 0:
-            return
-    else:  # on an accelerator that selection would read back to the host: keep them all
-        active = torch.arange(flat.shape[1], device=flat.device)
-    sqrt_abs = flat.abs().sqrt()[:, active]  # [n, K]
-    signs = flat.sign()[:, active].t()  # [K, n]
-    weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()  # [K, N]
+    signed = _signed(flat, batched, n_calls)
+    if signed is None:
+        return
+    active, sqrt_abs, weights = signed
     d = flat.shape[1]
     shape = z.shape
 
@@ -823,6 +818,25 @@ def push_residual(
 
     bp.process_columns(calls, [z if origin is None else origin], Columns(active.numel(), make),
                        exts, weights)
+
+
+def _signed(
+    flat: Tensor, batched: bool, n_calls: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """For residual values ``flat`` ``[n, K]`` (one column each, ``n`` samples or one row for
+    all): the columns to push (on the CPU those whose value vanishes for every sample are
+    skipped; on an accelerator that selection would read back to the host: all), their
+    scales ``√|flat|`` ``[n, K']`` and weights ``sign(flat)`` ``[K', N]``; ``None`` if none."""
+    if flat.device.type == "cpu":
+        active = (flat != 0).any(0).nonzero().flatten()  # [K'] column indices
+        if active.numel() == 0:
+            return None
+    else:
+        active = torch.arange(flat.shape[1], device=flat.device)
+    sqrt_abs = flat.abs().sqrt()[:, active]
+    signs = flat.sign()[:, active].t()
+    weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()
+    return active, sqrt_abs, weights
 
 
 def push_rows(
@@ -868,15 +882,10 @@ def push_rows(
     lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
     flat = lam.reshape(n, rows * d)  # column (ρ, j) at ρ·d + j
     vecs = vecs.reshape(n, rows, d, d)  # [..., entry, j]
-    if flat.device.type == "cpu":  # (see push_residual)
-        active = (flat != 0).any(0).nonzero().flatten()
-        if active.numel() == 0:
-            return
-    else:
-        active = torch.arange(flat.shape[1], device=flat.device)
-    sqrt_abs = flat.abs().sqrt()[:, active]  # [n, K]
-    signs = flat.sign()[:, active].t()  # [K, n]
-    weights = (signs if batched else signs.expand(-1, n_calls)).contiguous()
+    signed = _signed(flat, batched, n_calls)
+    if signed is None:
+        return
+    active, sqrt_abs, weights = signed
     shape = zm.shape
 
     def make(start: int, stop: int) -> list[Tensor]:

@@ -178,6 +178,18 @@ def unfold_conv_transpose(
     return out.reshape(n, c, math.prod(kernel_size), math.prod(out_size))
 
 
+def _one_entry(
+    cache: weakref.WeakKeyDictionary[Call, Tensor], call: Call, make: Callable[[Call], Tensor]
+) -> Tensor:
+    """``cache[call]``, made (and the only entry) if missing."""
+    x = cache.get(call)
+    if x is None:
+        cache.clear()
+        x = make(call)
+        cache[call] = x
+    return x
+
+
 class _UnfoldCache:
     """One entry each: the unfolded input of the latest call (features first, and positions
     first), and ``per_sample``'s result for the latest columns tensor. Weakly keyed, so nothing
@@ -195,20 +207,10 @@ class _UnfoldCache:
         return self._x.get(call)
 
     def unfolded(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
-        x = self._x.get(call)
-        if x is None:
-            self._x.clear()
-            x = make(call)
-            self._x[call] = x
-        return x
+        return _one_entry(self._x, call, make)
 
     def positions_first(self, call: Call, make: Callable[[Call], Tensor]) -> Tensor:
-        x = self._xp.get(call)
-        if x is None:
-            self._xp.clear()
-            x = make(call)
-            self._xp[call] = x
-        return x
+        return _one_entry(self._xp, call, make)
 
     def get_v(self, call: Call, g: Tensor) -> Tensor | None:
         hit = self._v.get(call)
