@@ -516,3 +516,21 @@ def test_hutchinson_on_device(name, device):
     err = (est - torch.diagonal(H)).abs()
     bad = err > 6 * sd + 1e-10
     assert not bad.any(), f"off by {err[bad]} (sd {sd[bad]})"
+
+
+def test_row_wise_nonlinearity_in_bfloat16():
+    """A LayerNorm in bfloat16: the row blocks are eigen-decomposed in float32 (there is none
+    in half precision), the results keep the parameters' dtype and follow float64's to
+    bfloat16's precision."""
+    torch.manual_seed(25)
+    model = RowWise("layer_norm")
+    X, y = torch.randn(6, 3), torch.randint(0, 3, (6,))
+    ref = copy.deepcopy(model)
+    run(ref, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    run(low, nn.CrossEntropyLoss(), X.to(torch.bfloat16), y, DiagHessian())
+    for (name, p), q in zip(low.named_parameters(), ref.parameters()):
+        assert p.diag_h.dtype == torch.bfloat16
+        scale = q.diag_h.abs().max()
+        torch.testing.assert_close(p.diag_h.double(), q.diag_h, atol=0.1 * scale, rtol=0,
+                                   msg=name)

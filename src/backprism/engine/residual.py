@@ -877,7 +877,10 @@ def push_rows(
     n = zm.shape[0] if batched else 1
     rows = zm.numel() // (n * d)  # per sample
     H = _row_hessians(f, zm, ga, d, bp.ctx.memory_budget)  # [n·rows, d, d]
-    lam, vecs = torch.linalg.eigh(H)
+    if H.dtype in (torch.float16, torch.bfloat16):  # (no eigen-decomposition in half precision)
+        lam, vecs = (t.to(H.dtype) for t in torch.linalg.eigh(H.float()))
+    else:
+        lam, vecs = torch.linalg.eigh(H)
     tol = lam.abs().max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
     lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
     flat = lam.reshape(n, rows * d)  # column (ρ, j) at ρ·d + j
