@@ -490,9 +490,7 @@ def node_ops(
         )
         if not blocked and fn.metadata:
             blocked = any(
-                call.params and (
-                    parametrized(call) or not get_rule(call.module).is_linear_in_params(call)
-                )
+                call.params and _nonlinear_in_params(call)
                 for call, *_ in fn.metadata.get(CALLS, ())
             )
         (refused if errors else ok).add(op)
@@ -749,6 +747,12 @@ def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
     return torch.zeros_like(z) if d2 is None else d2.detach()
 
 
+def _nonlinear_in_params(call: Any) -> bool:
+    """Whether ``call``'s parameters enter its output nonlinearly (a parametrized weight, a
+    rule not linear in them): no column construction covers its own Hessian term."""
+    return bool(parametrized(call)) or not get_rule(call.module).is_linear_in_params(call)
+
+
 def check_linear_in_params(call: Any, exts: list) -> None:
     """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
     if recording is switched off."""
@@ -761,7 +765,7 @@ def check_linear_in_params(call: Any, exts: list) -> None:
             "and the Hessian residual terms would be missing. Run the forward pass inside the "
             f"collect() that holds {names}, or outside any collect()."
         )
-    if parametrized(call) or not get_rule(call.module).is_linear_in_params(call):
+    if _nonlinear_in_params(call):
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "

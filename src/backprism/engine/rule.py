@@ -280,9 +280,12 @@ def check_diagonal_size(
     if size <= KRONECKER_DIAGONAL_MAX_BYTES:
         return
     module = type(call.module).__name__
-    what = f"the parameter {name!r} of {module}" if name else f"a parameter of {module}"
     if label is not None:
         what = f"the parameter {label()}, used by a {module},"
+    elif name:
+        what = f"the parameter {name!r} of {module}"
+    else:
+        what = f"a parameter of {module}"
     raise NotImplementedError(
         f"backprism: {what} ({p.numel()} entries) has no Kronecker factors ({why}), so "
         f"KFAC/KFLR/KFRA would store its GGN diagonal as a [{p.numel()}, {p.numel()}] diagonal "

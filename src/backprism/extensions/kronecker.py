@@ -395,10 +395,7 @@ class KFRA(SecondOrderExtension):
     def __init__(self, kfac_approx: str | None = None) -> None:
         self.kfac_approx = _check_approx(kfac_approx)
 
-    def check_call(
-        self, call: Call, kronecker: Callable[[], bool], label: Callable[[nn.Parameter], str]
-    ) -> None:
-        _check_sizes(self, call, kronecker, label)
+    check_call = _Kronecker.check_call
 
     def column_key(self) -> Hashable:
         return ("exact",)

@@ -509,12 +509,10 @@ class UnfoldRule(Rule):
         parts = []
         xp = self._xp(call)  # [N, L, I] or None
         if gram_form_cheaper(m, o, i, length):
-            x = self._x(call) if xp is None else xp.unsqueeze(1)
+            # [N, G, I, L] (a view of the positions-first unfold: the same products)
+            x = self._x(call) if xp is None else xp.unsqueeze(1).transpose(-1, -2)
             for sl in _sample_chunks(n, grp * length * length * 2):
-                if xp is None:
-                    gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
-                else:
-                    gram_x = torch.matmul(x[sl], x[sl].transpose(-1, -2))
+                gram_x = torch.matmul(x[sl].transpose(-1, -2), x[sl])  # [n, G, L, L]
                 gs = g5[:, sl]
                 if m == 1:
                     gram_g = torch.matmul(gs[0].transpose(-1, -2), gs[0])
