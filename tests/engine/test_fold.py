@@ -315,6 +315,10 @@ def _status(n: int, make: Callable[[Tensor], Tensor]):
         (lambda h: h.permute(1, 0, 2), (1, 1)),
         (lambda h: h.permute(1, 0, 2).reshape(-1, 6), None),  # time-major
         (lambda h: torch.cat([h, h], 0), None),  # samples repeated after one another
+        # a constant placed along another axis (Hugging Face's key cache, empty or not)
+        (lambda h: torch.cat([torch.zeros(3, 0, 6), h], 1), (0, 1)),
+        (lambda h: torch.cat([torch.zeros(3, 2, 6), h, h], -2), (0, 1)),
+        (lambda h: torch.cat([torch.zeros(1, 4, 6), h], 0), None),
         (lambda h: h.unsqueeze(0).expand(2, -1, -1, -1).reshape(-1, 4, 6), None),
         (lambda h: h.unsqueeze(1).expand(-1, 2, -1, -1).reshape(-1, 4, 6), (0, 2)),
         (lambda h: h[::2], None),  # a slice of the samples

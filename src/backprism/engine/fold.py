@@ -747,8 +747,8 @@ class FoldAnalysis:
         dim = saved_dim(node._saved_dim, len(out))
         found: Status | None = None
         for f, k in node.next_functions:
-            if f is None:
-                return None
+            if f is None:  # a constant (an empty key cache), placed along the same axes
+                continue
             status = self.status(f, k, depth + 1)
             if status is None:
                 return None
