@@ -380,13 +380,12 @@ def test_a_sequence_first_layer_appearing_later_is_recorded_again():
     assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "case", ["attention", "linear_attention", "groupnorm", "product", "shared", "generic"]
-)
+@pytest.mark.parametrize("case", ["groupnorm", "shared", "generic"])
 def test_refusals_hold_without_the_mode(case: str):
     """Every DiagHessian refusal of a recorded forward (``test_residual``'s cases) holds for a
     forward without the mode, before anything is written, with a message naming the kind of
-    operation."""
+    operation. (Products of values that share parameters are built without the mode too:
+    ``tests/extensions/test_bilinear.py``.)"""
     from tests.engine.test_residual import CASES
 
     torch.manual_seed(8)

@@ -2,8 +2,7 @@
 non-GGN part of ``DiagHessian``): the recording of nonlinearities during the forward (switch,
 no reference cycles, forwards inside a context without the DiagHessian family) and the clear
 refusals, before anything is written, of what has no residual decomposition (in-place
-nonlinearities, attention on hidden features and other products of values that depend on the
-same parameters, GroupNorm between parameters, a parameter used by several calls, parameters
+nonlinearities, GroupNorm between parameters, a parameter used by several calls, parameters
 entering a generic-rule module nonlinearly, parameter-only values broadcast into the
 activations).
 
@@ -23,7 +22,6 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.engine.residual import NonlinearityError
-from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from tests.common import SoftmaxAttention
@@ -216,7 +214,8 @@ class Derived(nn.Module):
 
 class HiddenAttention(nn.Module):
     """Attention on hidden features: its query and key both depend on ``inp``'s parameters,
-    so the product ``q kᵀ`` has a term in their diagonal blocks (refused)."""
+    so the product ``q kᵀ`` has a term in their diagonal blocks (``tests/extensions/
+    test_bilinear.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -257,14 +256,10 @@ class BodyProduct(nn.Module):
 
 
 CASES = {
-    "body_product": (BodyProduct, (4, 2, 3), "matmul"),
-    "attention": (HiddenAttention, (4, 2, 3), "matmul"),
-    "linear_attention": (LinearAttention, (4, 2, 3), "matmul"),
     "groupnorm": (
         lambda: nn.Sequential(nn.Linear(3, 4), nn.GroupNorm(2, 4), nn.Linear(4, 3)), (4, 3),
         "group_norm",
     ),
-    "product": (SharedProduct, (4, 3), "product of two parameter-dependent"),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),
 }
@@ -471,19 +466,3 @@ def test_products_of_disjoint_parameters(model_cls: type, modeless: bool) -> Non
     torch.testing.assert_close(got, H)
 
 
-@pytest.mark.parametrize("modeless", [False, True])
-def test_product_with_a_shared_parameter_refused(modeless: bool) -> None:
-    """``b(h) * c(h)`` with ``h = tanh(a(x))``: ``a``'s parameters lie upstream of both
-    operands, so their Hessian diagonal has a product term: refused, also without the mode."""
-    torch.manual_seed(3)
-    model, lf = extend(SharedProduct()), extend(nn.CrossEntropyLoss())
-    X, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
-    if modeless:
-        for _ in range(2):
-            lf(model(X), y).backward()
-    loss = lf(model(X), y)
-    if modeless:  # the forward above ran without the mode
-        assert MODE_FREE[model][True] is not None
-    with pytest.raises(NonlinearityError, match="product"), collect(DiagHessian()):
-        loss.backward()
-    assert all(not hasattr(p, "diag_h") for p in model.parameters())

@@ -367,8 +367,8 @@ def test_row_wise_nonlinearities(kind: str, loss: str):
 def test_attention_on_the_data():
     """``softmax(q kᵀ) v`` of projections of the input: the products' operands depend on
     different parameters (their terms lie off the parameters' blocks) and the softmax is
-    row-wise, so DiagHessian is exact (attention on hidden features is refused:
-    ``tests/engine/test_residual.py``)."""
+    row-wise, so DiagHessian is exact (attention on hidden features:
+    ``tests/extensions/test_bilinear.py``)."""
     torch.manual_seed(22)
     X, y = torch.randn(4, 3, 3), torch.randint(0, 3, (4,))
     check_diag(SoftmaxAttention(), nn.CrossEntropyLoss(), X, y)

@@ -219,6 +219,9 @@ class BackwardPass:
         #: every one has (their columns are pushed from there)
         self.losses_left = len(self.loss_records)
         self._samples_analysis: FoldAnalysis | None = None
+        #: products whose operands share parameters, their Hessian terms pushed from
+        #: pre-hooks on their nodes (``(site, node)``, set by the DiagHessian family's check)
+        self.bilinear_sites: list[tuple[Any, Any]] = []
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
@@ -548,11 +551,18 @@ class BackwardPass:
         the pass's samples, one per row, as the graph shows (:class:`FoldAnalysis` anchored at
         the calls' outputs); ``False`` where it holds something else or cannot be told (a
         transposed activation whose first axis merely has the batch's size)."""
+        return self.sample_fold(node, nr) == 1
+
+    def sample_fold(self, node: Any, nr: int) -> int | None:
+        """``g`` where axis 0 of output ``nr`` of ``node`` holds the pass's samples folded
+        sample-major with ``g`` rows each (``N·g`` rows; ``1``: one per row), as the graph shows
+        (:meth:`samples_on_axis_0`); ``None`` otherwise."""
         if node is None or not self.n_samples:
-            return False
+            return None
         if self._samples_analysis is None:
             self._samples_analysis = self._fold_analysis(self.n_samples)
-        return self._samples_analysis.status(node, nr) == (0, 1)
+        status = self._samples_analysis.status(node, nr)
+        return status[1] if status is not None and status[0] == 0 else None
 
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""
@@ -863,7 +873,7 @@ class BackwardPass:
                 self._handles.append(node.register_prehook(self._output_hook(call, nr)))
         for record, node in self.view.losses:
             self._handles.append(node.register_prehook(self._loss_hook(record)))
-        for site, node in self.view.site_nodes:
+        for site, node in [*self.view.site_nodes, *self.bilinear_sites]:
             hook = site.node_hook(self, node)
             if hook is not None:
                 self._handles.append(node.register_prehook(hook))

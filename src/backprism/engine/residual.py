@@ -69,7 +69,6 @@ clear error — put it inside the model.
 from __future__ import annotations
 
 import copy as _copy
-import math
 import re
 import weakref
 from collections.abc import Callable
@@ -82,9 +81,11 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backprism.engine import backward as _backward
+from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
+from backprism.engine.rows import row_columns
 from backprism.engine.rule import get_rule
 from backprism.engine.state import AXIS, CALLS, FORWARD, SITES, active
 
@@ -297,16 +298,101 @@ _PRODUCT_VIEWS = frozenset({
 })
 
 
-def shares_parameters(node: Any, view: Any) -> bool:
-    """Whether an extended parameter of ``view`` lies upstream of two of the inputs of the
-    product whose output node is ``node`` (reached through the reshaping nodes that end a
-    batched ``matmul``). A node of fewer than two inputs that is no such view counts as
-    sharing (refused: the operands cannot be told apart)."""
+def product_node(node: Any) -> Any:
+    """The node of the product whose output node is ``node``: behind the reshaping nodes
+    (:data:`_PRODUCT_VIEWS`) that end a batched ``matmul``."""
     for _ in range(8):
         inputs = [f for f, _ in node.next_functions if f is not None]
         if len(inputs) != 1 or type(node).__name__ not in _PRODUCT_VIEWS:
             break
         node = inputs[0]
+    return node
+
+
+class BilinearSite:
+    """A product of two values that depend on the same parameters, found by a DiagHessian-family
+    pass (:func:`bilinear_site`): its term lies inside those parameters' blocks, pushed as the
+    signed columns of :mod:`backprism.engine.bilinear` from a pre-hook on the product's node.
+    Made per pass; holds shapes, no tensors."""
+
+    __slots__ = ("form", "pass_")
+
+    def __init__(self, form: BilinearForm, bp: Any) -> None:
+        self.form = form
+        self.pass_ = bp
+
+    def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
+        exts = [e for e in bp.second if e.needs_residual]
+
+        def hook(grad_outputs: tuple) -> None:
+            grad = grad_outputs[0]
+            if grad is None or self.pass_ is not bp or bp.in_columns:
+                return
+            push_bilinear(bp, exts, self.form, grad)
+
+        return hook
+
+
+def bilinear_site(bp: Any, node: Any) -> tuple[BilinearSite, Any] | str:
+    """The :class:`BilinearSite` of the product whose output node is ``node`` (with the
+    product's own node), or why its term cannot be built: an operation other than ``*`` and a
+    batched ``matmul``, or operands that do not both hold the pass's samples on their first
+    axis (the columns cover every sample at once; a product across samples, or with a value
+    that holds none, has no such columns)."""
+    node = product_node(node)
+    form = bilinear_form(node)
+    if form is None:
+        return (
+            f"its operation ({_node_op(node)}) is not one whose term is built: an elementwise "
+            "product of tensors of equal dimensions and the same first axis, or a batched "
+            "matmul"
+        )
+    if bp.n_samples == 1:  # (one sample: every column is its)
+        return BilinearSite(form, bp), node
+    folds = {bp.sample_fold(e.node, e.output_nr) for e in form.edges}
+    fold = folds.pop() if len(folds) == 1 else None
+    if fold is None or form.lead != fold * bp.n_samples:
+        return "its operands do not both hold the samples on their first axis"
+    return BilinearSite(form, bp), node
+
+
+def push_bilinear(bp: Any, exts: list, form: BilinearForm, grad: Tensor) -> None:
+    """Push the signed columns of a bilinear product's Hessian term (pass ``bp``, ``grad =
+    ∂L/∂Z``) into both operands at once (:func:`backprism.engine.bilinear.signed_columns`)."""
+    if not bp.loss_calls():
+        return
+    values, make = signed_columns(form, grad.detach(), bp.n_samples)
+    push_signed(bp, exts, list(form.edges), values, make)
+
+
+def push_signed(
+    bp: Any, exts: list, origins: list[Any], values: Tensor,
+    make: Callable[[Tensor, Tensor], list[Tensor]], batched: bool = True,
+) -> None:
+    """Push signed columns from ``origins`` (tensors or gradient edges) to the pass's calls:
+    ``values [n, C]`` (each column's eigenvalue, per sample if ``batched``, else one row for
+    the whole batch) and ``make(idx, scale)``, the columns ``idx`` scaled by ``scale =
+    √|values|`` (``[n, c]``), one tensor ``[c, *origin.shape]`` per origin. Each column's
+    squared contributions are weighed by its value's sign (:func:`_signed`)."""
+    signed = _signed(values, batched, bp.n_samples)
+    if signed is None:
+        return
+    active, sqrt_abs, weights = signed
+
+    def chunk(start: int, stop: int) -> list[Tensor]:
+        return make(active[start:stop], sqrt_abs[:, start:stop])
+
+    bp.process_columns(
+        bp.loss_calls(), origins, Columns(active.numel(), chunk), exts, weights
+    )
+
+
+def shares_parameters(node: Any, view: Any) -> bool:
+    """Whether an extended parameter of ``view`` lies upstream of two of the inputs of the
+    product whose output node is ``node`` (reached through the reshaping nodes that end a
+    batched ``matmul``). A node of fewer than two inputs that is no such view counts as
+    sharing (the operands cannot be told apart)."""
+    node = product_node(node)
     if sum(f is not None for f, _ in node.next_functions) < 2:
         return True
     owner: dict[int, int] = {}
@@ -566,10 +652,14 @@ def _param_dependent(view: Any) -> set[int]:
     return found
 
 
-def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
-    """A nonlinear operation (its name and :func:`classify`'s kind) between the extended losses
-    and the parameters that no forward recording saw (so its Hessian term has no site), if
-    any.
+def _unrecorded_nonlinearity(
+    bp: Any, product: Callable[[Any], str | None]
+) -> tuple[str, int, str | None] | None:
+    """A nonlinear operation (its name, :func:`classify`'s kind and, for a product, why its
+    term cannot be built) between the extended losses and the parameters that no forward
+    recording saw (so its Hessian term has no site), if any. ``product(node)`` takes a product
+    of values that depend on the same parameters (``None``: its term is built, a
+    :class:`BilinearSite`) or says why not.
 
     The regions of top-level forwards that ran with the recording mode
     (:class:`~backprism.engine.state.RootRecord` ``recorded``) carry sites for everything the
@@ -578,7 +668,8 @@ def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
     parameter are classified as the mode classifies operations (:func:`record`): an elementwise
     nonlinearity needs a site (activation modules' hooks record one), a non-elementwise one is
     refused, a product of two differentiable operands or a division by one is refused outside a
-    module call (inside, the module's rule accounts for it), and an operation of unknown kind
+    module call (inside, the module's rule accounts for it) unless ``product`` takes it, and
+    an operation of unknown kind
     is accepted inside a module call, or where the model's recorded forward had it without a
     refusal."""
     view = bp.view
@@ -624,17 +715,36 @@ def _unrecorded_nonlinearity(bp: Any) -> tuple[str, int] | None:
         if kind == _SMOOTH_KIND:
             if any(isinstance(x, ResidualSite) for x in fn.metadata.get(SITES, ())):
                 continue  # an activation module's hook recorded it
-            return op, kind
+            return op, kind, None
         if kind in (_PRODUCT, _UNKNOWN):
-            if id(fn) in inside or (kind == _UNKNOWN and op in known_ops):
+            if kind == _UNKNOWN and (id(fn) in inside or op in known_ops):
                 continue
-            if kind == _PRODUCT and not shares_parameters(fn, view):
-                continue  # the operands depend on different parameters (ProductSite)
-            return op, kind
+            if kind == _PRODUCT:
+                if id(fn) in inside and _value_operands(fn) < 2:
+                    continue  # a module's own parameter times its input (its rule's part)
+                if not shares_parameters(fn, view):
+                    continue  # the operands depend on different parameters (ProductSite)
+                why = product(fn)
+                if why is None:
+                    continue
+                return op, kind, why
+            return op, kind, None
         if op == "log_softmax" and any(x.grad_fn is fn for x in _nll_inputs(bp)):
             continue
-        return op, kind  # a quotient, or a non-elementwise nonlinearity
+        return op, kind, None  # a quotient, or a non-elementwise nonlinearity
     return None
+
+
+def _value_operands(node: Any) -> int:
+    """The operands of product ``node`` that are not a parameter (read through views)."""
+    count = 0
+    for fn, _ in node.next_functions:
+        while fn is not None and type(fn).__name__ in _PRODUCT_VIEWS:
+            inputs = [f for f, _ in fn.next_functions if f is not None]
+            fn = inputs[0] if len(inputs) == 1 else None
+        if fn is not None and getattr(fn, "variable", None) is None:
+            count += 1
+    return count
 
 
 def nested_uses(call: Any, bp: Any) -> bool:
@@ -693,26 +803,39 @@ def check_pass(bp: Any, exts: list) -> None:
     products = {
         id(site): node for site, node in bp.view.site_nodes if isinstance(site, ProductSite)
     }
+    bilinear: dict[int, tuple[BilinearSite, Any]] = {}
+
+    def product(node: Any) -> str | None:
+        found = bilinear_site(bp, node)
+        if isinstance(found, str):
+            return found
+        bilinear.setdefault(id(found[1]), found)
+        return None
+
     for site in bp.view.sites:
         if isinstance(site, ErrorSite):
             if site.nll_output is not None and _feeds_nll(bp, site.nll_output):
                 continue
-            if (
-                isinstance(site, ProductSite)
-                and id(site) in products
-                and not shares_parameters(products[id(site)], bp.view)
-            ):
-                continue
-            why = site.why or "its Hessian term is not an elementwise residual"
+            why = site.why
+            if isinstance(site, ProductSite) and id(site) in products:
+                node = products[id(site)]
+                if not shares_parameters(node, bp.view):
+                    continue
+                why = product(node)
+                if why is None:
+                    continue
+            why = why or "its Hessian term is not an elementwise residual"
             raise NonlinearityError(
                 f"backprism {names}: {site.what} lies between the parameters and the loss; "
                 f"{why}, so the exact Hessian diagonal/blocks cannot be built from columns. "
                 f"{site.advice}{_WAY_OUT}"
             )
-    found = _unrecorded_nonlinearity(bp)
+    found = _unrecorded_nonlinearity(bp, product)
+    bp.bilinear_sites = list(bilinear.values())
     if found is None:
         return
-    op, kind = found
+    bp.bilinear_sites = []
+    op, kind, why = found
     note = _backward.modeless_note(bp.view)
     if kind == _SMOOTH_KIND:
         raise NonlinearityError(
@@ -724,14 +847,14 @@ def check_pass(bp: Any, exts: list) -> None:
             f"...) or as part of an extended loss. {_WAY_OUT}{note}"
         )
     what = {
-        _PRODUCT: f"the product '{op}' of two parameter-dependent tensors",
+        _PRODUCT: f"the product '{op}' of two values that depend on the same parameters",
         _QUOTIENT: f"the division '{op}' by a parameter-dependent tensor",
         _NONLIN: f"the non-elementwise nonlinear operation '{op}'",
     }.get(kind, f"the operation '{op}' (not known to be linear)")
+    why = why or "its Hessian term is not an elementwise residual"
     raise NonlinearityError(
-        f"backprism {names}: {what} lies between the parameters and the loss; its Hessian "
-        "term is not an elementwise residual, so the exact Hessian diagonal/blocks cannot be "
-        f"built from columns. {_WAY_OUT}{note}"
+        f"backprism {names}: {what} lies between the parameters and the loss; {why}, so the "
+        f"exact Hessian diagonal/blocks cannot be built from columns. {_WAY_OUT}{note}"
     )
 
 
@@ -789,8 +912,7 @@ def push_residual(
     where the columns enter the graph (default ``z``; an in-place operation's input edge), with
     ``z``'s batch ``axis``.
     """
-    calls = bp.loss_calls()
-    if not calls:
+    if not bp.loss_calls():
         return
     r = grad_a.detach() * second_derivative(fn, z)
     n_calls = bp.n_samples
@@ -806,22 +928,16 @@ def push_residual(
     )
     n = r.shape[0] if batched else 1
     flat = r.reshape(n, -1)
-    signed = _signed(flat, batched, n_calls)
-    if signed is None:
-        return
-    active, sqrt_abs, weights = signed
     d = flat.shape[1]
     shape = z.shape
 
-    def make(start: int, stop: int) -> list[Tensor]:
-        idx = active[start:stop]
+    def make(idx: Tensor, scale: Tensor) -> list[Tensor]:
         k = idx.numel()
         cols = flat.new_zeros(k, n, d)
-        cols[torch.arange(k, device=flat.device), :, idx] = sqrt_abs[:, start:stop].t()
+        cols[torch.arange(k, device=flat.device), :, idx] = scale.t()
         return [cols.reshape(k, *shape)]
 
-    bp.process_columns(calls, [z if origin is None else origin], Columns(active.numel(), make),
-                       exts, weights)
+    push_signed(bp, exts, [z if origin is None else origin], flat, make, batched)
 
 
 def _signed(
@@ -847,94 +963,20 @@ def push_rows(
     bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
     dim: int | None, trailing: int, axis: int = 0,
 ) -> None:
-    r"""Push the signed residual columns of a row-wise ``a = fn(z)`` (:class:`RowSite`) back
-    from ``z`` (pass ``bp``).
-
-    Rows: the last ``trailing`` axes of ``z`` (after moving axis ``dim`` last, if given), ``d``
-    entries each. Row ``ρ``'s Hessian term is ``R_ρ = Σₖ (∂L/∂a_ρₖ) ∇²a_ρₖ(z_ρ)`` (``d × d``,
-    the second derivative of ``⟨∂L/∂a, fn(z)⟩`` within the row; rows do not couple), built by
-    ``d`` Hessian-vector products of the whole tensor (probe ``k``: the unit vector ``eₖ`` in
-    every row at once). With ``R_ρ = Σⱼ λ_ρⱼ u_ρⱼ u_ρⱼᵀ`` (eigen-decomposition), column
-    ``(ρ, j)`` is ``√|λ_ρⱼ| u_ρⱼ`` in row ``ρ`` (zero elsewhere) with weight
-    ``sign(λ_ρⱼ)``: one column per element of a sample, as for elementwise nonlinearities
-    (:func:`push_residual`, whose layout rules this follows), covering all samples at once.
-    Eigenvalues below ``10⁻¹²`` of the largest are dropped (round-off of the exact zeros of a
-    normalisation's invariant directions). Cost: ``d`` Hessian-vector products and a batched
-    ``d × d`` eigen-decomposition per row — for small ``d`` (a norm over a few hundred
-    features, a softmax over a few hundred positions) like one more layer's columns; large
-    ``d`` is cubic."""
-    calls = bp.loss_calls()
-    if not calls:
+    """Push the signed residual columns of a row-wise ``a = fn(z)`` (:class:`RowSite`,
+    :func:`backprism.engine.rows.row_columns`) back from ``z`` (pass ``bp``), covering all
+    samples at once where ``z``'s first axis holds them (the layout rules of
+    :func:`push_residual`), else one column per row and eigenvector of the whole batch."""
+    if not bp.loss_calls():
         return
-    if dim is not None:
-        dim %= z.dim()
-    moved = dim is not None and dim != z.dim() - 1
-    zm = z.detach().movedim(dim, -1) if moved else z.detach()
-    ga = grad_a.detach().movedim(dim, -1) if moved else grad_a.detach()
-    f = (lambda t: fn(t.movedim(-1, dim)).movedim(dim, -1)) if moved else fn
-    d = math.prod(zm.shape[zm.dim() - trailing:])
-    n_calls = bp.n_samples
+    d = dim % z.dim() if dim is not None else None
     batched = (
-        zm.dim() > trailing and zm.shape[0] == n_calls and not axis and dim != 0
+        z.dim() > trailing and z.shape[0] == bp.n_samples and not axis and d != 0
         and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
     )
-    n = zm.shape[0] if batched else 1
-    rows = zm.numel() // (n * d)  # per sample
-    H = _row_hessians(f, zm, ga, d, bp.ctx.memory_budget)  # [n·rows, d, d]
-    if H.dtype in (torch.float16, torch.bfloat16):  # (no eigen-decomposition in half precision)
-        lam, vecs = (t.to(H.dtype) for t in torch.linalg.eigh(H.float()))
-    else:
-        lam, vecs = torch.linalg.eigh(H)
-    tol = lam.abs().max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
-    lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
-    flat = lam.reshape(n, rows * d)  # column (ρ, j) at ρ·d + j
-    vecs = vecs.reshape(n, rows, d, d)  # [..., entry, j]
-    signed = _signed(flat, batched, n_calls)
-    if signed is None:
-        return
-    active, sqrt_abs, weights = signed
-    shape = zm.shape
-
-    def make(start: int, stop: int) -> list[Tensor]:
-        idx = active[start:stop]
-        k = idx.numel()
-        r, j = idx // d, idx % d
-        cols = flat.new_zeros(k, n, rows, d)
-        # vecs[:, r, :, j]: [k, n, d], column j of row r's eigenvectors for every sample
-        cols[torch.arange(k, device=flat.device), :, r, :] = (
-            vecs[:, r, :, j] * sqrt_abs[:, start:stop].t()[..., None]
-        )
-        cols = cols.reshape(k, *shape)
-        return [cols.movedim(-1, dim + 1) if moved else cols]
-
-    bp.process_columns(calls, [z], Columns(active.numel(), make), exts, weights)
-
-
-def _row_hessians(
-    fn: Callable[[Tensor], Tensor], z: Tensor, ga: Tensor, d: int, budget: int
-) -> Tensor:
-    """``[rows, d, d]``: the Hessian of ``⟨ga, fn(z)⟩`` within each row of ``z`` (rows of the
-    last ``d`` entries, flattened), by Hessian-vector products with the unit vectors ``eₖ``
-    placed in every row at once, in chunks of ``k`` bounded by ``budget`` bytes."""
-    rows = z.numel() // d
-    out = z.new_empty(d, rows, d)
-    with torch.enable_grad():
-        zz = z.detach().requires_grad_(True)
-        (g1,) = torch.autograd.grad((fn(zz) * ga).sum(), zz, create_graph=True)
-        if not g1.requires_grad:  # fn is linear in z: no Hessian term
-            return z.new_zeros(rows, d, d)
-        step = max(1, budget // max(1, 2 * z.numel() * z.element_size()))
-        for k0 in range(0, d, step):
-            k1 = min(d, k0 + step)
-            probes = z.new_zeros(k1 - k0, rows, d)
-            probes[torch.arange(k1 - k0), :, torch.arange(k0, k1)] = 1
-            (hv,) = torch.autograd.grad(
-                g1, zz, probes.reshape(k1 - k0, *z.shape), retain_graph=True,
-                is_grads_batched=True,
-            )
-            out[k0:k1] = hv.reshape(k1 - k0, rows, d)
-    H = out.permute(1, 2, 0)  # [rows, entry, k]: column k of each row's Hessian
-    return (H + H.transpose(1, 2)) / 2
+    n = z.shape[0] if batched else 1
+    values, make = row_columns(fn, z, grad_a, dim, trailing, n, bp.ctx.memory_budget)
+    push_signed(bp, exts, [z], values, make, batched)
 
 
 # -- recording during forward ------------------------------------------------------------------
@@ -1050,8 +1092,12 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         return
     grads = _grad_tensors(args, kwargs)
     if kind == _PRODUCT:
-        if inside_module or len(grads) < 2:
-            return  # a module with a rule is linear in input and parameters (checked later)
+        if len(grads) < 2:
+            return
+        if inside_module and sum(not isinstance(t, nn.Parameter) for t in grads) < 2:
+            # a module's own parameter times its input: the module's rule covers it (a
+            # parameter upstream of its own module's input is refused as a nested use)
+            return
         _add_site(out, ProductSite(f"{name} (a product of two parameter-dependent tensors)"))
         return
     if kind == _QUOTIENT:

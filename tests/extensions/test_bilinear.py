@@ -1,0 +1,276 @@
+"""DiagHessian, BatchDiagHessian and HMP/PCHMP through products of two values that depend on the
+same parameters (``backprism.engine.bilinear``): attention on hidden features, SwiGLU, a
+hand-written RMSNorm, GPT-2's tanh-GELU, a squeeze-and-excitation gate, ``x * x``, an outer
+product — against the dense float64 Hessian of ``torch.func`` (``tests.reference``), in forwards
+with and without the recording mode; and the refusal of the products whose terms are not built.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from backprism import collect, extend
+from backprism.engine.residual import NonlinearityError
+from backprism.engine.state import MODE_FREE
+from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
+from backprism.extensions.matprod import HMP, PCHMP
+from tests.engine.test_residual import (
+    BodyProduct,
+    HiddenAttention,
+    LinearAttention,
+    SharedProduct,
+)
+from tests.extensions.test_hessian import check_diag
+from tests.extensions.test_matprod import blocks
+from tests.reference import loss_hessian
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention written out (``[N, H, T, d]`` matmuls: batched ``bmm``
+    on ``N·H`` rows), or with ``einsum``."""
+
+    def __init__(self, d: int = 4, heads: int = 2, how: str = "matmul") -> None:
+        super().__init__()
+        self.heads, self.how = heads, how
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        N, T, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        q, k, v = (t.view(N, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if self.how == "einsum":
+            s = torch.einsum("nhtd,nhsd->nhts", q, k)
+        else:
+            s = q @ k.transpose(-2, -1)
+        s = s / math.sqrt(q.shape[-1])
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        a = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        o = torch.einsum("nhts,nhsd->nhtd", a, v) if self.how == "einsum" else a @ v
+        return self.out(o.transpose(1, 2).reshape(N, T, D))
+
+
+class RMSNorm(nn.Module):
+    """An RMSNorm written out, ``x * rsqrt(mean(x²) + ε)`` (a module of its own with a weight
+    takes the generic rule, refused: its parameters' part is not known to be linear; Hugging
+    Face's classes have a rule, tested below)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + 1e-6)
+
+
+def gelu_new(x: Tensor) -> Tensor:
+    """GPT-2's tanh approximation, written as Hugging Face writes it."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with hand-written RMSNorm and a SwiGLU or tanh-GELU MLP."""
+
+    def __init__(self, d: int = 4, mlp: str = "swiglu", how: str = "matmul") -> None:
+        super().__init__()
+        self.mlp = mlp
+        self.n1, self.n2 = RMSNorm(), nn.LayerNorm(d)
+        self.att = Attention(d, how=how)
+        self.up, self.down = nn.Linear(d, 5), nn.Linear(5, d)
+        self.gate = nn.Linear(d, 5) if mlp == "swiglu" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.att(self.n1(x))
+        h = self.n2(x)
+        if self.mlp == "swiglu":
+            h = F.silu(self.gate(h)) * self.up(h)
+        else:
+            h = gelu_new(self.up(h))
+        return x + self.down(h)
+
+
+class Decoder(nn.Module):
+    """Linear embedding of the inputs → a block → mean over positions → head: every parameter
+    of the block lies upstream of both operands of its products."""
+
+    def __init__(self, mlp: str = "swiglu", how: str = "matmul") -> None:
+        super().__init__()
+        self.embed, self.block, self.head = nn.Linear(3, 4), Block(4, mlp, how), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(self.embed(x)).mean(1))
+
+
+class SqueezeExcite(nn.Module):
+    """Conv → ``h * sigmoid(fc(pool(h)))`` (``[N, C, H, W] * [N, C, 1, 1]``) → head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = nn.Conv2d(3, 3, 1)
+        self.head = nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.conv(x))
+        h = h * torch.sigmoid(self.fc(h.mean((2, 3), keepdim=True)))
+        return self.head(h.flatten(1))
+
+
+class Elementwise(nn.Module):
+    """``h * h`` (one tensor, both operands) and an outer product ``[N, T, 1] * [N, 1, D]``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.c = nn.Linear(3, 4), nn.Linear(4, 3)
+        self.b = nn.Linear(4, 2) if how == "outer" else None
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, T, 3]
+        h = torch.tanh(self.a(x))
+        if self.how == "square":
+            return self.c(h * h).mean(1)
+        outer = self.b(h)[..., :1] * h.mean(1, keepdim=True)  # [N, T, 1] * [N, 1, 4]
+        return self.c(outer).mean(1)
+
+
+class SharedGate(nn.Module):
+    """``h * g`` where ``g = a(c)`` of a constant ``[1, 3]`` input: both depend on ``a``; the
+    call on one row is split per sample where it meets them (``engine.broadcast``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h * self.a(torch.ones(1, 3)))
+
+
+def _perturbed(model: nn.Module, seed: int) -> nn.Module:
+    """``model`` away from its initialisation (norm weights 1, biases 0)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+MODELS = {
+    "attention_swiglu_rmsnorm": (lambda: Decoder("swiglu"), (3, 4, 3)),
+    "attention_einsum_gelu_tanh": (lambda: Decoder("gelu_new", "einsum"), (3, 4, 3)),
+    "squeeze_excite": (SqueezeExcite, (3, 2, 4, 4)),
+    "square": (lambda: Elementwise("square"), (3, 2, 3)),
+    "outer": (lambda: Elementwise("outer"), (3, 2, 3)),
+    "gate_of_a_batch_of_one": (lambda: SharedGate(), (4, 3)),
+    # (refused before: tests/engine/test_residual.py)
+    "single_head_attention": (HiddenAttention, (4, 2, 3)),
+    "linear_attention": (LinearAttention, (4, 2, 3)),
+    "position_embedding_product": (BodyProduct, (4, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_products_of_shared_values(name: str, loss: str):
+    """DiagHessian and BatchDiagHessian (and Σₙ of the latter) equal the dense Hessian's
+    diagonal, per sample and summed."""
+    make, shape = MODELS[name]
+    model = _perturbed(make(), 31)
+    X = torch.randn(*shape)
+    y = torch.randint(0, 3, (shape[0],)) if loss == "ce" else torch.randn(shape[0], 3)
+    check_diag(model, nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss(), X, y)
+
+
+def test_hmp_and_pchmp_through_attention():
+    """HMP's parameter blocks through attention, SwiGLU and RMSNorm against the dense
+    Hessian; PCHMP's (the products' negative eigenvalues ``−σ`` clipped) are PSD."""
+    model = _perturbed(Decoder("swiglu"), 32)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    expected = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
+    extend(model)
+    with collect(HMP(), PCHMP("clip")):
+        extend(lf)(model(X), y).backward()
+    for name, p in model.named_parameters():
+        P = p.numel()
+        eye = torch.eye(P).reshape(P, *p.shape)
+        torch.testing.assert_close(
+            p.hmp(eye).reshape(P, P), expected[name], rtol=1e-8, atol=1e-10, msg=name
+        )
+        pch = p.pchmp(eye).reshape(P, P)
+        assert torch.linalg.eigvalsh((pch + pch.t()) / 2).min() > -1e-10, name
+
+
+def test_product_in_a_forward_without_the_mode():
+    """``b(h) * c(h)`` with ``h = tanh(a(x))`` (a Tanh module): after the first forward the
+    model runs without the recording mode, and the product is read off its autograd node alone;
+    every forward, recorded or not, gives the exact diagonal."""
+    torch.manual_seed(33)
+    model = SharedProduct()
+    ref = copy.deepcopy(model)
+    lf = nn.CrossEntropyLoss()
+    extend(model)
+    extend(lf)
+    for step in range(3):
+        X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+        expected = torch.diagonal(loss_hessian(ref, lf, X, y))
+        loss = lf(model(X), y)  # (outside collect: recorded, then without the mode)
+        if step:
+            assert MODE_FREE[model][True] is not None
+        with collect(DiagHessian()):
+            loss.backward()
+        got = torch.cat([p.diag_h.reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 3), t=st.integers(1, 4), heads=st.sampled_from([1, 2]),
+    how=st.sampled_from(["matmul", "einsum"]), seed=st.integers(0, 2**16),
+)
+def test_attention_shapes_fuzzed(n: int, t: int, heads: int, how: str, seed: int):
+    """Attention on hidden features over batch sizes, sequence lengths (including one
+    position: rank-one score matrices) and head counts."""
+    torch.manual_seed(seed)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.att = nn.Linear(2, 4), Attention(4, heads, how)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.att(torch.tanh(self.embed(x))).mean(1))
+
+    X, y = torch.randn(n, t, 2), torch.randint(0, 2, (n,))
+    check_diag(_perturbed(Net(), seed), nn.CrossEntropyLoss(), X, y)
+
+
+class Transposed(nn.Module):
+    """``hᵀ * hᵀ`` (``[3, N]``): the samples on axis 1 of the product, whose columns are built
+    for samples on axis 0 only (refused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x)).t()
+        return self.b((h * h).t())
+
+
+def test_product_with_samples_off_axis_0_refused():
+    model, lf = extend(Transposed()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    for ext in (DiagHessian(), BatchDiagHessian()):
+        refused = pytest.raises(NonlinearityError, match=r"mul.*samples on their first axis")
+        with refused as info, collect(ext):
+            lf(model(X), y).backward()
+        assert "HutchinsonDiagHessian" in str(info.value)
+        assert all(not hasattr(p, "diag_h") for p in model.parameters())
