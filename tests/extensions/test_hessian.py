@@ -24,6 +24,7 @@ from torch.func import functional_call, hessian
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backprism import collect, extend
+from backprism.engine.residual import NonlinearityError
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian, HutchinsonDiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from tests.common import (
@@ -534,3 +535,36 @@ def test_row_wise_nonlinearity_in_bfloat16():
         scale = q.diag_h.abs().max()
         torch.testing.assert_close(p.diag_h.double(), q.diag_h, atol=0.1 * scale, rtol=0,
                                    msg=name)
+
+
+class Scale(nn.Module):
+    """A leaf module with parameters of its own (the generic rule): ``x ⊙ γ`` (timm's
+    ``LayerScale``), ``β + α ⊙ x`` (ResMLP's ``Affine``) or ``tanh(x) ⊙ γ``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.gamma = nn.Parameter(torch.randn(4))
+        self.beta = nn.Parameter(torch.randn(4)) if kind == "affine" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "affine":
+            return self.beta + self.gamma * x
+        return (torch.tanh(x) if self.kind == "tanh" else x) * self.gamma
+
+
+@pytest.mark.parametrize("kind", ["scale", "affine", "tanh"])
+def test_generic_module_affine_in_parameters_and_inputs(kind: str):
+    """A module without a rule is taken by the DiagHessian family when its output is affine in
+    each parameter and in its inputs (probed): exact against the dense Hessian; one whose
+    output is nonlinear in its input (its residual is not recorded inside it) is refused."""
+    torch.manual_seed(25)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(kind), nn.Linear(4, 3))
+    X, y, lf = data(4, 3, 3, "ce")
+    if kind == "tanh":
+        extend(model)
+        with pytest.raises(NonlinearityError, match="affine in each"), collect(DiagHessian()):
+            extend(lf)(model(X), y).backward()
+        assert all(p.grad is None for p in model.parameters())
+        return
+    check_diag(model, lf, X, y)

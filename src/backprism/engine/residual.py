@@ -892,8 +892,10 @@ def check_linear_in_params(call: Any, exts: list) -> None:
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "
-            f"nonlinearly, so its own Hessian term is missing from the column construction. "
-            f"{_WAY_OUT}"
+            "nonlinearly, or are not known to enter it linearly (a module without a "
+            "closed-form rule counts as linear only when its output is affine in each "
+            "parameter and in its inputs), so its own Hessian term is missing from the column "
+            f"construction. {_WAY_OUT}"
         )
 
 

@@ -34,6 +34,7 @@ on the CPU).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -242,6 +243,75 @@ def affine_per_sample(
                 v = v.sum(dims, keepdim=True)
             result[name] = v.reshape(m, n, *p.shape)
     return {k: result[k] for k in call.params}
+
+
+#: per module, ``(parameter shapes, input shapes after the batch) → bool``
+#: (:func:`multi_affine`; per instance: a module's attributes may select its computation)
+_MULTI_AFFINE: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
+
+
+def multi_affine(call: Call, run: Any) -> bool:
+    r"""Whether ``call``'s module (without sub-modules, at most :data:`_MAX_PARAMS` parameters)
+    is affine in each of its parameters and in its inputs, each with the rest held (timm's
+    ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has no
+    term of its own in any parameter's block, and none through its inputs — the DiagHessian
+    family takes it like a Linear layer. Probed on the call's first two samples: the output at
+    the midpoint of two random values of one parameter (then of all inputs at once) is the
+    mean of the outputs at the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the
+    largest output; a nonlinear dependence fails that almost surely. Cached per
+    module and shapes. ``run(params, args, kwargs)``: the module's functional call, outputs
+    listed."""
+    module = call.module
+    n = call.batch_size
+    params = {k: p.detach() for k, p in call.params.items()}
+    tensors = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Tensor)]
+    if (
+        module._modules or not params or len(params) > _MAX_PARAMS or call.fold != 1
+        or call.batch_axis or len(call.out_shapes) != 1 or not tensors
+        or any(t.dim() == 0 or t.shape[0] != n or not t.is_floating_point() for t in tensors)
+    ):
+        return False
+    key = (
+        tuple((k, tuple(p.shape)) for k, p in params.items()),
+        tuple(tuple(t.shape[1:]) for t in tensors),
+    )
+    known = _MULTI_AFFINE.setdefault(module, {})
+    if key in known:
+        return known[key]
+    rows = slice(0, min(2, n))
+    args = tuple(a[rows].detach() if isinstance(a, Tensor) else a for a in call.args)
+    kwargs = {k: v[rows].detach() if isinstance(v, Tensor) else v for k, v in call.kwargs.items()}
+    gen = torch.Generator(device=tensors[0].device).manual_seed(0)
+
+    def noise(t: Tensor) -> Tensor:
+        return t + torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype)
+
+    def midpoint_holds(y: Any) -> bool:
+        ya, yb, ym = y(0), y(1), y(2)
+        tol = (1e-6 if ya.dtype == torch.float64 else 1e-3) * float(ya.abs().max()) + 1e-12
+        return bool(((ym - (ya + yb) / 2).abs() <= tol).all())
+
+    try:
+        with torch.no_grad():
+            ok = True
+            for name, p in params.items():
+                a, b = noise(p), noise(p)
+                points = (a, b, (a + b) / 2)
+                ok = ok and midpoint_holds(
+                    lambda i, name=name, points=points: run(
+                        {**params, name: points[i]}, args, kwargs
+                    )[0]
+                )
+            xa = [noise(t) if isinstance(t, Tensor) else t for t in args]
+            xb = [noise(t) if isinstance(t, Tensor) else t for t in args]
+            xm = [
+                (u + v) / 2 if isinstance(u, Tensor) else u for u, v in zip(xa, xb, strict=True)
+            ]
+            ok = ok and midpoint_holds(lambda i: run(params, tuple((xa, xb, xm)[i]), kwargs)[0])
+    except Exception:  # (a module that does not take such values: not known to be affine)
+        ok = False
+    known[key] = ok
+    return ok
 
 
 def _alignments(pshape: torch.Size, shape: tuple[int, ...]) -> list[tuple[int, ...]]:

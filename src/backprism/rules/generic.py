@@ -470,8 +470,20 @@ class GenericRule(Rule):
 
     def is_linear_in_params(self, call: Call) -> bool:
         """A stand-in of one functional operation knows whether its parameter operands enter
-        linearly (:class:`~backprism.engine.functional.OpModule`); modules do not."""
-        return bool(getattr(call.module, "linear_in_params", False))
+        linearly (:class:`~backprism.engine.functional.OpModule`); a module is probed for
+        being affine in each parameter and in its inputs (:func:`elementwise.multi_affine`:
+        timm's ``LayerScale``), which no other module is taken to be."""
+        if hasattr(call.module, "linear_in_params"):
+            return bool(call.module.linear_in_params)
+        module = call.module
+        fixed = {k: v.detach() for k, v in module.named_buffers()}
+
+        def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
+            with suspended():
+                out = functional_call(module, {**fixed, **params}, args, kwargs)
+            return _tensor_outputs(out)
+
+        return elementwise.multi_affine(call, run)
 
     # -- caching one (call, g) -------------------------------------------------------------
     def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
