@@ -7,8 +7,8 @@ rotary embeddings, grouped-query attention): first order, ``DiagGGNExact`` and i
 ``BatchDiagGGNExact``, ``SqrtGGNExact`` (``Σₖ Vₖ² = diag(G)``), ``GGNMP`` against the dense
 GGN, ``BatchDotGrad``, ``KFLR`` (Kronecker pairs for every Linear-like and embedding weight,
 the exact GGN diagonal as the single factor of the rest), ``DiagGGNMC`` within its standard
-error, and ``DiagHessian``'s clear refusal (LayerNorm/RMSNorm and softmax lie between the
-parameters and the loss)."""
+error, and ``DiagHessian``/``BatchDiagHessian`` against the dense Hessian, with the fused and
+the eager attention (refused for GPT-2's tied head)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backprism import collect, extend
 from backprism.extensions import (
     GGNMP,
     KFLR,
     BatchDiagGGNExact,
+    BatchDiagHessian,
     BatchDotGrad,
     BatchGrad,
     BatchL2Grad,
@@ -38,7 +40,13 @@ from backprism.extensions import (
 transformers = pytest.importorskip("transformers")
 
 from tests.common import assert_first_order  # noqa: E402
-from tests.reference import diag_ggn, ggn, per_sample_grads, per_sample_grads_rows  # noqa: E402
+from tests.reference import (  # noqa: E402
+    diag_ggn,
+    ggn,
+    loss_hessian,
+    per_sample_grads,
+    per_sample_grads_rows,
+)
 
 DT = torch.float64
 TOL = {"rtol": 1e-8, "atol": 1e-10}
@@ -269,12 +277,43 @@ def test_diag_ggn_mc_within_its_standard_error(name: str):
     assert ((d.mean(0) - want).abs() <= 6 * se + 1e-9).all()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_diag_hessian_is_refused_clearly(name: str):
-    """The exact Hessian diagonal cannot be built from columns through LayerNorm/RMSNorm:
-    refused before anything is written, pointing at the GGN and Hutchinson extensions."""
+def test_diag_hessian(name: str, attention: str):
+    """``DiagHessian`` and ``BatchDiagHessian`` (per sample, and summed) against the diagonal
+    of the dense Hessian of ``torch.func`` (the math attention kernel), through the models'
+    norms, GELU/SwiGLU, rotary embeddings and attention — the fused SDPA kernel, or the eager
+    matmuls and softmax. GPT-2 with its head untied (a tied head is refused:
+    :func:`test_diag_hessian_refused_for_a_tied_head`). Llama computes its RMSNorm and eager
+    softmax in float32 (also in a float64 model): its curvature agrees to float32's precision,
+    relative to the diagonal's largest entry."""
+    from tests.extensions.test_hessian import per_sample_hessian_diags
+
     model, x, y, kind = _setup(name)
-    with pytest.raises(RuntimeError, match=r"DiagGGNExact|HutchinsonDiagHessian"):
+    if name == "gpt2":
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    model.set_attn_implementation(attention)
+    lossfunc = _loss(kind)
+    with sdpa_kernel(SDPBackend.MATH):
+        diag = torch.diagonal(loss_hessian(Logits(model), lossfunc, x, y))
+        per_sample = per_sample_hessian_diags(Logits(model), lossfunc, x, y)
+    _backward(model, x, y, kind, DiagHessian(), BatchDiagHessian())
+    got = torch.cat([p.diag_h.flatten() for _, p in _trainable(model)])
+    got_n = torch.cat([p.diag_h_batch.flatten(1) for _, p in _trainable(model)], 1)
+    rel = 1e-4 if name == "llama" else 1e-10
+    scale = float(diag.abs().max())
+    torch.testing.assert_close(got, diag, rtol=rel, atol=rel * scale)
+    torch.testing.assert_close(got_n, per_sample, rtol=rel, atol=rel * scale)
+    torch.testing.assert_close(got_n.sum(0), got, rtol=1e-10, atol=1e-12 * scale)
+
+
+def test_diag_hessian_refused_for_a_tied_head():
+    """GPT-2's tied head uses the token embedding's weight in the first and the last call: the
+    Hessian term of that product of uses is not built from columns, refused before anything
+    is written, pointing at the GGN and Hutchinson extensions."""
+    model, x, y, kind = _setup("gpt2")
+    with pytest.raises(RuntimeError, match=r"several calls.*HutchinsonDiagHessian"):
         _backward(model, x, y, kind, DiagHessian())
     assert all(p.grad is None for p in model.parameters())
 

@@ -365,17 +365,21 @@ def test_diag_hessian_convnext() -> None:
         torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 @pytest.mark.parametrize("name", VITS)
-def test_diag_hessian_refused_through_attention(name: str) -> None:
-    """A ViT's attention (the fused kernel, or products of a query and a key computed from the
-    same parameters) lies between the parameters and the loss: its Hessian term has no
-    column form, so the exact diagonal is refused before anything is written, naming the
-    operation and the extensions that work."""
+def test_diag_hessian_vit(name: str, fused: bool) -> None:
+    """A ViT's attention on hidden features, through the fused SDPA kernel
+    (``engine.attention``) or timm's eager ``q @ kᵀ``, softmax, ``@ v``
+    (``engine.bilinear``), its LayerNorms, GELU, layer scale, class token and position
+    embedding: DiagHessian equals the exact Hessian diagonal."""
     model, x, y = setup(name)
-    with pytest.raises(RuntimeError, match=r"attention|matmul|nonlinearly") as err:
-        _run(model, x, y, DiagHessian())
-    assert "HutchinsonDiagHessian" in str(err.value)
-    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    ref = hessian_diagonal(model, x, y)
+    _run(model, x, y, DiagHessian())
+    scale = max(float(t.abs().max()) for t in ref.values())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-8, atol=1e-10 * scale, msg=k)
 
 
 @pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool", "mobilenet"])

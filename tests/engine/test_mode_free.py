@@ -112,10 +112,41 @@ def test_results_through_a_forward_without_the_mode():
         torch.testing.assert_close(p.diag_ggn_exact, ggn[name])
 
 
-def test_a_functional_nonlinearity_keeps_the_mode():
+def test_a_functional_nonlinearity_keeps_the_mode_once_diag_hessian_is_used():
+    """A functional tanh's residual record is read by the DiagHessian family alone: a model
+    that has used none runs its later forwards outside collect without the mode; a DiagHessian
+    backward through such a forward refuses before writing, saying why, and the model records
+    its forwards from then on (DiagHessian through them exact)."""
     model, lf = extend(Switch()), extend(nn.MSELoss())
     model.extra = "tanh"
     X, y = _data()
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is not None
+    loss = lf(model(X), y)
+    refused = pytest.raises(NonlinearityError, match="DiagHessian-family extension has been used")
+    with refused, collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    _learn(model, lf, X, y)
+    assert MODE_FREE[model][True] is None
+    _check_diag_h(model, lf, X, y)
+
+
+@pytest.mark.parametrize("planned", ["pass", "monitor"])
+def test_diag_hessian_users_keep_the_mode(planned: str):
+    """A model that ran a DiagHessian pass, or whose parameters a monitor tracks with a
+    quantity of the exact Hessian (``HessTrace``), records its later forwards outside collect:
+    DiagHessian through them is exact from the first."""
+    from backprism.monitor import Monitor, quantities, schedules
+
+    model, lf = extend(Switch()), extend(nn.MSELoss())
+    model.extra = "tanh"
+    X, y = _data()
+    if planned == "pass":
+        with collect(DiagHessian()):
+            lf(model(X), y).backward()
+    else:
+        Monitor(model.parameters(), [quantities.HessTrace(schedules.linear(5))])
     _learn(model, lf, X, y)
     assert MODE_FREE[model][True] is None
     _check_diag_h(model, lf, X, y)
@@ -140,8 +171,8 @@ def _exact_without_the_mode(model: nn.Module, lf: nn.Module, X: Tensor, y: Tenso
 
 class Attending(Switch):
     """A functional ``tanh`` (a Hessian residual record) and a softmax (a row-wise one) of a
-    product of two values that depend on the same parameters (which the DiagHessian family
-    refuses), as in a transformer's attention ``softmax(q kᵀ)`` and its GELU/SiLU internals."""
+    product of two values that depend on the same parameters, as in a transformer's attention
+    ``softmax(q kᵀ)`` and its GELU/SiLU internals."""
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.act(self.a(x)))
@@ -149,9 +180,10 @@ class Attending(Switch):
 
 
 def test_functional_nonlinearities_under_a_shared_product_free_the_mode():
-    """Records only the DiagHessian family uses, in a graph it refuses anyway: later forwards
-    outside collect run without the mode (Llama's), first order and the GGN diagonal through
-    them are exact, and DiagHessian is still refused before anything is written."""
+    """Records only the DiagHessian family uses, in a model that has used none: later forwards
+    outside collect run without the mode (a transformer's), first order and the GGN diagonal
+    through them are exact, and DiagHessian is refused before anything is written (the
+    softmax was not recorded)."""
     torch.manual_seed(1)
     model, lf = extend(Attending()), extend(nn.MSELoss())
     _exact_without_the_mode(model, lf, *_data())
@@ -399,10 +431,9 @@ def test_refusals_hold_without_the_mode(case: str):
     with pytest.raises(NonlinearityError, match=expected), collect(DiagHessian()):
         loss.backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
-    # (a functional tanh, in "shared", is a recorded site: that model keeps the mode; the
-    # generic module's own exp is one too, but its parameter entering nonlinearly is refused
-    # whatever the records, so that model runs without the mode)
-    assert free == (case != "shared")
+    # (no DiagHessian pass ran: every model here runs without the mode, "shared"'s functional
+    # tanh included)
+    assert free
 
 
 class Mixer(nn.Module):

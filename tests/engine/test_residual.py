@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from backprism import collect, extend
 from backprism.engine.residual import NonlinearityError
+from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
 from backprism.extensions.secondorder import DiagGGNExact
 from tests.common import SoftmaxAttention
@@ -156,7 +157,7 @@ class Towers(nn.Module):
 
 class SharedProduct(nn.Module):
     """A product whose operands both depend on ``a``'s parameters: its Hessian diagonal has a
-    term from the product (refused)."""
+    term from the product (``tests/extensions/test_bilinear.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -440,23 +441,27 @@ def test_nested_uses_refused_before_anything_is_written() -> None:
 
 
 @pytest.mark.parametrize("model_cls", [Product, Towers])
-@pytest.mark.parametrize("modeless", [False, True])
-def test_products_of_disjoint_parameters(model_cls: type, modeless: bool) -> None:
+@pytest.mark.parametrize("later", [False, True])
+def test_products_of_disjoint_parameters(model_cls: type, later: bool) -> None:
     """Products whose operands depend on different parameters (``a(x) * b(x)``, two towers)
     add no term to any parameter's Hessian block: the
-    DiagHessian equals the dense Hessian's diagonal, whether the forward ran with the
-    recording mode or without it (``modeless``: the model's later forwards outside collect)."""
+    DiagHessian equals the dense Hessian's diagonal, in the first forward and in a ``later``
+    one outside collect, after a DiagHessian pass (without the mode where only activation
+    modules need records, with it where a functional tanh does)."""
     torch.manual_seed(3)
     model = model_cls()
     lf = nn.CrossEntropyLoss()
     X, y = torch.randn(5, 3), torch.randint(0, 3, (5,))
     H = _dense_diag_h(model, lf, X, y)
     extend(model), extend(lf)
-    if modeless:
+    if later:
+        with collect(DiagHessian()):
+            lf(model(X), y).backward()
         for _ in range(2):
             model.zero_grad()
-            lf(model(X), y).backward()  # outside collect: the second forward runs without it
+            lf(model(X), y).backward()  # (outside collect)
         loss = lf(model(X), y)
+        assert (MODE_FREE[model][True] is None) == (model_cls is Towers)
         with collect(DiagHessian()):
             loss.backward()
     else:

@@ -1542,8 +1542,10 @@ def modeless_note(view: GraphView) -> str:
         return ""
     return (
         ". (This forward ran without backprism's forward mode, which the model's first forward "
-        "did not need; its next forwards are recorded again: repeat the forward and backward "
-        "pass if the use above lies inside the model)"
+        "did not need — a model records the nonlinearities of its forwards outside collect() "
+        "once a DiagHessian-family extension has been used with it, or a monitor plans one; "
+        "its next forwards are recorded again: repeat the forward and backward pass if the "
+        "use above lies inside the model)"
     )
 
 

@@ -1284,7 +1284,10 @@ def _exit(root: nn.Module, output: Any) -> None:
             known = MODE_FREE.setdefault(root, {})
             known[mode.learn] = (  # type: ignore[attr-defined]
                 residual.node_ops(
-                    output, refused_only=FORWARD.residual_acts > 0,
+                    output,
+                    # (records only a DiagHessian-family pass reads: kept for the models
+                    # that use one)
+                    refused_only=FORWARD.residual_acts > 0 and residual.residuals_wanted(root),
                     params={id(p) for p in root.parameters() if p.requires_grad},
                 )
                 if free

@@ -13,11 +13,14 @@ where ``(…)`` collects the terms of the other operations that are *not* linear
 *Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``: each row of
 ``d`` entries on its own) contribute one ``d × d`` block per row, eigen-decomposed into signed
 columns (:class:`RowSite`, :func:`push_rows`). Products of two values that depend on the same
-parameters (attention's ``q kᵀ`` on hidden features), other normalisations (group norm, batch
-statistics), fused attention kernels and parameters entering a module nonlinearly are refused
-for the DiagHessian family with a clear error; everything linear or piecewise linear (Linear,
-Conv, ReLU, LeakyReLU, max/avg pooling, Flatten, residual additions, dropout) contributes
-nothing.
+parameters (attention's ``q kᵀ`` on hidden features, SwiGLU) contribute an off-diagonal
+bilinear form, eigen-decomposed from the SVD of the product's output gradient into signed
+columns on both operands (:class:`BilinearSite`, :mod:`backprism.engine.bilinear`), found on
+the products' nodes; fused attention kernels the terms of the three operations they compose
+(:class:`AttentionSite`, :mod:`backprism.engine.attention`). Other normalisations (group norm,
+batch statistics) and parameters entering a module nonlinearly are refused for the
+DiagHessian family with a clear error; everything linear or piecewise linear (Linear, Conv,
+ReLU, LeakyReLU, max/avg pooling, Flatten, residual additions, dropout) contributes nothing.
 
 ``r`` already carries the loss's scaling (``1/N`` for a mean reduction), because ``∂L/∂a`` does.
 The residual is written with *signed columns*: for every element ``j`` of ``zₙ`` (sample ``n``),
@@ -54,8 +57,9 @@ such an extension in a later backward refuses them with a clear error). A forwar
 context is recorded, since its backward may ask for DiagHessian: one Python dispatch per
 operation and one small record per smooth nonlinearity (holding ``z``, usually kept alive
 anyway as the output of a captured layer) — unless the model's recorded forward showed that only
-activation modules (whose hooks record their own sites) have nonlinearities, in which case its
-later forwards run without the mode.
+activation modules (whose hooks record their own sites) have nonlinearities, or the model has
+not used the DiagHessian family (:func:`want_residuals`), in which case its later forwards run
+without the mode.
 ``record_nonlinearities(False)`` removes even that; the DiagHessian family then refuses to run.
 
 Only the forward of an extended model is watched: a nonlinearity applied to its output outside
@@ -71,7 +75,7 @@ from __future__ import annotations
 import copy as _copy
 import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -81,13 +85,14 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 
 from backprism.engine import backward as _backward
+from backprism.engine.attention import attention_columns, sdpa_arguments
 from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rows import row_columns
 from backprism.engine.rule import get_rule
-from backprism.engine.state import AXIS, CALLS, FORWARD, SITES, active
+from backprism.engine.state import AXIS, CALLS, FORWARD, MODE_FREE, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -331,6 +336,72 @@ class BilinearSite:
             push_bilinear(bp, exts, self.form, grad)
 
         return hook
+
+
+class AttentionSite:
+    """``O = F.scaled_dot_product_attention(q, k, v, …)`` (a fused kernel: one node); holds its
+    inputs (which the node saves anyway) and options. A DiagHessian-family pass that reaches it
+    pushes the attention's three families of columns
+    (:func:`backprism.engine.attention.attention_columns`) from a pre-hook on ``O``'s node."""
+
+    __slots__ = ("gqa", "is_causal", "k", "mask", "output_nr", "pass_", "q", "scale", "v")
+
+    def __init__(self, bound: dict, nr: int) -> None:
+        self.q, self.k, self.v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        self.mask = mask.detach() if isinstance(mask, Tensor) else None
+        self.is_causal = bool(bound.get("is_causal", False))
+        self.scale = bound.get("scale")
+        self.gqa = bool(bound.get("enable_gqa", False))
+        self.output_nr = nr
+        self.pass_: Any = None
+
+    def refusal(self, bp: Any) -> str | None:
+        """Why the pass cannot build the term (the samples not on the inputs' first axis), or
+        ``None``."""
+        if bp.n_samples == 1:
+            return None
+        inputs = [t for t in (self.q, self.k, self.v) if t.requires_grad]
+        folds = {bp.sample_fold(t.grad_fn, t.output_nr) for t in inputs}
+        fold = folds.pop() if len(folds) == 1 else None
+        if fold is None or any(t.shape[0] != fold * bp.n_samples for t in inputs):
+            return "its query, key and value do not all hold the samples on their first axis"
+        return None
+
+    def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
+        exts = [e for e in bp.second if e.needs_residual]
+        if not exts:
+            return None
+
+        def hook(grad_outputs: tuple) -> None:
+            grad = grad_outputs[self.output_nr]
+            if grad is None or self.pass_ is not bp or bp.in_columns or not bp.loss_calls():
+                return
+            n = bp.n_samples
+            families = attention_columns(
+                self.q, self.k, self.v, self.mask, self.is_causal, self.scale, self.gqa, grad,
+                n, bp.ctx.memory_budget,
+            )
+            for values, make in families:
+                push_signed(bp, exts, [self.q, self.k, self.v], values, make)
+
+        return hook
+
+
+def _attention_site(args: tuple, kwargs: dict, out: Tensor) -> AttentionSite | ErrorSite | None:
+    """The site of one ``scaled_dot_product_attention`` call: an :class:`AttentionSite`, a
+    refusal (dropout: its random mask is not kept), or ``None`` (not recognised: refused as a
+    non-elementwise nonlinearity)."""
+    bound = sdpa_arguments(args, kwargs)
+    if bound is None or out.shape[:-1] != bound["query"].shape[:-1]:
+        return None
+    if float(bound.get("dropout_p", 0.0) or 0.0) > 0:
+        return ErrorSite(
+            "scaled_dot_product_attention with dropout",
+            why="its random dropout mask is not kept",
+            advice="Run the model in eval mode (or with attention dropout 0) for the Hessian. ",
+        )
+    return AttentionSite(bound, out.output_nr)
 
 
 def bilinear_site(bp: Any, node: Any) -> tuple[BilinearSite, Any] | str:
@@ -813,6 +884,14 @@ def check_pass(bp: Any, exts: list) -> None:
         return None
 
     for site in bp.view.sites:
+        if isinstance(site, AttentionSite):
+            why = site.refusal(bp)
+            if why is not None:
+                raise NonlinearityError(
+                    f"backprism {names}: scaled_dot_product_attention lies between the "
+                    f"parameters and the loss; {why}, so the exact Hessian diagonal/blocks "
+                    f"cannot be built from columns. {_WAY_OUT}"
+                )
         if isinstance(site, ErrorSite):
             if site.nll_output is not None and _feeds_nll(bp, site.nll_output):
                 continue
@@ -831,10 +910,17 @@ def check_pass(bp: Any, exts: list) -> None:
                 f"{site.advice}{_WAY_OUT}"
             )
     found = _unrecorded_nonlinearity(bp, product)
-    bp.bilinear_sites = list(bilinear.values())
     if found is None:
+        bp.bilinear_sites = list(bilinear.values())
+        params = [p for call, _ in calls for p in call.params.values()]
+        if not all(p.__dict__.get(_WANTED, False) for p in params):
+            want_residuals(params)
+            for root, _ in bp.view.root_nodes:  # (decided without: their next forward decides)
+                table = MODE_FREE.get(root.module)
+                if table is not None:
+                    table.pop(True, None)
+                    table.pop(False, None)
         return
-    bp.bilinear_sites = []
     op, kind, why = found
     note = _backward.modeless_note(bp.view)
     if kind == _SMOOTH_KIND:
@@ -1122,6 +1208,14 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
                 FORWARD.acted += 1
                 FORWARD.residual_acts += 1
                 return
+        if name == "scaled_dot_product_attention":
+            attention = _attention_site(args, kwargs, out)
+            if attention is not None:
+                _add_site(out, attention)
+                if isinstance(attention, AttentionSite):
+                    FORWARD.acted += 1
+                    FORWARD.residual_acts += 1
+                return
         if name == "log_softmax":
             _add_error(out, "log_softmax", weakref.ref(out))
             return
@@ -1175,6 +1269,26 @@ def _bn_training(args: tuple, kwargs: dict) -> bool:
 def recording_enabled() -> bool:
     """The global setting of :func:`record_nonlinearities`."""
     return _RECORDING[0]
+
+
+#: ``Tensor.__dict__`` key marking parameters whose models record their nonlinearities in
+#: every forward (:func:`want_residuals`)
+_WANTED = "_backprism_residual"
+
+
+def want_residuals(params: Iterable[Tensor]) -> None:
+    """Have the models holding ``params`` record the nonlinearities of every later forward
+    outside ``collect()`` (a DiagHessian-family extension used them, or a monitor plans one).
+    Other models' forwards run without the forward mode once their first forward showed that
+    only such records would need it (``engine.functional``): a DiagHessian-family backward
+    through one of those refuses once and records from the next forward on."""
+    for p in params:
+        p.__dict__[_WANTED] = True
+
+
+def residuals_wanted(module: nn.Module) -> bool:
+    """Whether :func:`want_residuals` marked a parameter of ``module``."""
+    return any(p.__dict__.get(_WANTED, False) for p in module.parameters())
 
 
 def recording_wanted() -> bool:

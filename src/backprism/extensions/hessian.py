@@ -28,14 +28,22 @@ A row-wise nonlinearity (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``)
 ``Σ_ρ J(z_ρ)ᵀ R_ρ J(z_ρ)`` with ``R_ρ = Σₖ (∂L/∂a_ρₖ) ∇²a_ρₖ(z_ρ)`` per row ``ρ`` of ``d``
 entries (``d`` Hessian-vector products and one ``d × d`` eigen-decomposition per row).
 
+A product ``Z = X ∘ Y`` of two values that depend on the same parameters (``*``, batched
+``@``) contributes ``2⟨∂L/∂Z, dX ∘ dY⟩``: per sample, the SVD ``∂L/∂Z_b = Σᵣ σ_br u_br v_brᵀ``
+gives the signed columns ``√(σ_br/2)(u_br ⊗ eₖ, ±eₖ ⊗ v_br)`` (weight ``±1``) on both operands
+(:mod:`backprism.engine.bilinear`); fused attention (``F.scaled_dot_product_attention``) the
+terms of its ``Q Kᵀ``, softmax and ``P V`` (:mod:`backprism.engine.attention`).
+
 ``DiagHessian``/``BatchDiagHessian`` are exact for graphs built from layers that are linear in
 their input and parameters (Linear, Conv, …), elementwise and row-wise nonlinearities (MLPs with
-LayerNorm, ConvNeXt, attention on the inputs), products of values of different parameters,
-piecewise-linear operations and linear glue code, including parameters shared by parallel
-branches; anything else between parameters and loss (attention on hidden features — its ``q kᵀ``
-multiplies two values of the same parameters —, fused attention kernels, GroupNorm of a
-parameter-dependent input, a parameter used by nested calls) raises a clear error pointing to
-``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on any twice-differentiable graph.
+LayerNorm, ConvNeXt), products of parameter-dependent values (attention, eager or fused,
+SwiGLU, Hugging Face's RMSNorm; GPT-2, BERT, ViT, Llama), piecewise-linear operations and
+linear glue code, including parameters shared by parallel branches; anything else between
+parameters and loss (GroupNorm of a parameter-dependent input, a parameter used by nested calls
+— a tied output layer —, attention dropout, a product whose operands do not hold the samples on
+their first axis, a module without a rule that is not affine in its parameters and inputs)
+raises a clear error pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on
+any twice-differentiable graph.
 """
 
 from __future__ import annotations

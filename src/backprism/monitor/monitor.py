@@ -94,6 +94,7 @@ from torch import Tensor
 from backprism.engine.backward import current_pass
 from backprism.engine.collect import collect
 from backprism.engine.distributed import check_process_group
+from backprism.engine.residual import want_residuals
 from backprism.extensions import BatchDotWith, BatchGrad, BatchL2Grad, BatchProjGrad, GradHist
 from backprism.extensions.base import Extension
 from backprism.monitor.deferred import Transfer
@@ -226,6 +227,8 @@ class Monitor:
             raise ValueError(f"{quantity!r} is already tracked by this monitor")
         self.quantities.append(quantity)
         assign_keys(self.quantities)
+        if quantity.needs_residual:
+            want_residuals(self.params)
 
     def keys(self) -> list[str]:
         """Output keys of the tracked quantities."""

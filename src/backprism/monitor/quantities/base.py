@@ -266,6 +266,13 @@ class Quantity:
     def should_compute(self, global_step: int) -> bool:
         raise NotImplementedError
 
+    @property
+    def needs_residual(self) -> bool:
+        """Whether some step needs a DiagHessian-family extension (exact Hessian terms): the
+        monitor then has the models of its parameters record their forwards' nonlinearities
+        (:func:`backprism.engine.residual.want_residuals`)."""
+        return False
+
     def create_graph(self, global_step: int) -> bool:
         """Whether the backward pass must keep its graph (``create_graph=True``)."""
         return False

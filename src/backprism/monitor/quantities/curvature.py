@@ -138,6 +138,10 @@ class HessTrace(SingleStepQuantity):
             raise ValueError(f"samples must be a positive integer, got {samples!r}")
         self._samples = samples
 
+    @property
+    def needs_residual(self) -> bool:
+        return self._curvature == "diag_h"
+
     def hyperparameters(self) -> dict[str, Any]:
         hp: dict[str, Any] = {"curvature": self._curvature}
         if self._curvature == "hutchinson":
@@ -169,6 +173,10 @@ class _TIC(SingleStepQuantity):
         super().__init__(track_schedule, verbose=verbose)
         self._curvature = _check_curvature(curvature)
         self._epsilon = epsilon
+
+    @property
+    def needs_residual(self) -> bool:
+        return self._curvature == "diag_h"
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"curvature": self._curvature, "epsilon": self._epsilon}
