@@ -1,8 +1,10 @@
 """DiagHessian, BatchDiagHessian and HMP/PCHMP through products of two values that depend on the
 same parameters (``backprism.engine.bilinear``): attention on hidden features, SwiGLU, a
 hand-written RMSNorm, GPT-2's tanh-GELU, a squeeze-and-excitation gate, ``x * x``, an outer
-product — against the dense float64 Hessian of ``torch.func`` (``tests.reference``), in forwards
-with and without the recording mode; and the refusal of the products whose terms are not built.
+product — and through fused attention (``backprism.engine.attention``: masks, causal, scale,
+grouped-query heads), against the dense float64 Hessian of ``torch.func``
+(``tests.reference``), in forwards with and without the recording mode; and the refusals
+(products whose operands do not hold the samples on axis 0, attention dropout).
 """
 
 from __future__ import annotations
@@ -274,3 +276,99 @@ def test_product_with_samples_off_axis_0_refused():
             lf(model(X), y).backward()
         assert "HutchinsonDiagHessian" in str(info.value)
         assert all(not hasattr(p, "diag_h") for p in model.parameters())
+
+
+# -- fused attention (F.scaled_dot_product_attention) ---------------------------------------------
+class Fused(nn.Module):
+    """Multi-head self-attention on hidden features through ``F.scaled_dot_product_attention``
+    (one fused node), with its options."""
+
+    def __init__(
+        self, mask: Tensor | None = None, causal: bool = False, gqa: bool = False,
+        scale: float | None = None, dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.mask, self.causal, self.gqa = mask, causal, gqa
+        self.scale, self.dropout = scale, dropout
+        self.embed, self.q, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        kv = 2 if gqa else 4  # (grouped-query: one key/value head for two query heads)
+        self.k, self.v = nn.Linear(4, kv), nn.Linear(4, kv)
+
+    def forward(self, x: Tensor) -> Tensor:
+        N, T, _ = x.shape
+        h = torch.tanh(self.embed(x))
+        q = self.q(h).view(N, T, 2, 2).transpose(1, 2)
+        k, v = (f(h).view(N, T, -1, 2).transpose(1, 2) for f in (self.k, self.v))
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, dropout_p=self.dropout, is_causal=self.causal,
+            scale=self.scale, enable_gqa=self.gqa,
+        )
+        return self.head(o.transpose(1, 2).reshape(N, T, 4)).mean(1)
+
+
+def _bool_mask(t: int) -> Tensor:
+    mask = torch.rand(t, t, generator=torch.Generator().manual_seed(0)) > 0.4
+    mask[:, 0] = True  # (every query sees a key)
+    return mask
+
+
+FUSED = {
+    "plain": dict,
+    "causal": lambda: {"causal": True},
+    "float_mask": lambda: {"mask": torch.randn(4, 4)},
+    "bool_mask": lambda: {"mask": _bool_mask(4)},
+    "grouped_query_causal": lambda: {"gqa": True, "causal": True},
+    "scale": lambda: {"scale": 0.7},
+}
+
+
+@pytest.mark.parametrize("option", list(FUSED))
+def test_fused_attention(option: str):
+    """DiagHessian and BatchDiagHessian through the fused kernel against the dense Hessian
+    (computed through the math kernel: the fused one has no forward-mode derivative)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.extensions.test_hessian import per_sample_hessian_diags, run
+
+    model = _perturbed(Fused(**FUSED[option]()), 34)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        diag = torch.diagonal(loss_hessian(ref, lf, X, y))
+        per_sample = per_sample_hessian_diags(ref, lf, X, y)
+    run(model, copy.deepcopy(lf), X, y, DiagHessian(), BatchDiagHessian())
+    got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+    got_n = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
+    torch.testing.assert_close(got, diag, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(got_n, per_sample, rtol=1e-8, atol=1e-12)
+
+
+def test_hmp_through_fused_attention():
+    """HMP's parameter blocks through the fused kernel against the dense Hessian."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _perturbed(Fused(causal=True), 35)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
+    extend(model)
+    with collect(HMP()):
+        extend(lf)(model(X), y).backward()
+    for name, p in model.named_parameters():
+        P = p.numel()
+        eye = torch.eye(P).reshape(P, *p.shape)
+        torch.testing.assert_close(
+            p.hmp(eye).reshape(P, P), expected[name], rtol=1e-8, atol=1e-10, msg=name
+        )
+
+
+def test_fused_attention_with_dropout_refused():
+    """Attention dropout draws a random mask the pass cannot see: refused before anything is
+    written, naming the way out."""
+    model, lf = extend(Fused(dropout=0.5)), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    with pytest.raises(NonlinearityError, match=r"dropout.*eval mode"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
