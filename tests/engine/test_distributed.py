@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 dist = pytest.importorskip("torch.distributed")
@@ -178,9 +179,31 @@ def _norms():
     return model, torch.randn(16, 5, dtype=torch.float64)
 
 
+class Attending(nn.Module):
+    """Causal attention on hidden features through the fused kernel, and a gated product of
+    two values of the same parameters (the attention and product Hessian terms, DiagHessian)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.qkv = nn.Linear(5, 4), nn.Linear(4, 12)
+        self.gate, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # [N, T, 5]
+        N, T, _ = x.shape
+        h = torch.tanh(self.inp(x))
+        q, k, v = (t.view(N, T, 2, 2).transpose(1, 2) for t in self.qkv(h).split(4, -1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out((o.transpose(1, 2).reshape(N, T, 4) * self.gate(h)).mean(1))
+
+
+def _attention():
+    torch.manual_seed(0)
+    return Attending().double(), torch.randn(16, 3, 5, dtype=torch.float64)
+
+
 MODELS = {
     "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross,
-    "shared_norm": _shared_norm, "norms": _norms,
+    "shared_norm": _shared_norm, "norms": _norms, "attention": _attention,
 }
 
 
@@ -525,6 +548,7 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "cross", [3, 5], [[KFLR(), DiagGGNExact()]])
         _check_all(rank, world, "shared_norm", [3, 5], [[KFLR(), DiagGGNExact()]])
         _check_all(rank, world, "norms", [3, 5], [SECOND[1]])
+        _check_all(rank, world, "attention", [3, 5], [SECOND[1]])
         _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
