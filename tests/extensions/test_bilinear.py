@@ -372,3 +372,24 @@ def test_fused_attention_with_dropout_refused():
     with pytest.raises(NonlinearityError, match=r"dropout.*eval mode"), collect(DiagHessian()):
         lf(model(X), y).backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
+class ConstantValues(nn.Module):
+    """Fused attention whose values are the (constant) input itself: no column enters there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k = torch.tanh(self.q(x)), self.k(x)
+        return self.head(F.scaled_dot_product_attention(q, k, x)).mean(1)
+
+
+def test_fused_attention_with_a_constant_input():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _perturbed(ConstantValues(), 36)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    with sdpa_kernel(SDPBackend.MATH):
+        check_diag(model, nn.CrossEntropyLoss(), X, y)

@@ -359,14 +359,10 @@ class AttentionSite:
     def refusal(self, bp: Any) -> str | None:
         """Why the pass cannot build the term (the samples not on the inputs' first axis), or
         ``None``."""
-        if bp.n_samples == 1:
-            return None
         inputs = [t for t in (self.q, self.k, self.v) if t.requires_grad]
-        folds = {bp.sample_fold(t.grad_fn, t.output_nr) for t in inputs}
-        fold = folds.pop() if len(folds) == 1 else None
-        if fold is None or any(t.shape[0] != fold * bp.n_samples for t in inputs):
-            return "its query, key and value do not all hold the samples on their first axis"
-        return None
+        if _samples_first(bp, [(t.grad_fn, t.output_nr) for t in inputs], self.q.shape[0]):
+            return None
+        return "its query, key and value do not all hold the samples on their first axis"
 
     def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
         exts = [e for e in bp.second if e.needs_residual]
@@ -377,13 +373,20 @@ class AttentionSite:
             grad = grad_outputs[self.output_nr]
             if grad is None or self.pass_ is not bp or bp.in_columns or not bp.loss_calls():
                 return
-            n = bp.n_samples
             families = attention_columns(
                 self.q, self.k, self.v, self.mask, self.is_causal, self.scale, self.gqa, grad,
-                n, bp.ctx.memory_budget,
+                bp.n_samples, bp.ctx.memory_budget,
             )
+            # (columns enter at the inputs that need gradients: a constant one takes none)
+            live = [i for i, t in enumerate((self.q, self.k, self.v)) if t.requires_grad]
+            origins = [(self.q, self.k, self.v)[i] for i in live]
             for values, make in families:
-                push_signed(bp, exts, [self.q, self.k, self.v], values, make)
+
+                def entering(idx: Tensor, sc: Tensor, make: Callable = make) -> list[Tensor]:
+                    cols = make(idx, sc)
+                    return [cols[i] for i in live]
+
+                push_signed(bp, exts, origins, values, entering)
 
         return hook
 
@@ -418,13 +421,20 @@ def bilinear_site(bp: Any, node: Any) -> tuple[BilinearSite, Any] | str:
             "product of tensors of equal dimensions and the same first axis, or a batched "
             "matmul"
         )
-    if bp.n_samples == 1:  # (one sample: every column is its)
-        return BilinearSite(form, bp), node
-    folds = {bp.sample_fold(e.node, e.output_nr) for e in form.edges}
-    fold = folds.pop() if len(folds) == 1 else None
-    if fold is None or form.lead != fold * bp.n_samples:
+    if not _samples_first(bp, [(e.node, e.output_nr) for e in form.edges], form.lead):
         return "its operands do not both hold the samples on their first axis"
     return BilinearSite(form, bp), node
+
+
+def _samples_first(bp: Any, edges: list[tuple[Any, int]], lead: int) -> bool:
+    """Whether the tensors at ``edges`` (first axis of size ``lead``) all hold pass ``bp``'s
+    samples on their first axis, folded alike sample-major (``lead = N·g``): then one column
+    covers every sample. Always with one sample."""
+    if bp.n_samples == 1:
+        return True
+    folds = {bp.sample_fold(node, nr) for node, nr in edges}
+    fold = folds.pop() if len(folds) == 1 else None
+    return fold is not None and lead == fold * bp.n_samples
 
 
 def push_bilinear(bp: Any, exts: list, form: BilinearForm, grad: Tensor) -> None:
