@@ -23,7 +23,6 @@ from backprism import collect, extend
 from backprism.engine.residual import NonlinearityError
 from backprism.engine.state import MODE_FREE
 from backprism.extensions.hessian import BatchDiagHessian, DiagHessian
-from backprism.extensions.matprod import HMP, PCHMP
 from tests.engine.test_residual import (
     BodyProduct,
     HiddenAttention,
@@ -31,7 +30,7 @@ from tests.engine.test_residual import (
     SharedProduct,
 )
 from tests.extensions.test_hessian import check_diag
-from tests.extensions.test_matprod import blocks
+from tests.extensions.test_matprod import check_hmp
 from tests.reference import loss_hessian
 
 pytestmark = pytest.mark.usefixtures("float64_default")
@@ -193,20 +192,7 @@ def test_hmp_and_pchmp_through_attention():
     """HMP's parameter blocks through attention, SwiGLU and RMSNorm against the dense
     Hessian; PCHMP's (the products' negative eigenvalues ``−σ`` clipped) are PSD."""
     model = _perturbed(Decoder("swiglu"), 32)
-    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
-    lf = nn.CrossEntropyLoss()
-    expected = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
-    extend(model)
-    with collect(HMP(), PCHMP("clip")):
-        extend(lf)(model(X), y).backward()
-    for name, p in model.named_parameters():
-        P = p.numel()
-        eye = torch.eye(P).reshape(P, *p.shape)
-        torch.testing.assert_close(
-            p.hmp(eye).reshape(P, P), expected[name], rtol=1e-8, atol=1e-10, msg=name
-        )
-        pch = p.pchmp(eye).reshape(P, P)
-        assert torch.linalg.eigvalsh((pch + pch.t()) / 2).min() > -1e-10, name
+    check_hmp(model, nn.CrossEntropyLoss(), torch.randn(3, 4, 3), torch.randint(0, 3, (3,)))
 
 
 def test_product_in_a_forward_without_the_mode():
@@ -346,22 +332,9 @@ def test_fused_attention(option: str):
 
 def test_hmp_through_fused_attention():
     """HMP's parameter blocks through the fused kernel against the dense Hessian."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     model = _perturbed(Fused(causal=True), 35)
     X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
-    lf = nn.CrossEntropyLoss()
-    with sdpa_kernel(SDPBackend.MATH):
-        expected = blocks(loss_hessian(copy.deepcopy(model), lf, X, y), model)
-    extend(model)
-    with collect(HMP()):
-        extend(lf)(model(X), y).backward()
-    for name, p in model.named_parameters():
-        P = p.numel()
-        eye = torch.eye(P).reshape(P, *p.shape)
-        torch.testing.assert_close(
-            p.hmp(eye).reshape(P, P), expected[name], rtol=1e-8, atol=1e-10, msg=name
-        )
+    check_hmp(model, nn.CrossEntropyLoss(), X, y, pchmp=False)
 
 
 def test_fused_attention_with_dropout_refused():

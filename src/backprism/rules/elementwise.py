@@ -264,10 +264,11 @@ def multi_affine(call: Call, run: Any) -> bool:
     module = call.module
     n = call.batch_size
     params = {k: p.detach() for k, p in call.params.items()}
-    tensors = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, Tensor)]
+    tensors = [a for a in call.args if isinstance(a, Tensor)]
     if (
         module._modules or not params or len(params) > _MAX_PARAMS or call.fold != 1
         or call.batch_axis or len(call.out_shapes) != 1 or not tensors
+        or any(isinstance(v, Tensor) for v in call.kwargs.values())  # (inputs: positional)
         or any(t.dim() == 0 or t.shape[0] != n or not t.is_floating_point() for t in tensors)
     ):
         return False
@@ -280,7 +281,7 @@ def multi_affine(call: Call, run: Any) -> bool:
         return known[key]
     rows = slice(0, min(2, n))
     args = tuple(a[rows].detach() if isinstance(a, Tensor) else a for a in call.args)
-    kwargs = {k: v[rows].detach() if isinstance(v, Tensor) else v for k, v in call.kwargs.items()}
+    kwargs = call.kwargs
     gen = torch.Generator(device=tensors[0].device).manual_seed(0)
 
     def noise(t: Tensor) -> Tensor:
