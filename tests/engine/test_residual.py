@@ -2,7 +2,7 @@
 non-GGN part of ``DiagHessian``): the recording of nonlinearities during the forward (switch,
 no reference cycles, forwards inside a context without the DiagHessian family) and the clear
 refusals, before anything is written, of what has no residual decomposition (in-place
-nonlinearities, GroupNorm between parameters, a parameter used by several calls, parameters
+nonlinearities, InstanceNorm between parameters, a parameter used by several calls, parameters
 entering a generic-rule module nonlinearly, parameter-only values broadcast into the
 activations).
 
@@ -257,9 +257,12 @@ class BodyProduct(nn.Module):
 
 
 CASES = {
-    "groupnorm": (
-        lambda: nn.Sequential(nn.Linear(3, 4), nn.GroupNorm(2, 4), nn.Linear(4, 3)), (4, 3),
-        "group_norm",
+    "instancenorm": (
+        lambda: nn.Sequential(
+            nn.Conv1d(3, 4, 1), nn.InstanceNorm1d(4), nn.Flatten(), nn.Linear(8, 3)
+        ),
+        (4, 3, 2),
+        "instance_norm",
     ),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),

@@ -327,6 +327,7 @@ class RowWise(nn.Module):
             "layer_norm": nn.LayerNorm(6), "layer_norm_2d": nn.LayerNorm((2, 3)),
             "rms_norm": nn.RMSNorm(6),
             "layer_norm_plain": nn.LayerNorm(6, elementwise_affine=False),
+            "group_norm": nn.GroupNorm(2, 6),
         }.get(kind)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -345,8 +346,8 @@ class RowWise(nn.Module):
         return out.mean(1) if out.dim() == 3 else out
 
 
-ROW_KINDS = ["layer_norm", "layer_norm_plain", "layer_norm_2d", "rms_norm", "softmax",
-             "softmin", "softmax_positions"]
+ROW_KINDS = ["layer_norm", "layer_norm_plain", "layer_norm_2d", "rms_norm", "group_norm",
+             "softmax", "softmin", "softmax_positions"]
 
 
 @pytest.mark.parametrize("kind", ROW_KINDS)
@@ -568,3 +569,28 @@ def test_generic_module_affine_in_parameters_and_inputs(kind: str):
         assert all(p.grad is None for p in model.parameters())
         return
     check_diag(model, lf, X, y)
+
+
+class ConvGroupNorm(nn.Module):
+    """Conv → GroupNorm (two groups of two channels, each a row of ``2 · H · W`` entries) →
+    tanh → Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.head = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.norm(self.conv(x))).flatten(1))
+
+
+def test_group_norm_on_feature_maps():
+    """GroupNorm between parameters: its rows are the groups of channels with their
+    positions; DiagHessian and BatchDiagHessian against the dense Hessian."""
+    torch.manual_seed(26)
+    model = ConvGroupNorm()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    X, y = torch.randn(3, 2, 3, 3), torch.randint(0, 3, (3,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)

@@ -10,17 +10,18 @@ nonlinearity:
     \qquad r = \frac{∂L}{∂a} ⊙ σ''(z),
 
 where ``(…)`` collects the terms of the other operations that are *not* linear in their inputs.
-*Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``: each row of
-``d`` entries on its own) contribute one ``d × d`` block per row, eigen-decomposed into signed
-columns (:class:`RowSite`, :func:`push_rows`). Products of two values that depend on the same
-parameters (attention's ``q kᵀ`` on hidden features, SwiGLU) contribute an off-diagonal
-bilinear form, eigen-decomposed from the SVD of the product's output gradient into signed
-columns on both operands (:class:`BilinearSite`, :mod:`backprism.engine.bilinear`), found on
-the products' nodes; fused attention kernels the terms of the three operations they compose
-(:class:`AttentionSite`, :mod:`backprism.engine.attention`). Other normalisations (group norm,
-batch statistics) and parameters entering a module nonlinearly are refused for the
-DiagHessian family with a clear error; everything linear or piecewise linear (Linear, Conv,
-ReLU, LeakyReLU, max/avg pooling, Flatten, residual additions, dropout) contributes nothing.
+*Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``softmax``,
+``softmin``: each row of ``d`` entries on its own) contribute one ``d × d`` block per row,
+eigen-decomposed into signed columns (:class:`RowSite`, :func:`push_rows`). Products of two
+values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
+contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
+gradient into signed columns on both operands (:class:`BilinearSite`,
+:mod:`backprism.engine.bilinear`), found on the products' nodes; fused attention kernels the
+terms of the three operations they compose (:class:`AttentionSite`,
+:mod:`backprism.engine.attention`). Other normalisations (instance norm, batch statistics) and
+parameters entering a module nonlinearly are refused for the DiagHessian family with a clear
+error; everything linear or piecewise linear (Linear, Conv, ReLU, LeakyReLU, max/avg pooling,
+Flatten, residual additions, dropout) contributes nothing.
 
 ``r`` already carries the loss's scaling (``1/N`` for a mean reduction), because ``∂L/∂a`` does.
 The residual is written with *signed columns*: for every element ``j`` of ``zₙ`` (sample ``n``),
@@ -546,19 +547,23 @@ class RowSite(ResidualSite):
     ``dim`` (``softmax``, ``softmin``). Its Hessian term is block-diagonal over the rows, one
     ``d × d`` block per row (``d`` entries), :func:`push_rows`."""
 
-    __slots__ = ("dim", "trailing")
+    __slots__ = ("dim", "trailing", "view")
 
     def __init__(
         self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int,
-        dim: int | None, trailing: int,
+        dim: int | None, trailing: int, view: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(fn, z, name, nr, getattr(z, AXIS, 0) or 0)
         self.dim = dim
         self.trailing = trailing
+        #: the shape in which the rows are trailing axes (``group_norm``: ``[N, G, C/G, *S]``)
+        self.view = view
 
     def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
         assert self.z is not None
-        push_rows(bp, exts, self.fn, self.z, grad_a, self.dim, self.trailing, self.axis)
+        push_rows(
+            bp, exts, self.fn, self.z, grad_a, self.dim, self.trailing, self.axis, self.view
+        )
 
 
 def _add_site(out: Tensor, site: Any) -> None:
@@ -633,12 +638,12 @@ def node_ops(
 
     ``refused_only``: the forward recorded Hessian residuals of elementwise nonlinearities and
     nothing else the mode alone does; ``None`` (keep the mode, which records them) unless the
-    graph also holds an operation that the DiagHessian family refuses (a group norm, a fused
-    attention kernel, a product of two values that depend on the same parameters among
-    ``params`` (ids): every transformer's attention; a module call whose parameters enter
-    nonlinearly, :func:`check_linear_in_params`), so that no extension can use those
-    records. Without the mode such nonlinearities carry no site, and the DiagHessian family
-    refuses a pass through them (:func:`_unrecorded_nonlinearity`)."""
+    graph also holds an operation that the DiagHessian family refuses (an instance norm,
+    attention with dropout, a product of two values that depend on the same parameters among
+    ``params`` (ids) that :mod:`backprism.engine.bilinear` does not decompose; a module call
+    whose parameters enter nonlinearly, :func:`check_linear_in_params`), so that no extension
+    can use those records. Without the mode such nonlinearities carry no site, and the
+    DiagHessian family refuses a pass through them (:func:`_unrecorded_nonlinearity`)."""
     view = _Params(params)
     outs = [output] if isinstance(output, Tensor) else torch.utils._pytree.tree_flatten(output)[0]
     starts = [o.grad_fn for o in outs if isinstance(o, Tensor) and o.grad_fn is not None]
@@ -932,7 +937,8 @@ def check_pass(bp: Any, exts: list) -> None:
                     table.pop(False, None)
         return
     op, kind, why = found
-    note = _backward.modeless_note(bp.view)
+    note = _backward.modeless_note(bp.view)  # (". (…)": after the way out, less its period)
+    way_out = f"{_WAY_OUT[:-1]}{note}" if note else _WAY_OUT
     if kind == _SMOOTH_KIND:
         raise NonlinearityError(
             f"backprism {names}: the nonlinear operation '{op}' lies between the parameters "
@@ -940,7 +946,7 @@ def check_pass(bp: Any, exts: list) -> None:
             "forward, e.g. applied to its outputs, or inside a sub-module called on its own), "
             "so its Hessian residual term is not recorded. Apply it inside the forward of the "
             "extended model and call that model, as an activation module (nn.Tanh, nn.GELU, "
-            f"...) or as part of an extended loss. {_WAY_OUT}{note}"
+            f"...) or as part of an extended loss. {way_out}"
         )
     what = {
         _PRODUCT: f"the product '{op}' of two values that depend on the same parameters",
@@ -950,7 +956,7 @@ def check_pass(bp: Any, exts: list) -> None:
     why = why or "its Hessian term is not an elementwise residual"
     raise NonlinearityError(
         f"backprism {names}: {what} lies between the parameters and the loss; {why}, so the "
-        f"exact Hessian diagonal/blocks cannot be built from columns. {_WAY_OUT}{note}"
+        f"exact Hessian diagonal/blocks cannot be built from columns. {way_out}"
     )
 
 
@@ -1059,21 +1065,35 @@ def _signed(
 
 def push_rows(
     bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
-    dim: int | None, trailing: int, axis: int = 0,
+    dim: int | None, trailing: int, axis: int = 0, view: tuple[int, ...] | None = None,
 ) -> None:
     """Push the signed residual columns of a row-wise ``a = fn(z)`` (:class:`RowSite`,
     :func:`backprism.engine.rows.row_columns`) back from ``z`` (pass ``bp``), covering all
     samples at once where ``z``'s first axis holds them (the layout rules of
-    :func:`push_residual`), else one column per row and eigenvector of the whole batch."""
+    :func:`push_residual`), else one column per row and eigenvector of the whole batch. With
+    ``view`` the rows are the trailing axes of ``z`` in that shape (same first axis)."""
     if not bp.loss_calls():
         return
     d = dim % z.dim() if dim is not None else None
+    zv, ga, f = z, grad_a, fn
+    if view is not None:
+        zv, ga = z.detach().reshape(view), grad_a.reshape(view)
+
+        def f(t: Tensor) -> Tensor:
+            return fn(t.reshape(z.shape)).reshape(view)
+
     batched = (
-        z.dim() > trailing and z.shape[0] == bp.n_samples and not axis and d != 0
+        zv.dim() > trailing and z.shape[0] == bp.n_samples and not axis and d != 0
         and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
     )
     n = z.shape[0] if batched else 1
-    values, make = row_columns(fn, z, grad_a, dim, trailing, n, bp.ctx.memory_budget)
+    values, make = row_columns(f, zv, ga, dim, trailing, n, bp.ctx.memory_budget)
+    if view is not None:
+        inner = make
+
+        def make(idx: Tensor, scale: Tensor) -> list[Tensor]:
+            return [c.reshape(c.shape[0], *z.shape) for c in inner(idx, scale)]
+
     push_signed(bp, exts, [z], values, make, batched)
 
 
@@ -1237,7 +1257,9 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
 
 
 #: smooth nonlinear operations acting on rows of their input independently (:class:`RowSite`)
-_ROW_WISE = frozenset({"softmax", "_softmax", "softmin", "layer_norm", "rms_norm"})
+_ROW_WISE = frozenset(
+    {"softmax", "_softmax", "softmin", "layer_norm", "rms_norm", "group_norm"}
+)
 
 
 def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> RowSite | None:
@@ -1248,6 +1270,18 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
     z = args[0] if args else None
     if not isinstance(z, Tensor) or not z.requires_grad or out.shape != z.shape or out is z:
         return None
+    if name == "group_norm":  # rows: the groups of channels with their positions
+        groups = args[1] if len(args) > 1 else kwargs.get("num_groups")
+        if not isinstance(groups, int) or z.dim() < 2 or groups < 1 or z.shape[1] % groups:
+            return None
+        view = (z.shape[0], groups, z.shape[1] // groups, *z.shape[2:])
+        rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
+        kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+
+        def group_fn(zz: Tensor) -> Tensor:
+            return func(zz, *rest, **kw)
+
+        return RowSite(group_fn, z, name, out.output_nr, None, z.dim() - 1, view)
     params = ("dim",) if "softmax" in name or "softmin" in name else ("normalized_shape",)
     spec = args[1] if len(args) > 1 else kwargs.get(params[0])
     if "norm" in name:

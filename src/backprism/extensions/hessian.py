@@ -24,7 +24,8 @@ mean loss): ``diag_h`` and ``diag_h_hutchinson`` are ``Σ_r ρ_r · local`` (glo
 this rank's rows ``ρ · local``. The Hutchinson estimate equals one process's when all ranks
 draw the same Rademacher vectors (the same random state); otherwise it is still unbiased.
 
-A row-wise nonlinearity (``layer_norm``, ``rms_norm``, ``softmax``, ``softmin``) contributes
+A row-wise nonlinearity (``layer_norm``, ``rms_norm``, ``group_norm`` — a row per group of
+channels with its positions —, ``softmax``, ``softmin``) contributes
 ``Σ_ρ J(z_ρ)ᵀ R_ρ J(z_ρ)`` with ``R_ρ = Σₖ (∂L/∂a_ρₖ) ∇²a_ρₖ(z_ρ)`` per row ``ρ`` of ``d``
 entries (``d`` Hessian-vector products and one ``d × d`` eigen-decomposition per row).
 
@@ -39,7 +40,7 @@ their input and parameters (Linear, Conv, …), elementwise and row-wise nonline
 LayerNorm, ConvNeXt), products of parameter-dependent values (attention, eager or fused,
 SwiGLU, Hugging Face's RMSNorm; GPT-2, BERT, ViT, Llama), piecewise-linear operations and
 linear glue code, including parameters shared by parallel branches; anything else between
-parameters and loss (GroupNorm of a parameter-dependent input, a parameter used by nested calls
+parameters and loss (InstanceNorm of a parameter-dependent input, a parameter used by nested calls
 — a tied output layer —, attention dropout, a product whose operands do not hold the samples on
 their first axis, a module without a rule that is not affine in its parameters and inputs)
 raises a clear error pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on
