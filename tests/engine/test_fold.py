@@ -202,13 +202,24 @@ def test_generic_module_that_regroups_its_folded_rows() -> None:
     torch.testing.assert_close(gather(model, "diag_ggn_exact_batch", 1), diag_blocks(G), **TOL)
 
 
-def test_folded_batch_refuses_diag_hessian_clearly() -> None:
-    from backprism.extensions import DiagHessian
+@pytest.mark.parametrize("pattern", [k for k, v in PATTERNS.items() if v[2]])
+def test_diag_hessian_through_a_folded_batch(pattern: str) -> None:
+    """DiagHessian and BatchDiagHessian through a Linear, tanh and LayerNorm on rows that fold
+    the samples with positions (sample-major): exact against the dense Hessian (refused
+    before)."""
+    from tests.extensions.test_hessian import check_diag
+
+    model, x, y, _ = _setup(pattern, 3, 2, 2)
+    check_diag(model, nn.CrossEntropyLoss(), x, y)
+
+
+def test_folded_batch_refuses_kfra_clearly() -> None:
+    from backprism.extensions import KFRA
 
     model, x, y, _ = _setup("flatten", 3, 2, 2)
     extend(model)
     loss = nn.CrossEntropyLoss()(model(x), y)
-    with pytest.raises(RuntimeError, match="folded batch"), collect(DiagHessian()):
+    with pytest.raises(RuntimeError, match="folded batch"), collect(KFRA()):
         loss.backward()
     assert_nothing_written(model, grad_too=True)
 

@@ -676,13 +676,13 @@ class BackwardPass:
         unsupported = [
             e
             for e in self.extensions
-            if getattr(e, "needs_residual", False) or getattr(e, "handles_loss", False)
+            if getattr(e, "handles_loss", False)
         ]
         if unsupported:
             raise RuntimeError(
                 f"backprism {_names(unsupported)}: {where}; these extensions do not support "
-                "such calls yet. DiagGGNExact/DiagGGNMC, KFAC/KFLR and the first-order "
-                "extensions do"
+                "such calls yet. DiagGGNExact/DiagGGNMC, DiagHessian, KFAC/KFLR and the "
+                "first-order extensions do"
             )
         if self.create_graph and self.first:
             raise RuntimeError(
