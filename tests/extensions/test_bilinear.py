@@ -366,3 +366,26 @@ def test_fused_attention_with_a_constant_input():
     X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
     with sdpa_kernel(SDPBackend.MATH):
         check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+@pytest.mark.parametrize("model_name", ["attention_swiglu_rmsnorm", "fused"])
+def test_products_and_attention_in_bfloat16(model_name: str):
+    """Products and fused attention in bfloat16: the singular value decompositions run in
+    float32 (there are none in half precision); the results keep the parameters' dtype and
+    follow float64's to bfloat16's precision."""
+    from tests.extensions.test_hessian import run
+
+    torch.manual_seed(37)
+    model = Fused(causal=True) if model_name == "fused" else MODELS[model_name][0]()
+    model = _perturbed(model, 37)
+    X, y = torch.randn(6, 4, 3), torch.randint(0, 3, (6,))
+    ref = copy.deepcopy(model)
+    run(ref, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    run(low, nn.CrossEntropyLoss(), X.to(torch.bfloat16), y, DiagHessian())
+    scale = max(float(q.diag_h.abs().max()) for q in ref.parameters())
+    for (name, p), q in zip(low.named_parameters(), ref.parameters(), strict=True):
+        assert p.diag_h.dtype == torch.bfloat16
+        torch.testing.assert_close(
+            p.diag_h.double(), q.diag_h, atol=0.1 * scale, rtol=0, msg=name
+        )
