@@ -673,16 +673,12 @@ class BackwardPass:
             f"{call.name} runs on a folded batch ({call.batch_size} = {call.fold}·"
             f"{self.n_samples} rows, sample-major, e.g. Swin's windows)"
         )
-        unsupported = [
-            e
-            for e in self.extensions
-            if getattr(e, "handles_loss", False)
-        ]
+        unsupported = [e for e in self.extensions if not e.supports_folded]
         if unsupported:
             raise RuntimeError(
                 f"backprism {_names(unsupported)}: {where}; these extensions do not support "
-                "such calls yet. DiagGGNExact/DiagGGNMC, DiagHessian, KFAC/KFLR and the "
-                "first-order extensions do"
+                "such calls yet. DiagGGNExact/DiagGGNMC, DiagHessian, HutchinsonDiagHessian, "
+                "KFAC/KFLR and the first-order extensions do"
             )
         if self.create_graph and self.first:
             raise RuntimeError(

@@ -143,6 +143,9 @@ class Extension:
     #: run inside a ``collect`` holding such an extension computes attention with PyTorch's
     #: math kernel (the fused kernels have no second derivative)
     needs_double_backward: bool = False
+    #: computes calls on a folded batch (``Call.fold``: rows that fold the samples with
+    #: another axis, sample-major); refused there before anything is written otherwise
+    supports_folded: bool = True
     #: statistics this extension hands to the per-call memo while computing its own
     #: (``memo.provide``); such extensions run before the others
     provides: tuple[str, ...] = ()

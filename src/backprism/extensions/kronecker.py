@@ -404,6 +404,7 @@ class KFRA(SecondOrderExtension):
         raise RuntimeError("KFRA is computed by its own recursion (handle_loss)")
 
     handles_loss = True
+    supports_folded = False  # (its recursion runs call by call on unfolded batches)
 
     def handle_loss(self, bp: Any, record: Any, calls: list, n: int, scale: float) -> None:
         modules = {id(c.module) for c, _ in calls}
