@@ -472,14 +472,14 @@ def test_resnet_uses_closed_form_rules_only() -> None:
     assert not [type(m).__name__ for m in owners if type(get_rule(m)) is GenericRule]
 
 
-@pytest.mark.parametrize("name", [m for m in MODELS if m != "convnext"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_forwards_without_the_mode(name: str) -> None:
     """After one recorded forward, every model here runs its forwards outside ``collect``
     without the forward mode (``engine.functional``), the ViTs included: their roots'
     ``cls_token``/``pos_embed``, the blocks' layer scale ``gamma`` and timm's norm subclasses
     are attributed by a mode entered for those modules' own forward bodies only. A backward
-    through such a forward gives the references' first order and GGN diagonal. (ConvNeXt keeps
-    the mode: DiagHessian goes through it, and needs its norms recorded,
+    through such a forward gives the references' first order and GGN diagonal. (A model that
+    used the DiagHessian family keeps the mode to record its norms and attention:
     :func:`test_diag_hessian_convnext`.)"""
     from backprism.engine.state import MODE_FREE
 
