@@ -389,3 +389,28 @@ def test_products_and_attention_in_bfloat16(model_name: str):
         torch.testing.assert_close(
             p.diag_h.double(), q.diag_h, atol=0.1 * scale, rtol=0, msg=name
         )
+
+
+@pytest.mark.parametrize("model_name", ["attention_swiglu_rmsnorm", "fused"])
+def test_products_and_attention_under_autocast(model_name: str):
+    """A float32 model run under CPU autocast to bfloat16 (its matmuls in bfloat16): DiagHessian
+    through its products and attention follows the float32 model's to bfloat16's precision,
+    in the parameters' dtype."""
+    from tests.extensions.test_hessian import run
+
+    torch.manual_seed(38)
+    model = Fused(causal=True) if model_name == "fused" else MODELS[model_name][0]()
+    model = _perturbed(model, 38).float()
+    X, y = torch.randn(6, 4, 3, dtype=torch.float32), torch.randint(0, 3, (6,))
+    ref = copy.deepcopy(model)
+    run(ref, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    low = extend(copy.deepcopy(model))
+    lf = extend(nn.CrossEntropyLoss())
+    with collect(DiagHessian()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = low(X)
+        lf(out.float(), y).backward()
+    scale = max(float(q.diag_h.abs().max()) for q in ref.parameters())
+    for (name, p), q in zip(low.named_parameters(), ref.parameters(), strict=True):
+        assert p.diag_h.dtype == torch.float32
+        torch.testing.assert_close(p.diag_h, q.diag_h, atol=0.1 * scale, rtol=0, msg=name)
