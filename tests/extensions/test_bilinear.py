@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("float64_default")
 
 class Attention(nn.Module):
     """Multi-head causal self-attention written out (``[N, H, T, d]`` matmuls: batched ``bmm``
-    on ``N·H`` rows), or with ``einsum``."""
+    on ``N·H`` rows), with ``einsum``, or with ``baddbmm`` adding a position bias."""
 
     def __init__(self, d: int = 4, heads: int = 2, how: str = "matmul") -> None:
         super().__init__()
@@ -50,10 +50,16 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).split(D, dim=-1)
         q, k, v = (t.view(N, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         if self.how == "einsum":
-            s = torch.einsum("nhtd,nhsd->nhts", q, k)
+            s = torch.einsum("nhtd,nhsd->nhts", q, k) / math.sqrt(q.shape[-1])
+        elif self.how == "baddbmm":  # Bloom's ALiBi: a position bias added by the product
+            d, h = q.shape[-1], self.heads
+            bias = torch.arange(T, dtype=q.dtype).repeat(N * h, 1, 1) * -0.1  # [N·H, 1, T]
+            s = torch.baddbmm(
+                bias, q.reshape(N * h, T, d), k.transpose(-2, -1).reshape(N * h, d, T),
+                beta=1.0, alpha=1 / math.sqrt(d),
+            ).view(N, h, T, T)
         else:
-            s = q @ k.transpose(-2, -1)
-        s = s / math.sqrt(q.shape[-1])
+            s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         a = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
         o = torch.einsum("nhts,nhsd->nhtd", a, v) if self.how == "einsum" else a @ v
@@ -165,6 +171,7 @@ def _perturbed(model: nn.Module, seed: int) -> nn.Module:
 MODELS = {
     "attention_swiglu_rmsnorm": (lambda: Decoder("swiglu"), (3, 4, 3)),
     "attention_einsum_gelu_tanh": (lambda: Decoder("gelu_new", "einsum"), (3, 4, 3)),
+    "attention_baddbmm_alibi": (lambda: Decoder("swiglu", "baddbmm"), (3, 4, 3)),
     "squeeze_excite": (SqueezeExcite, (3, 2, 4, 4)),
     "square": (lambda: Elementwise("square"), (3, 2, 3)),
     "outer": (lambda: Elementwise("outer"), (3, 2, 3)),

@@ -1,7 +1,8 @@
 r"""The Hessian term of a product of two parameter-dependent values, as signed columns.
 
 A product ``Z = X ∘ Y`` that is bilinear in its operands — ``X * Y`` (with broadcasting) or a
-batched ``X @ Y`` (``bmm``; a ``matmul``/``einsum`` of 3 or more dimensions ends in one) — adds
+batched ``X @ Y`` (``bmm``; a ``matmul``/``einsum`` of 3 or more dimensions ends in one;
+``baddbmm``'s ``α · X @ Y``, Bloom's ALiBi scores) — adds
 to the Hessian of the loss ``L`` the term
 
 .. math::  d^2 ⟨G, Z⟩ = 2 ⟨G, dX ∘ dY⟩, \qquad G = ∂L/∂Z,
@@ -56,17 +57,22 @@ class BilinearForm:
         sizes: ``(B, I, J, K)``, the canonical sizes.
     """
 
-    __slots__ = ("_g_perm", "_x_perm", "_y_perm", "edges", "lead", "sizes", "x_shape", "y_shape")
+    __slots__ = (
+        "_g_perm", "_x_perm", "_y_perm", "edges", "lead", "scale", "sizes", "x_shape", "y_shape"
+    )
 
     def __init__(
         self, edges: tuple[GradientEdge, GradientEdge], x_shape: torch.Size,
         y_shape: torch.Size, sizes: tuple[int, int, int, int],
         perms: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None,
+        scale: float = 1.0,
     ) -> None:
         self.edges = edges
         self.x_shape, self.y_shape = x_shape, y_shape
         self.sizes = sizes
         self.lead = x_shape[0]
+        #: ``Z = scale · X ∘ Y`` (``baddbmm``'s ``alpha``)
+        self.scale = scale
         # (``None``: ``bmm``, already canonical) axis orders of G, X, Y — the latter two
         # padded to Z's dimensions
         self._g_perm, self._x_perm, self._y_perm = perms or ((), (), ())
@@ -75,7 +81,8 @@ class BilinearForm:
         """``G`` (``∂L/∂Z`` in ``Z``'s shape) as ``[B, I, J]``."""
         B, I, J, _ = self.sizes
         g = grad.permute(self._g_perm) if self._g_perm else grad
-        return g.reshape(B, I, J)
+        g = g.reshape(B, I, J)
+        return g * self.scale if self.scale != 1.0 else g
 
     def x_columns(self, cols: Tensor) -> Tensor:
         """Columns ``[k, B, I, K]`` in ``X``'s shape, ``[k, *X.shape]``."""
@@ -100,24 +107,32 @@ class BilinearForm:
 def bilinear_form(node: Any) -> BilinearForm | None:
     """The :class:`BilinearForm` of autograd node ``node`` if it is a product of two
     differentiable operands that this module decomposes (``MulBackward0`` of two tensors of
-    ``Z``'s dimensions whose axis 0 both carry in full, ``BmmBackward0``), else ``None``."""
+    ``Z``'s dimensions whose axis 0 both carry in full, ``BmmBackward0``, the product of
+    ``BaddbmmBackward0``), else ``None``."""
     kind = type(node).__name__
     fns = node.next_functions
+    if kind == "BaddbmmBackward0":  # β·input + α·(batch1 @ batch2): its product's operands
+        fns = fns[1:]
     if len(fns) != 2 or fns[0][0] is None or fns[1][0] is None:
         return None
     edges = (GradientEdge(*fns[0]), GradientEdge(*fns[1]))
-    if kind not in ("BmmBackward0", "MulBackward0"):
+    saved = {
+        "BmmBackward0": ("_saved_self", "_saved_mat2"),
+        "BaddbmmBackward0": ("_saved_batch1", "_saved_batch2"),
+        "MulBackward0": ("_saved_self", "_saved_other"),
+    }.get(kind)
+    if saved is None:
         return None
     try:
-        x = node._saved_self
-        y = node._saved_mat2 if kind == "BmmBackward0" else node._saved_other
+        x, y = (getattr(node, name) for name in saved)
+        alpha = float(node._saved_alpha) if kind == "BaddbmmBackward0" else 1.0
     except RuntimeError:  # (saved tensors freed: a graph already backpropagated)
         return None
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         return None
-    if kind == "BmmBackward0":
+    if kind != "MulBackward0":
         xs, ys = x.shape, y.shape
-        return BilinearForm(edges, xs, ys, (xs[0], xs[1], ys[2], xs[2]), None)
+        return BilinearForm(edges, xs, ys, (xs[0], xs[1], ys[2], xs[2]), None, alpha)
     xs, ys = x.shape, y.shape
     if x.dim() == 0 or x.dim() != y.dim() or xs[0] != ys[0]:
         return None  # (axis 0 must be a shared axis: it carries the samples)
