@@ -7,6 +7,8 @@ Usage::
     python benchmarks/bench_engine.py --quick               # small N, few repeats (smoke test)
     PYTHONPATH=src python benchmarks/bench_engine.py --device cuda --problems cifar10_3c3d
     python benchmarks/bench_engine.py --markdown --problems mnist_mlp --n 32
+    python benchmarks/bench_engine.py --problems hf_bert_small --n 8 --no-memory \
+        --methods DiagGGNMC DiagGGNExact HutchinsonDiagHessian DiagHessian  # exact vs estimate
 
 Timing: ``torch.set_num_threads(2)`` (``--threads``, CPU), one warm-up round, then ``--repeats``
 rounds in which all configurations run in turn (alternating, so drifting machine load hits all
@@ -115,6 +117,7 @@ def make_runner(problem: str, method: str, tool: str, n: int, device: str = "cpu
         "KFAC": "kfac",
         "KFLR": "kflr",
         "DiagHessian": "diag_h",
+        "HutchinsonDiagHessian": "diag_h_hutchinson",
     }
 
     def clear():

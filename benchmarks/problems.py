@@ -336,6 +336,8 @@ PROBLEMS: dict[str, Callable] = {
     # Hugging Face models (``transformers`` installed; not in any default list)
     "hf_gpt2": lambda n: _hf("gpt2", n),
     "hf_bert": lambda n: _hf("bert", n),
+    # small enough for the exact Hessian diagonal (T 16, d 32, 2 layers: ~10⁴ columns a sample)
+    "hf_bert_small": lambda n: _hf("bert", n, seq=16, d=32, layers=2),
     "hf_llama": lambda n: _hf("llama", n),
     # timm models (``timm`` installed; not in any default list)
     **{name: (lambda n, name=name: timm_problem(name, n)) for name in TIMM},
