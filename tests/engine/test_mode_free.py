@@ -132,11 +132,12 @@ def test_a_functional_nonlinearity_keeps_the_mode_once_diag_hessian_is_used():
     _check_diag_h(model, lf, X, y)
 
 
-@pytest.mark.parametrize("planned", ["pass", "monitor"])
+@pytest.mark.parametrize("planned", ["pass", "monitor", "marked"])
 def test_diag_hessian_users_keep_the_mode(planned: str):
-    """A model that ran a DiagHessian pass, or whose parameters a monitor tracks with a
-    quantity of the exact Hessian (``HessTrace``), records its later forwards outside collect:
-    DiagHessian through them is exact from the first."""
+    """A model that ran a DiagHessian pass, whose parameters a monitor tracks with a quantity
+    of the exact Hessian (``HessTrace``), or that the user marked (``want_residuals``) records
+    its later forwards outside collect: DiagHessian through them is exact from the first."""
+    from backprism.engine.residual import want_residuals
     from backprism.monitor import Monitor, quantities, schedules
 
     model, lf = extend(Switch()), extend(nn.MSELoss())
@@ -145,8 +146,10 @@ def test_diag_hessian_users_keep_the_mode(planned: str):
     if planned == "pass":
         with collect(DiagHessian()):
             lf(model(X), y).backward()
-    else:
+    elif planned == "monitor":
         Monitor(model.parameters(), [quantities.HessTrace(schedules.linear(5))])
+    else:
+        want_residuals(model.parameters())
     _learn(model, lf, X, y)
     assert MODE_FREE[model][True] is None
     _check_diag_h(model, lf, X, y)

@@ -107,6 +107,7 @@ __all__ = [
     "op_name",
     "push_residual",
     "record_nonlinearities",
+    "want_residuals",
 ]
 
 #: activation modules with a non-zero second derivative (hooked by ``extend``)
