@@ -50,7 +50,8 @@ class BilinearForm:
     permutations, no tensors.
 
     Attributes:
-        edges: the gradient edges of ``X`` and ``Y`` (where the columns enter the graph).
+        edges: the gradient edges of ``X`` and ``Y`` (where the columns enter the graph;
+            ``None`` for a product rebuilt outside the graph, :mod:`~backprism.engine.attention`).
         x_shape, y_shape: the operands' shapes.
         lead: the size of the operands' axis 0, a ``b`` axis (it holds the samples, folded
             sample-major with other ``b`` axes where the pass's graph shows so).
@@ -62,7 +63,7 @@ class BilinearForm:
     )
 
     def __init__(
-        self, edges: tuple[GradientEdge, GradientEdge], x_shape: torch.Size,
+        self, edges: tuple[GradientEdge, GradientEdge] | None, x_shape: torch.Size,
         y_shape: torch.Size, sizes: tuple[int, int, int, int],
         perms: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None,
         scale: float = 1.0,
@@ -130,10 +131,9 @@ def bilinear_form(node: Any) -> BilinearForm | None:
         return None
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         return None
-    if kind != "MulBackward0":
-        xs, ys = x.shape, y.shape
-        return BilinearForm(edges, xs, ys, (xs[0], xs[1], ys[2], xs[2]), None, alpha)
     xs, ys = x.shape, y.shape
+    if kind != "MulBackward0":
+        return BilinearForm(edges, xs, ys, (xs[0], xs[1], ys[2], xs[2]), None, alpha)
     if x.dim() == 0 or x.dim() != y.dim() or xs[0] != ys[0]:
         return None  # (axis 0 must be a shared axis: it carries the samples)
     zs = torch.broadcast_shapes(xs, ys)

@@ -89,6 +89,7 @@ from backprism.engine import backward as _backward
 from backprism.engine.attention import attention_columns, sdpa_arguments
 from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
+from backprism.engine.fold import _param_only
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rows import row_columns
@@ -470,10 +471,10 @@ def push_signed(
     )
 
 
-def shares_parameters(node: Any, view: Any) -> bool:
-    """Whether an extended parameter of ``view`` lies upstream of two of the inputs of the
-    product whose output node is ``node`` (reached through the reshaping nodes that end a
-    batched ``matmul``). A node of fewer than two inputs that is no such view counts as
+def shares_parameters(node: Any, params: AbstractSet[int]) -> bool:
+    """Whether an extended parameter (its id in ``params``) lies upstream of two of the inputs
+    of the product whose output node is ``node`` (reached through the reshaping nodes that end
+    a batched ``matmul``). A node of fewer than two inputs that is no such view counts as
     sharing (the operands cannot be told apart)."""
     node = product_node(node)
     if sum(f is not None for f, _ in node.next_functions) < 2:
@@ -486,7 +487,7 @@ def shares_parameters(node: Any, view: Any) -> bool:
         while stack:
             fn = stack.pop()
             var = getattr(fn, "variable", None)
-            if var is not None and id(var) in view.params:
+            if var is not None and id(var) in params:
                 if owner.setdefault(id(var), i) != i:
                     return True
                 continue
@@ -582,9 +583,14 @@ def _add_error(
 def _add_residual(
     out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor | None, name: str, axis: int = 0
 ) -> None:
-    _add_site(out, ResidualSite(fn, z, name, out.output_nr, axis))
-    # only the mode records it (refusals the graph walk finds without it, engine.functional);
-    # an activation module's own site is taken back by its hook
+    _add_recorded(out, ResidualSite(fn, z, name, out.output_nr, axis))
+
+
+def _add_recorded(out: Tensor, site: Any) -> None:
+    """Add a site only the forward mode records (its Hessian term, read by the DiagHessian
+    family alone; refusals the graph walk finds without it, ``engine.functional``); an
+    activation module's own site is taken back by its hook."""
+    _add_site(out, site)
     FORWARD.acted += 1
     FORWARD.residual_acts += 1
 
@@ -645,7 +651,6 @@ def node_ops(
     whose parameters enter nonlinearly, :func:`check_linear_in_params`), so that no extension
     can use those records. Without the mode such nonlinearities carry no site, and the
     DiagHessian family refuses a pass through them (:func:`_unrecorded_nonlinearity`)."""
-    view = _Params(params)
     outs = [output] if isinstance(output, Tensor) else torch.utils._pytree.tree_flatten(output)[0]
     starts = [o.grad_fn for o in outs if isinstance(o, Tensor) and o.grad_fn is not None]
     ok: set[str] = set()
@@ -658,7 +663,7 @@ def node_ops(
         # (a product may be allowed, its operands depending on different parameters)
         blocked = blocked or any(
             e.nll_output is None
-            and (not isinstance(e, ProductSite) or shares_parameters(fn, view))
+            and (not isinstance(e, ProductSite) or shares_parameters(fn, params))
             for e in errors
         )
         if not blocked and fn.metadata:
@@ -670,15 +675,6 @@ def node_ops(
     if refused_only and not blocked:
         return None
     return frozenset(ok - refused)
-
-
-class _Params:
-    """The ``params`` (ids) :func:`shares_parameters` reads off a pass's graph view."""
-
-    __slots__ = ("params",)
-
-    def __init__(self, params: AbstractSet[int]) -> None:
-        self.params = params
 
 
 _NODE_NONLINEAR = ("native_layer_norm", "native_group_norm", "linalg_vector_norm", "linalg_norm")
@@ -745,7 +741,7 @@ def _unrecorded_nonlinearity(
     """A nonlinear operation (its name, :func:`classify`'s kind and, for a product, why its
     term cannot be built) between the extended losses and the parameters that no forward
     recording saw (so its Hessian term has no site), if any. ``product(node)`` takes a product
-    of values that depend on the same parameters (``None``: its term is built, a
+    (``None``: its operands depend on different parameters, or its term is built, a
     :class:`BilinearSite`) or says why not.
 
     The regions of top-level forwards that ran with the recording mode
@@ -807,10 +803,9 @@ def _unrecorded_nonlinearity(
             if kind == _UNKNOWN and (id(fn) in inside or op in known_ops):
                 continue
             if kind == _PRODUCT:
-                if id(fn) in inside and _value_operands(fn) < 2:
+                values = sum(not _param_only(f) for f, _ in fn.next_functions if f is not None)
+                if id(fn) in inside and values < 2:
                     continue  # a module's own parameter times its input (its rule's part)
-                if not shares_parameters(fn, view):
-                    continue  # the operands depend on different parameters (ProductSite)
                 why = product(fn)
                 if why is None:
                     continue
@@ -820,18 +815,6 @@ def _unrecorded_nonlinearity(
             continue
         return op, kind, None  # a quotient, or a non-elementwise nonlinearity
     return None
-
-
-def _value_operands(node: Any) -> int:
-    """The operands of product ``node`` that are not a parameter (read through views)."""
-    count = 0
-    for fn, _ in node.next_functions:
-        while fn is not None and type(fn).__name__ in _PRODUCT_VIEWS:
-            inputs = [f for f, _ in fn.next_functions if f is not None]
-            fn = inputs[0] if len(inputs) == 1 else None
-        if fn is not None and getattr(fn, "variable", None) is None:
-            count += 1
-    return count
 
 
 def nested_uses(call: Any, bp: Any) -> bool:
@@ -893,6 +876,9 @@ def check_pass(bp: Any, exts: list) -> None:
     bilinear: dict[int, tuple[BilinearSite, Any]] = {}
 
     def product(node: Any) -> str | None:
+        """``None`` where the product's term is off the parameters' blocks or built."""
+        if not shares_parameters(node, bp.view.params.keys()):
+            return None
         found = bilinear_site(bp, node)
         if isinstance(found, str):
             return found
@@ -913,10 +899,7 @@ def check_pass(bp: Any, exts: list) -> None:
                 continue
             why = site.why
             if isinstance(site, ProductSite) and id(site) in products:
-                node = products[id(site)]
-                if not shares_parameters(node, bp.view):
-                    continue
-                why = product(node)
+                why = product(products[id(site)])
                 if why is None:
                     continue
             why = why or "its Hessian term is not an elementwise residual"
@@ -1235,17 +1218,15 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         if name in _ROW_WISE:
             site = _row_site(func, name, args, kwargs, out)
             if site is not None:
-                _add_site(out, site)
-                FORWARD.acted += 1
-                FORWARD.residual_acts += 1
+                _add_recorded(out, site)
                 return
         if name == "scaled_dot_product_attention":
             attention = _attention_site(args, kwargs, out)
-            if attention is not None:
+            if isinstance(attention, AttentionSite):
+                _add_recorded(out, attention)
+                return
+            if attention is not None:  # (a refusal)
                 _add_site(out, attention)
-                if isinstance(attention, AttentionSite):
-                    FORWARD.acted += 1
-                    FORWARD.residual_acts += 1
                 return
         if name == "log_softmax":
             _add_error(out, "log_softmax", weakref.ref(out))
@@ -1271,18 +1252,18 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
     z = args[0] if args else None
     if not isinstance(z, Tensor) or not z.requires_grad or out.shape != z.shape or out is z:
         return None
+    rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
+    kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+
+    def fn(zz: Tensor) -> Tensor:
+        return func(zz, *rest, **kw)
+
     if name == "group_norm":  # rows: the groups of channels with their positions
         groups = args[1] if len(args) > 1 else kwargs.get("num_groups")
         if not isinstance(groups, int) or z.dim() < 2 or groups < 1 or z.shape[1] % groups:
             return None
         view = (z.shape[0], groups, z.shape[1] // groups, *z.shape[2:])
-        rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
-        kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-
-        def group_fn(zz: Tensor) -> Tensor:
-            return func(zz, *rest, **kw)
-
-        return RowSite(group_fn, z, name, out.output_nr, None, z.dim() - 1, view)
+        return RowSite(fn, z, name, out.output_nr, None, z.dim() - 1, view)
     params = ("dim",) if "softmax" in name or "softmin" in name else ("normalized_shape",)
     spec = args[1] if len(args) > 1 else kwargs.get(params[0])
     if "norm" in name:
@@ -1296,12 +1277,6 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
         if not isinstance(spec, int) or z.dim() == 0:
             return None  # (softmax without dim: PyTorch's implicit choice)
         dim, trailing = spec, 1
-    rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
-    kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-
-    def fn(zz: Tensor) -> Tensor:
-        return func(zz, *rest, **kw)
-
     return RowSite(fn, z, name, out.output_nr, dim, trailing)
 
 

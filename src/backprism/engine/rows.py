@@ -97,5 +97,3 @@ def row_hessians(
             out[k0:k1] = hv.reshape(k1 - k0, rows, d)
     H = out.permute(1, 2, 0)  # [rows, entry, k]: column k of each row's Hessian
     return (H + H.transpose(1, 2)) / 2
-
-

@@ -250,7 +250,7 @@ def affine_per_sample(
 _MULTI_AFFINE: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
-def multi_affine(call: Call, run: Any) -> bool:
+def multi_affine(call: Call, primals: dict[str, Tensor], run: Any) -> bool:
     r"""Whether ``call``'s module (without sub-modules, at most :data:`_MAX_PARAMS` parameters)
     is affine in each of its parameters and in its inputs, each with the rest held (timm's
     ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has no
@@ -259,11 +259,11 @@ def multi_affine(call: Call, run: Any) -> bool:
     the midpoint of two random values of one parameter (then of all inputs at once) is the
     mean of the outputs at the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the
     largest output; a nonlinear dependence fails that almost surely. Cached per
-    module and shapes. ``run(params, args, kwargs)``: the module's functional call, outputs
-    listed."""
+    module and shapes. ``primals`` and ``run(params, args, kwargs)``: the module's functional
+    call, outputs listed (as for :func:`affine_per_sample`)."""
     module = call.module
     n = call.batch_size
-    params = {k: p.detach() for k, p in call.params.items()}
+    params = primals
     tensors = [a for a in call.args if isinstance(a, Tensor)]
     if (
         module._modules or not params or len(params) > _MAX_PARAMS or call.fold != 1

@@ -412,6 +412,54 @@ def _releases(cls: type) -> bool | None:
     return None
 
 
+def _functional(call: Call) -> tuple[
+    dict[str, Tensor], Callable[[dict[str, Tensor], tuple, dict], list[Tensor]], dict[str, str]
+]:
+    """The module of ``call`` as a function of its trainable parameters: ``(primals, run,
+    aliases)``, ``run(params, args, kwargs)`` its forward's tensor outputs with ``params``
+    (named as ``primals``) in place of them, ``aliases`` the primal's name of each name of
+    ``call.params``.
+
+    One primal per tensor: a tensor shared under several names of ``call.params`` is one
+    primal under its first name, fed to every name (its gradient collects all these uses). Every
+    other name of the module's tensors is a constant, one detached tensor per tensor. A name
+    not in ``call.params`` may be tied to a primal (BertLMPredictionHead's ``bias`` is
+    ``decoder.bias``): the call of the sub-module that ran (``decoder``) accounts for the uses
+    under that name, so here it stays a constant — untied, passed explicitly with
+    ``tie_weights=False``, so that Σ over calls is the gradient once."""
+    module = call.module
+    names, seen = [], {}
+    for name, p in call.params.items():
+        if id(p) in seen:
+            continue
+        seen[id(p)] = name
+        names.append(name)
+    primals = {k: call.params[k].detach() for k in names}
+    aliases = {name: seen[id(p)] for name, p in call.params.items()}
+    memo: dict[int, Tensor] = {}
+    fixed: dict[str, Tensor] = {}
+    for k, v in module.named_parameters(remove_duplicate=False):
+        if k in call.params:
+            continue
+        if id(v) not in memo:
+            memo[id(v)] = v.detach()
+        fixed[k] = memo[id(v)]
+    for k, v in module.named_buffers(remove_duplicate=False):
+        if id(v) not in memo:
+            memo[id(v)] = v.detach().clone()
+        fixed[k] = memo[id(v)]
+
+    def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
+        values = dict(fixed)
+        for name, first in aliases.items():
+            values[name] = params[first]
+        with suspended():
+            out = functional_call(module, values, args, kwargs, tie_weights=False)
+        return _tensor_outputs(out)
+
+    return primals, run, aliases
+
+
 class GenericRule(Rule):
     """Per-sample VJPs of the module's own forward with ``torch.func`` (see module docstring).
 
@@ -475,15 +523,8 @@ class GenericRule(Rule):
         timm's ``LayerScale``), which no other module is taken to be."""
         if hasattr(call.module, "linear_in_params"):
             return bool(call.module.linear_in_params)
-        module = call.module
-        fixed = {k: v.detach() for k, v in module.named_buffers()}
-
-        def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
-            with suspended():
-                out = functional_call(module, {**fixed, **params}, args, kwargs)
-            return _tensor_outputs(out)
-
-        return elementwise.multi_affine(call, run)
+        primals, run, _ = _functional(call)
+        return elementwise.multi_affine(call, primals, run)
 
     # -- caching one (call, g) -------------------------------------------------------------
     def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
@@ -553,44 +594,7 @@ class GenericRule(Rule):
             if closed is not None:
                 return closed
 
-        # trainable parameters this call owns, one primal per tensor: a tensor shared under
-        # several names of call.params is one primal under its first name, fed to every name
-        # (its gradient collects all these uses; the other names get zeros, so the sum over
-        # names is the gradient once)
-        names, seen = [], {}
-        for name, p in call.params.items():
-            if id(p) in seen:
-                continue
-            seen[id(p)] = name
-            names.append(name)
-        primals = {k: call.params[k].detach() for k in names}
-        aliases = {name: seen[id(p)] for name, p in call.params.items()}
-        # every other name of the module's tensors is a constant, one detached tensor per
-        # tensor. A name not in call.params may be tied to a primal (BertLMPredictionHead's
-        # ``bias`` is ``decoder.bias``): the call of the sub-module that ran (``decoder``)
-        # accounts for the uses under that name, so here it stays a constant — untied, passed
-        # explicitly with tie_weights=False, so that Σ over calls is the gradient once.
-        memo: dict[int, Tensor] = {}
-        fixed: dict[str, Tensor] = {}
-        for k, v in module.named_parameters(remove_duplicate=False):
-            if k in call.params:
-                continue
-            if id(v) not in memo:
-                memo[id(v)] = v.detach()
-            fixed[k] = memo[id(v)]
-        for k, v in module.named_buffers(remove_duplicate=False):
-            if id(v) not in memo:
-                memo[id(v)] = v.detach().clone()
-            fixed[k] = memo[id(v)]
-
-        def run(params: dict[str, Tensor], args: tuple, kwargs: dict) -> list[Tensor]:
-            values = dict(fixed)
-            for name, first in aliases.items():
-                values[name] = params[first]
-            with suspended():
-                out = functional_call(module, values, args, kwargs, tie_weights=False)
-            return _tensor_outputs(out)
-
+        primals, run, aliases = _functional(call)
         if not isinstance(module, _LOOP_TYPES) and not getattr(module, "op", None):
             closed = elementwise.affine_per_sample(call, gs, primals, run)  # (None: below)
             if closed is not None:
@@ -599,10 +603,8 @@ class GenericRule(Rule):
         if not any(isinstance(t, Tensor) for t in tree_flatten((call.args, call.kwargs))[0]):
             out = _without_inputs(run, primals, call, gs, m, n)
             return {
-                name: out[seen[id(p)]] if seen[id(p)] == name else torch.zeros_like(
-                    out[seen[id(p)]]
-                )
-                for name, p in call.params.items()
+                name: out[first] if first == name else torch.zeros_like(out[first])
+                for name, first in aliases.items()
             }
         inputs = _Inputs(call)
         if not inputs.batched:
@@ -691,8 +693,7 @@ class GenericRule(Rule):
                     )
 
         result: dict[str, Tensor] = {}
-        for name, p in call.params.items():
-            first = seen[id(p)]
+        for name, first in aliases.items():
             v = out[first]
             result[name] = v if first == name else torch.zeros_like(v)
         return result
