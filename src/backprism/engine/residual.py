@@ -803,8 +803,7 @@ def _unrecorded_nonlinearity(
             if kind == _UNKNOWN and (id(fn) in inside or op in known_ops):
                 continue
             if kind == _PRODUCT:
-                values = sum(not _param_only(f) for f, _ in fn.next_functions if f is not None)
-                if id(fn) in inside and values < 2:
+                if id(fn) in inside and _values(fn) < 2:
                     continue  # a module's own parameter times its input (its rule's part)
                 why = product(fn)
                 if why is None:
@@ -815,6 +814,11 @@ def _unrecorded_nonlinearity(
             continue
         return op, kind, None  # a quotient, or a non-elementwise nonlinearity
     return None
+
+
+def _values(node: Any) -> int:
+    """The operands of product ``node`` that are not parameters (read through views)."""
+    return sum(not _param_only(f) for f, _ in node.next_functions if f is not None)
 
 
 def nested_uses(call: Any, bp: Any) -> bool:
