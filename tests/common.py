@@ -484,6 +484,11 @@ NORMS = {
     "batchnorm1d_seq": (lambda: nn.BatchNorm1d(2), (2, 3)),
     "batchnorm2d": (lambda: nn.BatchNorm2d(2), (2, 2, 2)),
     "batchnorm3d": (lambda: nn.BatchNorm3d(2), (2, 1, 2, 2)),
+    "instancenorm1d": (lambda: nn.InstanceNorm1d(2, affine=True), (2, 3)),
+    "instancenorm2d": (lambda: nn.InstanceNorm2d(2, affine=True), (2, 2, 3)),
+    "instancenorm3d_running": (
+        lambda: nn.InstanceNorm3d(2, affine=True, track_running_stats=True), (2, 1, 2, 2)
+    ),
 }
 
 
@@ -493,7 +498,7 @@ def norm_model(kind: str, seed: int) -> tuple[nn.Module, Tensor]:
     torch.manual_seed(seed)
     make, shape = NORMS[kind]
     layer = randomize_affine(make())
-    if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+    if isinstance(layer, nn.modules.batchnorm._NormBase) and layer.track_running_stats:
         layer.running_mean.uniform_(-0.5, 0.5)
         layer.running_var.uniform_(0.5, 2.0)
     X = torch.randn(FAMILY_N, *shape, dtype=FAMILY_DT)
@@ -568,14 +573,17 @@ def close(actual: Tensor, expected: Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=RULE_ATOL, rtol=RULE_RTOL)
 
 
-def check_rule(module: nn.Module, x: Tensor, seed: int) -> None:
-    """Every statistic of ``module``'s rule against the dense per-sample reference."""
+def check_rule(
+    module: nn.Module, x: Tensor, seed: int, reference: nn.Module | None = None
+) -> None:
+    """Every statistic of ``module``'s rule against the dense per-sample reference (the VJPs of
+    ``reference``, a module computing the same function, where ``module`` cannot be vmapped)."""
     gen = torch.Generator().manual_seed(seed)
     call, out_shape = make_call(module, x)
     n = x.shape[0]
     g = torch.randn(RULE_COLUMNS, *out_shape, generator=gen, dtype=torch.float64)
     w = torch.randn(RULE_COLUMNS, n, generator=gen, dtype=torch.float64)
-    ref = vjp_per_sample(module, x, g)
+    ref = vjp_per_sample(reference if reference is not None else module, x, g)
     rule = get_rule(module)
     assert type(rule).__module__ != "backprism.rules.generic"
     check_rule_statistics(rule, call, g, ref, w, atol=RULE_ATOL, rtol=RULE_RTOL)

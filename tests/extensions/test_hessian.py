@@ -571,26 +571,54 @@ def test_generic_module_affine_in_parameters_and_inputs(kind: str):
     check_diag(model, lf, X, y)
 
 
-class ConvGroupNorm(nn.Module):
-    """Conv → GroupNorm (two groups of two channels, each a row of ``2 · H · W`` entries) →
-    tanh → Linear."""
+class ConvNorm(nn.Module):
+    """Conv → a norm on feature maps → tanh → Linear."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: nn.Module) -> None:
         super().__init__()
-        self.conv, self.norm = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.conv, self.norm = nn.Conv2d(2, 4, 3, padding=1), norm
         self.head = nn.Linear(4 * 3 * 3, 3)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(torch.tanh(self.norm(self.conv(x))).flatten(1))
 
 
-def test_group_norm_on_feature_maps():
-    """GroupNorm between parameters: its rows are the groups of channels with their
-    positions; DiagHessian and BatchDiagHessian against the dense Hessian."""
+@pytest.mark.parametrize(
+    "kind", ["group", "instance", "instance_plain", "instance_running", "instance_functional"]
+)
+def test_norms_on_feature_maps(kind: str):
+    """Norms between parameters, their rows known: GroupNorm's groups of channels with their
+    positions (two groups of two channels, rows of ``2 · H · W`` entries), InstanceNorm's
+    channels of a sample (with and without affine parameters, as ``F.instance_norm``); with
+    running statistics in eval mode InstanceNorm is affine. DiagHessian and BatchDiagHessian
+    against the dense Hessian."""
     torch.manual_seed(26)
-    model = ConvGroupNorm()
+    norm: nn.Module = {
+        "group": lambda: nn.GroupNorm(2, 4),
+        "instance": lambda: nn.InstanceNorm2d(4, affine=True),
+        "instance_plain": lambda: nn.InstanceNorm2d(4),
+        "instance_running": lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        "instance_functional": lambda: _FunctionalInstanceNorm(4),
+    }[kind]()
+    model = ConvNorm(norm)
     with torch.no_grad():
-        model.norm.weight.uniform_(0.5, 1.5)
-        model.norm.bias.uniform_(-0.5, 0.5)
+        for name, p in norm.named_parameters():
+            p.uniform_(0.5, 1.5) if name == "weight" else p.uniform_(-0.5, 0.5)
+        if kind == "instance_running":
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+            model.eval()
     X, y = torch.randn(3, 2, 3, 3), torch.randint(0, 3, (3,))
     check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+class _FunctionalInstanceNorm(nn.Module):
+    """``F.instance_norm`` with a container's parameters passed by keyword."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.inner = nn.Identity()  # (a container: its parameters are attributed where used)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.instance_norm(self.inner(x), weight=self.weight, bias=self.bias, eps=1e-3)

@@ -1,6 +1,6 @@
 """KFAC / KFLR / KFRA on models with normalisation layers and modules without Kronecker form.
 
-Parameters without Kronecker structure (LayerNorm, BatchNorm in eval mode, GroupNorm,
+Parameters without Kronecker structure (LayerNorm, BatchNorm in eval mode, GroupNorm, InstanceNorm,
 ``nn.RMSNorm``, a hand-written RMSNorm taking the generic ``torch.func`` rule, Hugging Face's
 ``LlamaRMSNorm``) get the single-factor form of a bias, ``[D]`` with ``D`` a ``[P, P]`` diagonal
 matrix: the exact GGN diagonal for KFLR and KFRA, the MC GGN diagonal of KFAC's own
@@ -126,6 +126,15 @@ def _build(name: str, n: int, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]
             nn.Linear(4 * 2 * 2, 3),
         )
         X = torch.randn(n, 2, 3, 3)
+    elif name == "instancenorm":
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 2),
+            nn.InstanceNorm2d(4, affine=True),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(4 * 2 * 2, 3),
+        )
+        X = torch.randn(n, 2, 3, 3)
     elif name == "encoder":
         model = Encoder()
         X = torch.randn(n, 3, 4)
@@ -142,9 +151,9 @@ def _build(name: str, n: int, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]
     return model, X.to(DT), y
 
 
-CHAINS = ["layernorm", "rmsnorm", "hand_rmsnorm", "batchnorm", "groupnorm"]
+CHAINS = ["layernorm", "rmsnorm", "hand_rmsnorm", "batchnorm", "groupnorm", "instancenorm"]
 NAMES = [*CHAINS, "encoder", "resnet"]
-NORMS = (nn.LayerNorm, nn.RMSNorm, HandRMSNorm, nn.BatchNorm2d, nn.GroupNorm)
+NORMS = (nn.LayerNorm, nn.RMSNorm, HandRMSNorm, nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d)
 LINEAR_LIKE = (nn.Linear, nn.Conv2d)
 
 

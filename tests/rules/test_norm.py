@@ -1,5 +1,5 @@
 """Rules for normalisation layers (``backprism.rules.norm``: LayerNorm, RMSNorm, GroupNorm,
-BatchNorm in eval mode) against dense float64 references from ``torch.func``.
+InstanceNorm, BatchNorm in eval mode) against dense float64 references from ``torch.func``.
 
 Rule level: every rule method against per-sample vector-Jacobian products of the module's own
 forward (``tests.common.check_rule``), frozen parameters, errors. End to end: the first-order
@@ -10,6 +10,8 @@ computed once per call; and ``DiagGGNExact``/``BatchDiagGGNExact``/``SqrtGGNExac
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -109,6 +111,37 @@ def test_batchnorm_eval_rule(kind, n, channels, eps, seed):
     check_rule(module, x, seed)
 
 
+@RULE_SETTINGS
+@given(
+    st.sampled_from([nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d]),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from(["input", "running, train", "running, eval"]),
+    st.floats(1e-6, 1e-1),
+    st.integers(0, 2**16),
+)
+def test_instancenorm_rule(cls, n, channels, stats, eps, seed):
+    """Per sample and channel over the spatial axes (train mode, or no running statistics),
+    or with the running statistics (eval mode, ``track_running_stats=True``)."""
+    gen = torch.Generator().manual_seed(seed)
+    module = randomize(
+        cls(channels, eps=eps, affine=True, track_running_stats=stats != "input").double(), seed
+    )
+    if stats != "input":
+        with torch.no_grad():
+            module.running_mean.copy_(torch.randn(channels, generator=gen))
+            module.running_var.copy_(torch.rand(channels, generator=gen) + 0.1)
+    module.train(stats == "running, train")
+    spatial = {nn.InstanceNorm1d: [3], nn.InstanceNorm2d: [2, 3], nn.InstanceNorm3d: [2, 1, 2]}
+    x = torch.randn(n, channels, *spatial[cls], generator=gen).double()
+    reference = None
+    if stats == "running, train":  # the same output; vmap cannot update running statistics
+        reference = copy.deepcopy(module)
+        reference.track_running_stats = False
+        reference.running_mean = reference.running_var = None
+    check_rule(module, x, seed, reference)
+
+
 def test_norm_frozen_parameter_is_skipped():
     module = randomize(nn.LayerNorm(3).double(), 0)
     module.bias.requires_grad_(False)
@@ -132,6 +165,10 @@ def test_norm_errors():
     call, shape = make_call(ln, torch.randn(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="batch axis"):
         get_rule(ln).per_sample(call, torch.randn(1, *shape, dtype=torch.float64))
+    inorm = nn.InstanceNorm1d(3, affine=True).double()
+    call, shape = make_call(inorm, torch.randn(3, 4, dtype=torch.float64))  # [C, L]: unbatched
+    with pytest.raises(ValueError, match="unbatched"):
+        get_rule(inorm).per_sample(call, torch.randn(1, *shape, dtype=torch.float64))
 
 
 def _conv_model(norm: nn.Module) -> nn.Sequential:
@@ -331,3 +368,37 @@ def test_functional_batch_norm(batch_stats: bool, monkeypatch):
     with pytest.raises(RuntimeError, match=r"train mode.*eval"), backprism.collect(BatchGrad()):
         loss_fn(model(x), y).backward()
     assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())
+
+
+class FunctionalInstanceNorm(nn.Module):
+    """``F.instance_norm`` with the container's own scale and shift (keywords): per-sample
+    statistics, or the running ones (``use_input_stats=False``)."""
+
+    def __init__(self, channels: int, running: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, channels, 3)
+        self.gamma = nn.Parameter(torch.rand(channels) + 0.5)
+        self.beta = nn.Parameter(torch.randn(channels))
+        self.register_buffer("mean", torch.randn(channels) * 0.1 if running else None)
+        self.register_buffer("var", torch.rand(channels) + 0.5 if running else None)
+        self.head = nn.Linear(channels * 4, 3)
+        self.running = running
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.nn.functional.instance_norm(
+            self.conv(x), self.mean, self.var, weight=self.gamma, bias=self.beta,
+            use_input_stats=not self.running, eps=1e-3,
+        )
+        return self.head(torch.tanh(h).flatten(1))
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_functional_instance_norm(running: bool, monkeypatch):
+    """``F.instance_norm`` on a container's own parameters (passed by keyword): the
+    InstanceNorm closed form (no generic rule), per-sample or running statistics."""
+    generic_calls = _count_generic(monkeypatch)
+    torch.manual_seed(0)
+    model = FunctionalInstanceNorm(4, running).double()
+    x, y = torch.randn(3, 2, 4, 4, dtype=torch.float64), torch.tensor([0, 2, 1])
+    check_first_order_e2e(model, nn.CrossEntropyLoss(), x, y)
+    assert generic_calls == []

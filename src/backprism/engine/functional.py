@@ -304,17 +304,32 @@ def _new_norm_stand_in(
     return m
 
 
-#: ``F.batch_norm``'s arguments in order (``torch.batch_norm``, also named ``batch_norm``,
-#: orders them differently: only ``F.batch_norm`` itself is taken)
-_BATCH_NORM_ARGS = (
-    "input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"
-)
-_BATCH_NORM_DEFAULTS = (None, None, None, None, None, False, 0.1, 1e-5)
-_BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+#: ``F.batch_norm``'s and ``F.instance_norm``'s arguments in order, their defaults and their
+#: modules by input dimension (``torch.batch_norm``, also named ``batch_norm``, orders them
+#: differently: only the ``F`` functions themselves are taken). Argument 5 is ``training`` /
+#: ``use_input_stats``: whether the input's own statistics are used.
+_STAT_NORMS: dict[str, tuple[Any, tuple[str, ...], tuple[Any, ...], dict[int, type]]] = {
+    "batch_norm": (
+        F.batch_norm,
+        ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+        (None, None, None, None, None, False, 0.1, 1e-5),
+        {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d},
+    ),
+    "instance_norm": (
+        F.instance_norm,
+        (
+            "input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+            "momentum", "eps",
+        ),
+        (None, None, None, None, None, True, 0.1, 1e-5),
+        {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d},
+    ),
+}
 
 
-def _batch_norm(
-    func: Any, args: tuple, kwargs: dict, x: Tensor, outs: list[Tensor], owned: frozenset[int]
+def _stat_norm(
+    name: str, func: Any, args: tuple, kwargs: dict, x: Tensor, outs: list[Tensor],
+    owned: frozenset[int],
 ) -> bool:
     """Capture ``F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum,
     eps)`` with parameter ``weight``/``bias`` (timm's ``BatchNormAct2d``, any BatchNorm
@@ -322,17 +337,19 @@ def _batch_norm(
     of a BatchNorm stand-in with the same running statistics, ``eps`` and mode: the BatchNorm
     rule's closed form ``y = x̂ ⊙ w + b`` with ``x̂`` from the running statistics, and the
     engine's refusal of batch statistics (``training=True``, or no running statistics: they
-    mix the samples) as for ``nn.BatchNorm2d``. Returns whether the use was captured (other
-    arguments: the generic stand-in)."""
-    if func is not F.batch_norm or len(args) > len(_BATCH_NORM_ARGS):
+    mix the samples) as for ``nn.BatchNorm2d``. ``F.instance_norm`` (same arguments,
+    ``use_input_stats`` for ``training``) likewise as an InstanceNorm stand-in: per-sample
+    statistics, or the running ones. Returns whether the use was captured (other arguments:
+    the generic stand-in)."""
+    target, arg_names, defaults, classes = _STAT_NORMS[name]
+    if func is not target or len(args) > len(arg_names):
         return False
-    if not set(kwargs) <= set(_BATCH_NORM_ARGS[len(args) :]):
+    if not set(kwargs) <= set(arg_names[len(args) :]):
         return False
     full = list(args) + [
-        kwargs.get(k, d) for k, d in zip(_BATCH_NORM_ARGS[len(args) :],
-                                         _BATCH_NORM_DEFAULTS[len(args) :])
+        kwargs.get(k, d) for k, d in zip(arg_names[len(args) :], defaults[len(args) :])
     ]
-    if full[0] is not x or x.dim() not in _BATCH_NORMS or not isinstance(full[5], bool):
+    if full[0] is not x or x.dim() not in classes or not isinstance(full[5], bool):
         return False
     found: dict[str, nn.Parameter] = {}
     for key, a in (("weight", full[3]), ("bias", full[4])):
@@ -347,22 +364,23 @@ def _batch_norm(
     eps = full[7]
     key = _options(x.dim(), eps)
     weight, bias = found.get("weight"), found.get("bias")
+    cls = classes[x.dim()]
     module = _stand_in(
-        None if key is None else ("batch_norm", key, *(id(s) for s in stats)),
+        None if key is None else (name, key, *(id(s) for s in stats)),
         (weight, bias),
-        lambda: _new_batch_norm_stand_in(x.dim(), weight, bias, stats, eps),
+        lambda: _new_stat_norm_stand_in(name, cls, weight, bias, stats, eps),
     )
     if module.running_mean is not stats[0] or module.running_var is not stats[1]:
-        module = _new_batch_norm_stand_in(x.dim(), weight, bias, stats, eps)  # (ids reused)
+        module = _new_stat_norm_stand_in(name, cls, weight, bias, stats, eps)  # (ids reused)
     module.training = full[5]
     _capture_one(module, x, outs, found)
     return True
 
 
-def _new_batch_norm_stand_in(
-    dim: int, weight: nn.Parameter | None, bias: nn.Parameter | None, stats: list, eps: Any
+def _new_stat_norm_stand_in(
+    name: str, cls: type, weight: nn.Parameter | None, bias: nn.Parameter | None,
+    stats: list, eps: Any,
 ) -> nn.Module:
-    cls = _BATCH_NORMS[dim]
     m = cls.__new__(cls)
     nn.Module.__init__(m)
     m.num_features = (weight if weight is not None else bias).shape[0]  # type: ignore[union-attr]
@@ -372,7 +390,7 @@ def _new_batch_norm_stand_in(
     m._parameters["bias"] = bias
     m._buffers["running_mean"], m._buffers["running_var"] = stats[0], stats[1]
     m._buffers["num_batches_tracked"] = None
-    m._backprism_name = "batch_norm (a functional use of a parameter)"
+    m._backprism_name = f"{name} (a functional use of a parameter)"  # type: ignore[attr-defined]
     return m
 
 
@@ -586,8 +604,8 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
     ):
         return
     if (
-        name == "batch_norm" and tensors[0][0] == 0
-        and _batch_norm(func, args, kwargs, x, outs, owned)
+        name in _STAT_NORMS and tensors[0][0] == 0
+        and _stat_norm(name, func, args, kwargs, x, outs, owned)
     ):
         return
     if name == "addmm" and len(args) == 3 and tensors[0][0] == 1 and not kwargs:

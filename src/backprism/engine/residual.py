@@ -10,9 +10,9 @@ nonlinearity:
     \qquad r = \frac{∂L}{∂a} ⊙ σ''(z),
 
 where ``(…)`` collects the terms of the other operations that are *not* linear in their inputs.
-*Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``softmax``,
-``softmin``: each row of ``d`` entries on its own) contribute one ``d × d`` block per row,
-eigen-decomposed into signed columns (:class:`RowSite`, :func:`push_rows`). Products of two
+*Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``,
+``softmax``, ``softmin``: each row of ``d`` entries on its own) contribute one ``d × d`` block
+per row, eigen-decomposed into signed columns (:class:`RowSite`, :func:`push_rows`). Products of two
 values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
 contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
 gradient into signed columns on both operands (:class:`BilinearSite`,
@@ -74,6 +74,7 @@ clear error — put it inside the model.
 from __future__ import annotations
 
 import copy as _copy
+import inspect
 import re
 import weakref
 from collections.abc import Callable, Iterable
@@ -1219,6 +1220,10 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
     if kind == _NONLIN:
         if name == "batch_norm" and not _bn_training(args, kwargs):
             return  # eval-mode batch norm is affine in its input
+        if name == "instance_norm" and not _INSTANCE_NORM.bind(*args, **kwargs).arguments.get(
+            "use_input_stats", True
+        ):
+            return  # with running statistics: affine in its input
         if name in _ROW_WISE:
             site = _row_site(func, name, args, kwargs, out)
             if site is not None:
@@ -1244,8 +1249,10 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
 
 #: smooth nonlinear operations acting on rows of their input independently (:class:`RowSite`)
 _ROW_WISE = frozenset(
-    {"softmax", "_softmax", "softmin", "layer_norm", "rms_norm", "group_norm"}
+    {"softmax", "_softmax", "softmin", "layer_norm", "rms_norm", "group_norm", "instance_norm"}
 )
+
+_INSTANCE_NORM = inspect.signature(F.instance_norm)
 
 
 def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> RowSite | None:
@@ -1262,6 +1269,19 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
     def fn(zz: Tensor) -> Tensor:
         return func(zz, *rest, **kw)
 
+    if name == "instance_norm":  # rows: each sample's channels with their positions
+        bound = _INSTANCE_NORM.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if z.dim() < 3:
+            return None  # (an unbatched input: its rows are not samples)
+        w, b = (t.detach() if isinstance(t, Tensor) else t for t in (a["weight"], a["bias"]))
+        eps = a["eps"]
+
+        def fn_inst(zz: Tensor) -> Tensor:  # (without the running statistics' update)
+            return F.instance_norm(zz, None, None, w, b, True, 0.0, eps)
+
+        return RowSite(fn_inst, z, name, out.output_nr, None, z.dim() - 2)
     if name == "group_norm":  # rows: the groups of channels with their positions
         groups = args[1] if len(args) > 1 else kwargs.get("num_groups")
         if not isinstance(groups, int) or z.dim() < 2 or groups < 1 or z.shape[1] % groups:

@@ -1,4 +1,5 @@
-r"""Rules for normalisation layers: LayerNorm, RMSNorm, GroupNorm and BatchNorm in eval mode.
+r"""Rules for normalisation layers: LayerNorm, RMSNorm, GroupNorm, InstanceNorm and BatchNorm in
+eval mode.
 
 All of them compute ``y = x̂ ⊙ w + b`` where the normalised input ``x̂`` does not depend on the
 parameters, so with output columns ``g`` (``[M, N, *out.shape]``) the per-sample, per-column
@@ -16,6 +17,10 @@ input and the module's hyper-parameters exactly as PyTorch computes it:
   ``eps = torch.finfo(x.dtype).eps`` when ``eps is None``;
 * ``GroupNorm``: ``x̂ = (x − E[x]) / √(Var[x] + eps)``, biased variance over each group of
   ``C / num_groups`` channels and all spatial axes;
+* ``InstanceNorm1d/2d/3d`` (``affine=True``): ``x̂ = (x − E[x]) / √(Var[x] + eps)`` per sample
+  and channel over the spatial axes (biased variance) — ``GroupNorm`` with one channel per
+  group —, or in eval mode with ``track_running_stats=True`` the running statistics per
+  channel, as BatchNorm in eval mode;
 * ``BatchNorm1d/2d/3d`` in eval mode: ``x̂ = (x − running_mean) / √(running_var + eps)`` per
   channel (axis 1). BatchNorm using batch statistics (train mode, or
   ``track_running_stats=False``) mixes the samples and is refused.
@@ -45,7 +50,7 @@ from torch import Tensor, nn
 
 from backprism.engine.rule import Call, Rule, register_rule
 
-__all__ = ["BatchNormRule", "GroupNormRule", "LayerNormRule", "RMSNormRule"]
+__all__ = ["BatchNormRule", "GroupNormRule", "InstanceNormRule", "LayerNormRule", "RMSNormRule"]
 
 #: ``(weakref to call, input version, x̂)`` of the most recent call; at most one x̂ is kept.
 _LAST: tuple[weakref.ref, int, Tensor] | None = None
@@ -197,6 +202,34 @@ class GroupNormRule(_AffineNormRule):
     def normalized(self, call: Call) -> Tensor:
         module: nn.GroupNorm = call.module
         return F.group_norm(call.input, module.num_groups, None, None, module.eps)
+
+
+@register_rule(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+class InstanceNormRule(_AffineNormRule):
+    """``x̂ = (x − E[x]) / √(Var[x] + eps)`` per sample and channel over the spatial axes
+    (biased variance); with ``track_running_stats=True`` in eval mode, the running statistics
+    (PyTorch's ``use_input_stats = training or not track_running_stats``)."""
+
+    channel = True
+
+    def validate(self, call: Call) -> None:
+        module: Any = call.module
+        x = call.input
+        if x.dim() == module._get_no_batch_dim():
+            raise ValueError(
+                f"backprism: {type(module).__name__} got the unbatched input of shape "
+                f"{tuple(x.shape)} (channels first, no batch axis), so there are no samples "
+                "to compute per-sample quantities for. Feed a batched input [N, C, *spatial]."
+            )
+
+    def normalized(self, call: Call) -> Tensor:
+        module: Any = call.module
+        x = call.input
+        if call.training or not module.track_running_stats:
+            return F.instance_norm(x, None, None, None, None, True, 0.0, module.eps)
+        mean = module.running_mean.to(x.dtype)
+        var = module.running_var.to(x.dtype)
+        return F.instance_norm(x, mean, var, None, None, False, 0.0, module.eps)
 
 
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
