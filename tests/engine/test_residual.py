@@ -2,7 +2,7 @@
 non-GGN part of ``DiagHessian``): the recording of nonlinearities during the forward (switch,
 no reference cycles, forwards inside a context without the DiagHessian family) and the clear
 refusals, before anything is written, of what has no residual decomposition (in-place
-nonlinearities, InstanceNorm between parameters, a parameter used by several calls, parameters
+nonlinearities, LocalResponseNorm between parameters, a parameter used by several calls, parameters
 entering a generic-rule module nonlinearly, parameter-only values broadcast into the
 activations).
 
@@ -257,12 +257,12 @@ class BodyProduct(nn.Module):
 
 
 CASES = {
-    "instancenorm": (
+    "local_response_norm": (
         lambda: nn.Sequential(
-            nn.Conv1d(3, 4, 1), nn.InstanceNorm1d(4), nn.Flatten(), nn.Linear(8, 3)
+            nn.Conv1d(3, 4, 1), nn.LocalResponseNorm(2), nn.Flatten(), nn.Linear(8, 3)
         ),
         (4, 3, 2),
-        "instance_norm",
+        "local_response_norm",
     ),
     "shared": (Shared, (4, 3), "several calls"),
     "generic": (lambda: nn.Sequential(nn.Linear(3, 3), OwnParam()), (4, 3), "nonlinearly"),

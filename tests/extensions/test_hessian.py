@@ -540,35 +540,64 @@ def test_row_wise_nonlinearity_in_bfloat16():
 
 class Scale(nn.Module):
     """A leaf module with parameters of its own (the generic rule): ``x ⊙ γ`` (timm's
-    ``LayerScale``), ``β + α ⊙ x`` (ResMLP's ``Affine``) or ``tanh(x) ⊙ γ``."""
+    ``LayerScale``), ``β + α ⊙ x`` (ResMLP's ``Affine``), ``tanh(x) ⊙ γ``, a hand-written
+    RMSNorm ``x · rsqrt(mean(x²) + ε) ⊙ γ``, ``F.layer_norm(x, (d,), γ, β)``, a normalised
+    ``x / ‖x‖ ⊙ γ``; or ``i0(x) ⊙ γ`` (an operation of unknown kind), ``x ⊙ exp(γ)``
+    (nonlinear in its parameter), ``x ⊙ γ / (1 + ‖γ‖²)``."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.gamma = nn.Parameter(torch.randn(4))
-        self.beta = nn.Parameter(torch.randn(4)) if kind == "affine" else None
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+        self.beta = nn.Parameter(torch.randn(4)) if kind in ("affine", "layer_norm") else None
 
     def forward(self, x: Tensor) -> Tensor:
+        g = self.gamma
         if self.kind == "affine":
-            return self.beta + self.gamma * x
-        return (torch.tanh(x) if self.kind == "tanh" else x) * self.gamma
+            return self.beta + g * x
+        if self.kind == "tanh":
+            return torch.tanh(x) * g
+        if self.kind == "rms_norm":
+            return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * g
+        if self.kind == "layer_norm":
+            return F.layer_norm(x, (4,), g, self.beta)
+        if self.kind == "normalize":
+            return x / x.norm(dim=-1, keepdim=True) * g
+        if self.kind == "i0":
+            return torch.special.i0(x) * g
+        if self.kind == "exp":
+            return x * g.exp()
+        return x * g
 
 
-@pytest.mark.parametrize("kind", ["scale", "affine", "tanh"])
-def test_generic_module_affine_in_parameters_and_inputs(kind: str):
+@pytest.mark.parametrize(
+    "kind", ["scale", "affine", "tanh", "rms_norm", "layer_norm", "normalize", "i0", "exp"]
+)
+def test_generic_module_affine_in_parameters(kind: str):
     """A module without a rule is taken by the DiagHessian family when its output is affine in
-    each parameter and in its inputs (probed): exact against the dense Hessian; one whose
-    output is nonlinear in its input (its residual is not recorded inside it) is refused."""
+    each parameter (probed) and, in its inputs, affine too or made of operations whose terms
+    the forward mode records (elementwise and row-wise nonlinearities, products): exact
+    against the dense Hessian, per sample too. Refused before anything is written: an
+    operation of unknown kind in its body (``i0``: its term would be missing), a parameter
+    entering nonlinearly (``exp(γ)``: its own term), a division by its input's norm (a
+    division by a value that depends on parameters)."""
     torch.manual_seed(25)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(kind), nn.Linear(4, 3))
     X, y, lf = data(4, 3, 3, "ce")
-    if kind == "tanh":
+    if kind in ("i0", "exp", "normalize"):
         extend(model)
-        with pytest.raises(NonlinearityError, match="affine in each"), collect(DiagHessian()):
+        match = "division" if kind == "normalize" else "affine in each"
+        with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
             extend(lf)(model(X), y).backward()
         assert all(p.grad is None for p in model.parameters())
         return
     check_diag(model, lf, X, y)
+    if kind in ("rms_norm", "layer_norm"):
+        from tests.extensions.test_matprod import check_hmp
+
+        torch.manual_seed(25)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(kind), nn.Linear(4, 3))
+        check_hmp(model, lf, X, y)
 
 
 class ConvNorm(nn.Module):

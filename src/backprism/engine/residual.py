@@ -669,7 +669,7 @@ def node_ops(
         )
         if not blocked and fn.metadata:
             blocked = any(
-                call.params and _nonlinear_in_params(call)
+                call.params and _nonlinear_in_params(call, [fn])
                 for call, *_ in fn.metadata.get(CALLS, ())
             )
         (refused if errors else ok).add(op)
@@ -866,8 +866,8 @@ def check_pass(bp: Any, exts: list) -> None:
     check_recording(exts)
     names = _names(exts)
     calls = bp.loss_calls()
-    for call, _ in calls:
-        check_linear_in_params(call, exts)
+    for call, edges in calls:
+        check_linear_in_params(call, exts, [e[0] for e in edges if e is not None])
     uses: dict[int, int] = {}
     for call, _ in calls:
         for p in call.params.values():
@@ -961,15 +961,55 @@ def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
     return torch.zeros_like(z) if d2 is None else d2.detach()
 
 
-def _nonlinear_in_params(call: Any) -> bool:
+#: call → whether the DiagHessian family accepts it through the operations of its body
+#: (:func:`_body_recorded`), decided once per call where its output nodes are known
+_BODY_VERDICTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _nonlinear_in_params(call: Any, outputs: list[Any] | None = None) -> bool:
     """Whether ``call``'s parameters enter its output nonlinearly (a parametrized weight, a
-    rule not linear in them): no column construction covers its own Hessian term."""
-    return bool(parametrized(call)) or not get_rule(call.module).is_linear_in_params(call)
+    rule not linear in them): no column construction covers its own Hessian term. A rule
+    only affine in each parameter (:meth:`~backprism.engine.rule.Rule.is_affine_in_params`)
+    passes where every operation of the call's body, between its inputs and its output nodes
+    ``outputs``, has a known kind and, if nonlinear, its recorded site (:func:`_body_recorded`):
+    the term in its inputs is then those operations' terms, and its parameters' own terms are
+    zero. Decided once per call (later checks without ``outputs`` read the verdict)."""
+    if parametrized(call):
+        return True
+    rule = get_rule(call.module)
+    if rule.is_linear_in_params(call):
+        return False
+    verdict = _BODY_VERDICTS.get(call)
+    if verdict is None and outputs is not None:
+        verdict = rule.is_affine_in_params(call) and _body_recorded(call, outputs)
+        _BODY_VERDICTS[call] = verdict
+    return not verdict
 
 
-def check_linear_in_params(call: Any, exts: list) -> None:
+def _body_recorded(call: Any, outputs: list[Any]) -> bool:
+    """Whether every node between ``call``'s input edges and its output nodes is linear, a
+    product (whose term :class:`BilinearSite` builds where its operands share parameters), or
+    a nonlinearity with a site the forward mode recorded (elementwise, row-wise, attention;
+    or a refusal, which the pass raises with its own reason) — no operation of unknown kind,
+    which inside a module call the mode passes over."""
+    stop = {id(e.node) for e in call.input_edges}
+    for node in _upstream(outputs, stop).values():
+        op = _node_op(node)
+        kind = _node_kind(node, op)
+        if kind in (_LINEAR, _PRODUCT):
+            continue
+        sites = node.metadata.get(SITES, ()) if node.metadata else ()
+        if kind == _UNKNOWN or not any(
+            isinstance(x, (ResidualSite, AttentionSite, ErrorSite)) for x in sites
+        ):
+            return False
+    return True
+
+
+def check_linear_in_params(call: Any, exts: list, outputs: list[Any] | None = None) -> None:
     """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
-    if recording is switched off."""
+    if recording is switched off; ``outputs``: the call's output nodes, where known
+    (:func:`_nonlinear_in_params`)."""
     check_recording(exts)
     if call.unrecorded:
         names = _names(exts)
@@ -979,13 +1019,15 @@ def check_linear_in_params(call: Any, exts: list) -> None:
             "and the Hessian residual terms would be missing. Run the forward pass inside the "
             f"collect() that holds {names}, or outside any collect()."
         )
-    if _nonlinear_in_params(call):
+    if _nonlinear_in_params(call, outputs):
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "
             "nonlinearly, or are not known to enter it linearly (a module without a "
             "closed-form rule counts as linear only when its output is affine in each "
-            "parameter and in its inputs), so its own Hessian term is missing from the column "
+            "parameter and, in its inputs, affine too or computed by operations whose Hessian "
+            "terms the forward recorded: no operation of unknown kind, such as a custom "
+            "autograd.Function), so its own Hessian term is missing from the column "
             f"construction. {_WAY_OUT}"
         )
 

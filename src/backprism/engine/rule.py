@@ -116,6 +116,15 @@ class Rule:
         """:attr:`linear_in_params` for one call (rules whose calls differ override it)."""
         return self.linear_in_params
 
+    def is_affine_in_params(self, call: Call) -> bool:
+        """Whether ``call``'s output is affine in each of its parameters (the rest held), its
+        nonlinearity in its inputs, if any, left to the operations of its body — a weaker
+        promise than :meth:`is_linear_in_params`, which the DiagHessian family accepts where
+        the forward mode recorded every operation of the call's body (a hand-written RMSNorm
+        ``x · rsqrt(mean(x²) + ε) · w``, ``F.layer_norm(x, s, self.w, self.b)``: their terms in
+        the inputs are the sites of those operations). The default: :meth:`is_linear_in_params`."""
+        return self.is_linear_in_params(call)
+
     def refusal(self, call: Call, n: int) -> str | None:
         """Why this rule cannot compute ``call`` in a pass of ``n`` samples, or ``None``;
         asked before anything is written (rules that find out only while computing say so

@@ -250,17 +250,19 @@ def affine_per_sample(
 _MULTI_AFFINE: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
-def multi_affine(call: Call, primals: dict[str, Tensor], run: Any) -> bool:
+def multi_affine(
+    call: Call, primals: dict[str, Tensor], run: Any, inputs: bool = True
+) -> bool:
     r"""Whether ``call``'s module (without sub-modules, at most :data:`_MAX_PARAMS` parameters)
-    is affine in each of its parameters and in its inputs, each with the rest held (timm's
-    ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has no
-    term of its own in any parameter's block, and none through its inputs — the DiagHessian
+    is affine in each of its parameters and (``inputs``) in its inputs, each with the rest held
+    (timm's ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has
+    no term of its own in any parameter's block, and none through its inputs — the DiagHessian
     family takes it like a Linear layer. Probed on the call's first two samples: the output at
     the midpoint of two random values of one parameter (then of all inputs at once) is the
     mean of the outputs at the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the
     largest output; a nonlinear dependence fails that almost surely. Cached per
-    module and shapes. ``primals`` and ``run(params, args, kwargs)``: the module's functional
-    call, outputs listed (as for :func:`affine_per_sample`)."""
+    module, shapes and ``inputs``. ``primals`` and ``run(params, args, kwargs)``: the module's
+    functional call, outputs listed (as for :func:`affine_per_sample`)."""
     module = call.module
     n = call.batch_size
     params = primals
@@ -275,6 +277,7 @@ def multi_affine(call: Call, primals: dict[str, Tensor], run: Any) -> bool:
     key = (
         tuple((k, tuple(p.shape)) for k, p in params.items()),
         tuple(tuple(t.shape[1:]) for t in tensors),
+        inputs,
     )
     known = _MULTI_AFFINE.setdefault(module, {})
     if key in known:
@@ -308,7 +311,10 @@ def multi_affine(call: Call, primals: dict[str, Tensor], run: Any) -> bool:
             xm = [
                 (u + v) / 2 if isinstance(u, Tensor) else u for u, v in zip(xa, xb, strict=True)
             ]
-            ok = ok and midpoint_holds(lambda i: run(params, tuple((xa, xb, xm)[i]), kwargs)[0])
+            ok = ok and (
+                not inputs
+                or midpoint_holds(lambda i: run(params, tuple((xa, xb, xm)[i]), kwargs)[0])
+            )
     except Exception:  # (a module that does not take such values: not known to be affine)
         ok = False
     known[key] = ok

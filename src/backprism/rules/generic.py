@@ -520,11 +520,21 @@ class GenericRule(Rule):
         """A stand-in of one functional operation knows whether its parameter operands enter
         linearly (:class:`~backprism.engine.functional.OpModule`); a module is probed for
         being affine in each parameter and in its inputs (:func:`elementwise.multi_affine`:
-        timm's ``LayerScale``), which no other module is taken to be."""
+        timm's ``LayerScale``), which no other module is taken to be (see
+        :meth:`is_affine_in_params` for the weaker promise)."""
         if hasattr(call.module, "linear_in_params"):
             return bool(call.module.linear_in_params)
         primals, run, _ = _functional(call)
         return elementwise.multi_affine(call, primals, run)
+
+    def is_affine_in_params(self, call: Call) -> bool:
+        """A module probed for being affine in each parameter only
+        (:func:`elementwise.multi_affine` with ``inputs=False``: a hand-written RMSNorm, a
+        module calling ``F.layer_norm`` on its own scale and shift)."""
+        if hasattr(call.module, "linear_in_params"):
+            return bool(call.module.linear_in_params)
+        primals, run, _ = _functional(call)
+        return elementwise.multi_affine(call, primals, run, inputs=False)
 
     # -- caching one (call, g) -------------------------------------------------------------
     def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
