@@ -18,7 +18,7 @@ contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the p
 gradient into signed columns on both operands (:class:`BilinearSite`,
 :mod:`backprism.engine.bilinear`), found on the products' nodes; fused attention kernels the
 terms of the three operations they compose (:class:`AttentionSite`,
-:mod:`backprism.engine.attention`). Other normalisations (instance norm, batch statistics) and
+:mod:`backprism.engine.attention`). Other normalisations (batch statistics, local response) and
 parameters entering a module nonlinearly are refused for the DiagHessian family with a clear
 error; everything linear or piecewise linear (Linear, Conv, ReLU, LeakyReLU, max/avg pooling,
 Flatten, residual additions, dropout) contributes nothing.
@@ -646,9 +646,10 @@ def node_ops(
 
     ``refused_only``: the forward recorded Hessian residuals of elementwise nonlinearities and
     nothing else the mode alone does; ``None`` (keep the mode, which records them) unless the
-    graph also holds an operation that the DiagHessian family refuses (an instance norm,
-    attention with dropout, a product of two values that depend on the same parameters among
-    ``params`` (ids) that :mod:`backprism.engine.bilinear` does not decompose; a module call
+    graph also holds an operation that the DiagHessian family refuses (a batch norm with batch
+    statistics, attention with dropout, a product of two values that depend on the same
+    parameters among ``params`` (ids) that :mod:`backprism.engine.bilinear` does not
+    decompose; a module call
     whose parameters enter nonlinearly, :func:`check_linear_in_params`), so that no extension
     can use those records. Without the mode such nonlinearities carry no site, and the
     DiagHessian family refuses a pass through them (:func:`_unrecorded_nonlinearity`)."""

@@ -40,9 +40,9 @@ their input and parameters (Linear, Conv, …), elementwise and row-wise nonline
 LayerNorm, ConvNeXt), products of parameter-dependent values (attention, eager or fused,
 SwiGLU, Hugging Face's RMSNorm; GPT-2, BERT, ViT, Llama), piecewise-linear operations and
 linear glue code, including parameters shared by parallel branches; anything else between
-parameters and loss (InstanceNorm of a parameter-dependent input, a parameter used by nested calls
-— a tied output layer —, attention dropout, a product whose operands do not hold the samples on
-their first axis, a module without a rule that is not affine in its parameters and inputs)
+parameters and loss (a parameter used by nested calls — a tied output layer —, attention dropout,
+a product whose operands do not hold the samples on their first axis, a module without a rule
+that is not affine in its parameters, or whose body holds an operation of unknown kind)
 raises a clear error pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on
 any twice-differentiable graph.
 """
