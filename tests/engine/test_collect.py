@@ -121,3 +121,36 @@ def test_explicit_seed_scales_curvature(entry: str) -> None:
         else:
             torch.autograd.grad(loss, list(model.parameters()), grad_outputs=seed)
     check_diag_attr(model, "diag_ggn_exact", ref)
+
+
+def test_a_scaled_loss_scales_every_result_as_it_scales_grad():
+    """``torch.amp.GradScaler``'s ``scaler.scale(loss).backward()`` backpropagates ``S·L``:
+    every result is that objective's, as ``.grad`` is before ``scaler.unscale_`` — per-sample
+    gradients and the GGN diagonal ``S``-fold, squares ``S²``-fold —, consistent with
+    ``.grad`` (documented: divide by ``scaler.get_scale()``)."""
+    from backprism.extensions import SumGradSquared, Variance
+
+    torch.manual_seed(3)
+    x, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    exts = (BatchGrad, BatchL2Grad, SumGradSquared, Variance, DiagGGNExact)
+    fields = ("grad_batch", "batch_l2", "sum_grad_squared", "variance", "diag_ggn_exact")
+    powers = (1, 2, 2, 2, 1)
+    results = []
+    for scale in (1.0, 1024.0):
+        model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+        model.load_state_dict(small_state(model))
+        lf = extend(nn.CrossEntropyLoss())
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        with collect(*(e() for e in exts)):
+            scaler.scale(lf(model(x), y)).backward()
+        results.append({f: [getattr(p, f) for p in model.parameters()] for f in fields})
+        results[-1]["grad"] = [p.grad for p in model.parameters()]
+    for f, k in (*zip(fields, powers), ("grad", 1)):
+        for a, b in zip(results[0][f], results[1][f]):
+            torch.testing.assert_close(b, a * 1024.0**k, rtol=1e-10, atol=0)
+
+
+def small_state(model: nn.Module) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in
+            model.state_dict().items()}

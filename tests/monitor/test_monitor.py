@@ -393,3 +393,31 @@ def tracked_backward(
         warnings.simplefilter("ignore")
         with monitor(step, info=info):
             loss.backward(create_graph=monitor.create_graph(step))
+
+
+@pytest.mark.parametrize("accelerator", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 1024.0, 0.25])
+def test_a_backward_from_a_scaled_loss_is_warned_about(scale: float, accelerator: bool) -> None:
+    """``scaler.scale(loss).backward()`` (``torch.amp.GradScaler``) or ``(loss / k)`` for
+    gradient accumulation: the quantities computed from gradients are the scaled objective's
+    while the loss values are ``info['loss']``'s — one warning naming the factor, on the
+    first tracked step; none for the loss itself. On an accelerator's code paths the factor
+    comes to the host with the step's values (no read of its own)."""
+    from backprism.monitor.deferred import accelerator_paths
+
+    model, lossf = monitor_setup()
+    monitor = Monitor(model.parameters(), [quantities.GradNorm(schedules.linear(1))])
+    for step in range(2):
+        X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+        loss = lossf(model(X), y)
+        info = {"loss": loss, "batch_size": 6}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with accelerator_paths(accelerator), monitor(step, info=info):
+                (loss * scale).backward()
+        said = [str(w.message) for w in caught if "info['loss']" in str(w.message)]
+        if scale == 1.0 or step == 1:
+            assert said == []
+        else:
+            assert len(said) == 1 and f"{scale:.6g} × info['loss']" in said[0]
+        model.zero_grad()

@@ -97,7 +97,7 @@ from backprism.engine.distributed import check_process_group
 from backprism.engine.residual import want_residuals
 from backprism.extensions import BatchDotWith, BatchGrad, BatchL2Grad, BatchProjGrad, GradHist
 from backprism.extensions.base import Extension
-from backprism.monitor.deferred import Transfer
+from backprism.monitor.deferred import Transfer, host_fast_paths
 from backprism.monitor.distributed import (
     GlobalStep,
     PassGradient,
@@ -211,8 +211,14 @@ class Monitor:
             raise ValueError(f"write_lag must be >= 0, got {write_lag!r}")
         self.write_lag = write_lag
         self.keep_history = keep_history
-        self._inflight: deque[tuple[int, Transfer, list[PendingEntry]]] = deque()
+        self._inflight: deque[tuple[int, Transfer, list[PendingEntry], list[int]]] = deque()
         self._mean_checked = False
+        #: tracked steps left on which the gradient reaching ``info['loss']`` is compared with 1
+        #: (:meth:`_StepContext._check_loss_scale`; 0 once a warning was given)
+        self._scale_checks = 10
+        #: ``(step, gradient reaching info['loss'])`` not yet read on the host (accelerators:
+        #: moved with the step's values, :meth:`_check_loss_scales`)
+        self._loss_scales: list[tuple[int, Tensor]] = []
         if log_path is not None:
             self.stream(log_path)
         ref = weakref.ref(self)
@@ -277,16 +283,46 @@ class Monitor:
     def _after_step(self, step: int) -> None:
         """Start the transfer of the step's values; finish those more than ``lag`` behind."""
         entries = [e for q in self.quantities for e in q._pending if e.at == step and not e.done]
-        if entries:
-            tensors = [t for e in entries for t in e.tensors()]
-            self._inflight.append((step, Transfer(tensors), entries))
+        scales, self._loss_scales = self._loss_scales, []
+        if entries or scales:
+            tensors = [t for e in entries for t in e.tensors()] + [g for _, g in scales]
+            self._inflight.append((step, Transfer(tensors), entries, [k for k, _ in scales]))
         while len(self._inflight) > self.lag:
             self._write_oldest()
         self._stream_new()
 
     def _write_oldest(self) -> None:
-        _, transfer, entries = self._inflight.popleft()
-        finish_entries(entries, transfer.result())
+        _, transfer, entries, scale_steps = self._inflight.popleft()
+        arrays = transfer.result()
+        k = len(arrays) - len(scale_steps)
+        finish_entries(entries, arrays[:k])
+        self._check_loss_scales([(t, float(a)) for t, a in zip(scale_steps, arrays[k:])])
+
+    def _check_loss_scales(self, scales: list[tuple[int, float]]) -> None:
+        """Warn (once) when a tracked step's backward pass started from a multiple ``s·L`` of
+        ``info['loss']`` (``scales``: ``(step, s)``; ``torch.amp.GradScaler``'s
+        ``scaler.scale(loss)``, ``loss / k`` for gradient accumulation): every result computed
+        from gradients is then the scaled objective's, while the loss values are ``L``'s. On
+        an accelerator ``s`` comes to the host with the step's values, in their transfer."""
+        for step, s in scales:
+            if self._scale_checks <= 0:
+                return
+            self._scale_checks -= 1
+            if not math.isfinite(s) or abs(s - 1.0) <= 1e-6:
+                continue
+            self._scale_checks = 0
+            warnings.warn(
+                f"backprism.monitor: the backward pass of step {step} started from {s:.6g} × "
+                "info['loss'] (a torch.amp.GradScaler's loss scale, or a loss divided for "
+                "gradient accumulation). The tracked quantities computed from gradients are the "
+                f"scaled objective's — gradients, per-sample gradients and histograms "
+                f"{s:.6g}-fold, their squares, variances and the gradient tests' norms its "
+                f"square, curvature (GGN, Hessian diagonal and trace) {s:.6g}-fold —, while "
+                "loss values are info['loss']'s, so α and CABS mix the two. Call backward on "
+                "info['loss'] itself on tracked steps (bfloat16 autocast needs no loss "
+                "scaling), or read the values with that factor.",
+                stacklevel=4,
+            )
 
     # -- per step ----------------------------------------------------------------------------
     def create_graph(self, global_step: int) -> bool:
@@ -475,6 +511,9 @@ class _StepContext:
         self.checked_reduction = False
         self.exts: list[Extension] = []
         self.retain: RetainGraph | None = None
+        #: the gradients reaching ``info['loss']`` in this step's backward passes, and the hook
+        self.loss_grads: list[Tensor] = []
+        self.loss_hook: Any = None
 
     # -- entering ----------------------------------------------------------------------------
     def __enter__(self) -> _StepContext:
@@ -493,6 +532,12 @@ class _StepContext:
             if fns:
                 self.transforms[q.key] = fns
             self.hooks += q.extension_hooks(step)
+        loss = self.info.get("loss")
+        if (
+            active_q and self.monitor._scale_checks > 0 and isinstance(loss, Tensor)
+            and loss.requires_grad and loss.numel() == 1
+        ):
+            self.loss_hook = loss.register_hook(self.loss_grads.append)
         per_sample = [q for q in active_q if q.per_sample]
         self.needs_mean = bool(per_sample) or bool(self.transforms)
         if self.needs_mean:
@@ -666,7 +711,29 @@ class _StepContext:
                 if hasattr(p, field):
                     delattr(p, field)
 
+    def _check_loss_scale(self) -> None:
+        """Hand the gradient that reached ``info['loss']`` to the monitor's check
+        (:meth:`Monitor._check_loss_scales`: at once on the CPU, with the step's values on an
+        accelerator, which reads nothing on the host inside a step)."""
+        if self.loss_hook is None:
+            return
+        self.loss_hook.remove()
+        self.loss_hook = None
+        if not self.loss_grads:
+            return
+        grad = self.loss_grads[-1].detach()
+        if host_fast_paths(grad):
+            self.monitor._check_loss_scales([(self.step, float(grad))])
+        else:
+            self.monitor._loss_scales.append((self.step, grad))
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if self.loss_hook is not None:
+            if exc_type is None:
+                self._check_loss_scale()
+            else:
+                self.loss_hook.remove()
+                self.loss_hook = None
         try:
             try:
                 if self.ctx is not None:
