@@ -655,3 +655,24 @@ def test_a_new_functional_parameter_use_inside_collect_is_refused_then_recorded(
     with collect(*(e() for e in FIRST)):
         lf(model(X), y).backward()
     assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_a_generic_module_through_a_forward_without_the_mode():
+    """A module without a rule taken by the DiagHessian family for its recorded body (a
+    hand-written RMSNorm): through a forward without the mode its body carries no sites, so
+    the first use is refused saying why (before anything is written); the model records from
+    then on, and the next pass is exact."""
+    from tests.extensions.test_hessian import Scale
+
+    torch.manual_seed(6)
+    model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale("rms_norm"), nn.Linear(4, 2)))
+    lf = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    for _ in range(2):
+        _learn(model, lf, X, y)
+    loss = lf(model(X), y)
+    refusal = pytest.raises(NonlinearityError, match="ran without backprism's forward mode")
+    with refusal, collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    _check_diag_h(model, lf, X, y)

@@ -867,8 +867,9 @@ def check_pass(bp: Any, exts: list) -> None:
     check_recording(exts)
     names = _names(exts)
     calls = bp.loss_calls()
+    note = _backward.modeless_note(bp.view)
     for call, edges in calls:
-        check_linear_in_params(call, exts, [e[0] for e in edges if e is not None])
+        check_linear_in_params(call, exts, [e[0] for e in edges if e is not None], note)
     uses: dict[int, int] = {}
     for call, _ in calls:
         for p in call.params.values():
@@ -1007,10 +1008,14 @@ def _body_recorded(call: Any, outputs: list[Any]) -> bool:
     return True
 
 
-def check_linear_in_params(call: Any, exts: list, outputs: list[Any] | None = None) -> None:
+def check_linear_in_params(
+    call: Any, exts: list, outputs: list[Any] | None = None, note: str = ""
+) -> None:
     """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
     if recording is switched off; ``outputs``: the call's output nodes, where known
-    (:func:`_nonlinear_in_params`)."""
+    (:func:`_nonlinear_in_params`); ``note``: the pass's sentence on forwards without the
+    forward mode (:func:`~backprism.engine.backward.modeless_note`), whose bodies carry no
+    sites."""
     check_recording(exts)
     if call.unrecorded:
         names = _names(exts)
@@ -1029,7 +1034,7 @@ def check_linear_in_params(call: Any, exts: list, outputs: list[Any] | None = No
             "parameter and, in its inputs, affine too or computed by operations whose Hessian "
             "terms the forward recorded: no operation of unknown kind, such as a custom "
             "autograd.Function), so its own Hessian term is missing from the column "
-            f"construction. {_WAY_OUT}"
+            f"construction. {f'{_WAY_OUT[:-1]}{note}' if note else _WAY_OUT}"
         )
 
 
