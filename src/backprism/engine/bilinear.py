@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
+from backprism.engine.decompositions import decomposed
+
 __all__ = ["BilinearForm", "bilinear_form", "signed_columns", "singular_triples"]
 
 
@@ -160,10 +162,7 @@ def singular_triples(G: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ones = G.new_ones(B, 1, 1)
         u, v = (unit[:, :, None], ones) if J == 1 else (ones, unit[:, :, None])
         return u, s, v
-    low = G.dtype in (torch.float16, torch.bfloat16)
-    U, S, Vh = torch.linalg.svd(G.float() if low else G, full_matrices=False)
-    if low:
-        U, S, Vh = (t.to(G.dtype) for t in (U, S, Vh))
+    U, S, Vh = decomposed(lambda t: torch.linalg.svd(t, full_matrices=False), G)
     return U, S, Vh.mT
 
 

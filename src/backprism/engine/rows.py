@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from backprism.engine.decompositions import decomposed
+
 __all__ = ["row_columns", "row_hessians"]
 
 
@@ -50,10 +52,7 @@ def row_columns(
     d = math.prod(zm.shape[zm.dim() - trailing:])
     rows = zm.numel() // (n * d)  # per sample
     H = row_hessians(f, zm, ga, d, budget)  # [n·rows, d, d]
-    if H.dtype in (torch.float16, torch.bfloat16):
-        lam, vecs = (t.to(H.dtype) for t in torch.linalg.eigh(H.float()))
-    else:
-        lam, vecs = torch.linalg.eigh(H)
+    lam, vecs = decomposed(torch.linalg.eigh, H)
     tol = lam.abs().max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
     lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
     values = lam.reshape(n, rows * d)
