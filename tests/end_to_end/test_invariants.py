@@ -81,7 +81,7 @@ def _randomize(model: nn.Module) -> nn.Module:
     """Norm affine parameters away from their (1, 0) initialisation."""
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+            if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)):
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
     return model
@@ -152,6 +152,13 @@ FAMILIES: dict[str, Family] = {
     "groupnorm": (
         lambda: _randomize(nn.Sequential(
             nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 3)
+        )),
+        lambda: torch.randn(N, 2, 4, 4, dtype=DT), lambda: _labels((N,), 3), "vmap", None,
+    ),
+    "instancenorm": (
+        lambda: _randomize(nn.Sequential(
+            nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.ReLU(), nn.Flatten(),
+            nn.Linear(16, 3),
         )),
         lambda: torch.randn(N, 2, 4, 4, dtype=DT), lambda: _labels((N,), 3), "vmap", None,
     ),
