@@ -67,6 +67,17 @@ def _learn(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> None:
     model.zero_grad()
 
 
+def _refused_before_writing(
+    model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor, match: str
+) -> None:
+    """A DiagHessian pass through a forward outside collect is refused (``match``) before
+    anything is written."""
+    loss = lossfunc(model(X), y)
+    with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
+        loss.backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
 def _check_diag_h(model: nn.Module, lossfunc: nn.Module, X: Tensor, y: Tensor) -> None:
     """DiagHessian of a backward through a forward outside collect, against the dense
     Hessian's diagonal."""
@@ -122,11 +133,7 @@ def test_a_functional_nonlinearity_keeps_the_mode_once_diag_hessian_is_used():
     X, y = _data()
     _learn(model, lf, X, y)
     assert MODE_FREE[model][True] is not None
-    loss = lf(model(X), y)
-    refused = pytest.raises(NonlinearityError, match="DiagHessian-family extension has been used")
-    with refused, collect(DiagHessian()):
-        loss.backward()
-    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    _refused_before_writing(model, lf, X, y, "DiagHessian-family extension has been used")
     _learn(model, lf, X, y)
     assert MODE_FREE[model][True] is None
     _check_diag_h(model, lf, X, y)
@@ -670,9 +677,5 @@ def test_a_generic_module_through_a_forward_without_the_mode():
     X, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
     for _ in range(2):
         _learn(model, lf, X, y)
-    loss = lf(model(X), y)
-    refusal = pytest.raises(NonlinearityError, match="ran without backprism's forward mode")
-    with refusal, collect(DiagHessian()):
-        loss.backward()
-    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    _refused_before_writing(model, lf, X, y, "ran without backprism's forward mode")
     _check_diag_h(model, lf, X, y)
