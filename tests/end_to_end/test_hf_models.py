@@ -283,8 +283,8 @@ def test_diag_hessian(name: str, attention: str):
     """``DiagHessian`` and ``BatchDiagHessian`` (per sample, and summed) against the diagonal
     of the dense Hessian of ``torch.func`` (the math attention kernel), through the models'
     norms, GELU/SwiGLU, rotary embeddings and attention — the fused SDPA kernel, or the eager
-    matmuls and softmax. GPT-2 with its head untied (a tied head is refused:
-    :func:`test_diag_hessian_refused_for_a_tied_head`). Llama computes its RMSNorm and eager
+    matmuls and softmax. GPT-2 with its head untied (tied:
+    :func:`test_diag_hessian_tied_head`). Llama computes its RMSNorm and eager
     softmax in float32 (also in a float64 model): its curvature agrees to float32's precision,
     relative to the diagonal's largest entry."""
     from tests.extensions.test_hessian import per_sample_hessian_diags
@@ -308,14 +308,25 @@ def test_diag_hessian(name: str, attention: str):
     torch.testing.assert_close(got_n.sum(0), got, rtol=1e-10, atol=1e-12 * scale)
 
 
-def test_diag_hessian_refused_for_a_tied_head():
+def test_diag_hessian_tied_head():
     """GPT-2's tied head uses the token embedding's weight in the first and the last call: the
-    Hessian term of that product of uses is not built from columns, refused before anything
-    is written, pointing at the GGN and Hutchinson extensions."""
+    Hessian term of that product of uses (``2⟨G, dh dWᵀ⟩`` at the head) is built from the
+    SVD of each sample's logit gradient (``residual.NestedSite``). DiagHessian and
+    BatchDiagHessian against the dense Hessian."""
+    from tests.extensions.test_hessian import per_sample_hessian_diags
+
     model, x, y, kind = _setup("gpt2")
-    with pytest.raises(RuntimeError, match=r"several calls.*HutchinsonDiagHessian"):
-        _backward(model, x, y, kind, DiagHessian())
-    assert all(p.grad is None for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    lossfunc = _loss(kind)
+    with sdpa_kernel(SDPBackend.MATH):
+        diag = torch.diagonal(loss_hessian(Logits(model), lossfunc, x, y))
+        per_sample = per_sample_hessian_diags(Logits(model), lossfunc, x, y)
+    _backward(model, x, y, kind, DiagHessian(), BatchDiagHessian())
+    got = torch.cat([p.diag_h.flatten() for _, p in _trainable(model)])
+    got_n = torch.cat([p.diag_h_batch.flatten(1) for _, p in _trainable(model)], 1)
+    scale = float(diag.abs().max())
+    torch.testing.assert_close(got, diag, rtol=1e-10, atol=1e-10 * scale)
+    torch.testing.assert_close(got_n, per_sample, rtol=1e-10, atol=1e-10 * scale)
 
 
 class _ShiftedLoss:

@@ -553,6 +553,8 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
         _check_all(rank, world, "shared", [3, 5], shared)
+        # (a Linear applied to its own output: the product of its uses, residual.NestedSite)
+        _check_all(rank, world, "shared", [3, 5], [[DiagHessian(), BatchDiagHessian()]])
         _check_all(rank, world, "residual", [3, 5], [FIRST[0], SECOND[0]], wrap="inside")
         with warnings.catch_warnings():  # (DDP's _DDPSink on the outputs is an identity)
             warnings.simplefilter("error", UncheckedOperationWarning)

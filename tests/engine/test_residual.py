@@ -170,12 +170,16 @@ class SharedProduct(nn.Module):
 
 
 class Shared(nn.Module):
+    """A LayerNorm applied to a value its own scale feeds: the product of its uses (its scale
+    times its normalised input) is no Linear layer's (those are built:
+    ``tests/extensions/test_hessian.py::test_nested_linear_uses``)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(3, 3)
+        self.lin, self.norm = nn.Linear(3, 3), nn.LayerNorm(3)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.lin(torch.tanh(self.lin(x)))
+        return self.norm(torch.tanh(self.norm(self.lin(x))))
 
 
 class OwnParam(nn.Module):
@@ -415,18 +419,18 @@ def test_nonlinearity_between_two_extended_models_refused():
 
 
 def test_nested_uses_refused_before_anything_is_written() -> None:
-    """A Linear applied twice in a chain under DiagHessian (with other extensions in the same
-    pass): refused in the pass's check, so no extension's field appears and ``.grad`` keeps
-    what it held."""
+    """A LayerNorm applied twice in a chain under DiagHessian (with other extensions in the
+    same pass): refused in the pass's check, so no extension's field appears and ``.grad``
+    keeps what it held."""
     from backprism.extensions import BatchGrad, DiagGGNExact, DiagHessian
 
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.l1, self.out = nn.Linear(5, 5), nn.Linear(5, 3)
+            self.l1, self.norm, self.out = nn.Linear(5, 5), nn.LayerNorm(5), nn.Linear(5, 3)
 
         def forward(self, x):
-            return self.out(torch.tanh(self.l1(torch.tanh(self.l1(x)))))
+            return self.out(torch.tanh(self.norm(torch.tanh(self.norm(self.l1(x))))))
 
     torch.manual_seed(0)
     model = extend(Twice().double())

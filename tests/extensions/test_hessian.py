@@ -651,3 +651,62 @@ class _FunctionalInstanceNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.instance_norm(self.inner(x), weight=self.weight, bias=self.bias, eps=1e-3)
+
+
+class NestedLinear(nn.Module):
+    """A Linear weight that also feeds the layer's input: an embedding reused as the output
+    layer (``h @ E.weight.T``, or a Linear head whose weight is the embedding's), a cell
+    unrolled over three steps, a layer applied to its own output."""
+
+    def __init__(self, kind: str, v: int = 6, d: int = 3) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind in ("functional_head", "module_head"):
+            self.emb, self.mid = nn.Embedding(v, d), nn.Linear(d, d)
+            if kind == "module_head":
+                self.head = nn.Linear(d, v, bias=False)
+                self.head.weight = self.emb.weight
+        else:
+            self.cell, self.out = nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind in ("functional_head", "module_head"):
+            h = torch.tanh(self.mid(self.emb(x)))
+            logits = h @ self.emb.weight.T if self.kind == "functional_head" else self.head(h)
+            return logits.transpose(1, 2)  # [N, V, T]: cross-entropy over the positions
+        h = x
+        for _ in range(3 if self.kind == "unrolled" else 2):
+            h = torch.tanh(self.cell(h)) if self.kind == "unrolled" else self.cell(h)
+        return self.out(torch.sigmoid(h))
+
+
+@pytest.mark.parametrize("kind", ["functional_head", "module_head", "unrolled", "twice"])
+def test_nested_linear_uses(kind: str):
+    """The product of a Linear weight's uses, where the weight also feeds the layer's input:
+    ``2⟨G, dx dWᵀ⟩`` in ``W``'s block, from columns ``√(σ/2)(u ⊗ eₖ, ±v ⊗ eₖ)`` (SVD of each
+    sample's output gradient), the first part pushed into the input, the second added to the
+    weight's per-sample gradients of the column before squaring. DiagHessian and
+    BatchDiagHessian against the dense Hessian (float64)."""
+    torch.manual_seed(31)
+    model = NestedLinear(kind).double()
+    if kind.endswith("head"):
+        X, y = torch.randint(0, 6, (3, 4)), torch.randint(0, 6, (3, 4))
+    else:
+        X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_nested_linear_uses_refused_where_the_term_is_not_built():
+    """HMP's blocks would need the product's term as a matrix: a pass with it is refused
+    before anything is written, naming the extension."""
+    from backprism.extensions import HMP
+
+    torch.manual_seed(31)
+    model = extend(NestedLinear("unrolled").double())
+    lf = extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    with pytest.raises(NonlinearityError, match="HMP does not build"), collect(
+        DiagHessian(), HMP()
+    ):
+        lf(model(X), y).backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())

@@ -222,6 +222,9 @@ class BackwardPass:
         #: products whose operands share parameters, their Hessian terms pushed from
         #: pre-hooks on their nodes (``(site, node)``, set by the DiagHessian family's check)
         self.bilinear_sites: list[tuple[Any, Any]] = []
+        #: ids of the parameters whose nested uses' product terms the pass builds
+        #: (:class:`~backprism.engine.residual.NestedSite`)
+        self.nested_params: frozenset[int] = frozenset()
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:
@@ -1305,12 +1308,15 @@ class BackwardPass:
         cols: Columns,
         exts: list[SecondOrderExtension],
         weights: Tensor | None,
+        direct: Callable[[int, int], list[Any]] | None = None,
     ) -> None:
         """Push columns ``cols`` (``[K, *origin.shape]`` each, generated lazily in chunks) from
         ``origins`` to the outputs of ``calls`` and reduce them with ``exts``.
-        ``weights`` (``[K, N]``) multiply each column's squared contributions (signs)."""
+        ``weights`` (``[K, N]``) multiply each column's squared contributions (signs).
+        ``direct(start, stop)``: the columns' parts in a parameter's own space, ``(call, name,
+        [k, N, *p])``, a use of the parameter added to the pushed parts' (tied path)."""
         with _Running(self):
-            self._process_columns(calls, origins, cols, exts, weights)
+            self._process_columns(calls, origins, cols, exts, weights, direct)
 
     def _process_columns(
         self,
@@ -1319,6 +1325,7 @@ class BackwardPass:
         cols: Columns,
         exts: list[SecondOrderExtension],
         weights: Tensor | None,
+        direct: Callable[[int, int], list[Any]] | None = None,
     ) -> None:
         outputs = [GradientEdge(*e) for _, edges in calls for e in edges if e is not None]
         count = Counter(id(p) for c, _ in calls for p in c.params.values())
@@ -1379,6 +1386,11 @@ class BackwardPass:
                 if multi and any(not _additive(e, p, kt) for e in exts for p in multi.values()):
                     self._add_uses(tied, rule, rcall, g, multi, exts)
                 self.touched[id(call.hook_module)] = call.hook_module
+            if direct is not None:
+                for call, name, part in direct(start, start + _chunk_width(flat)):
+                    p = call.params[name]
+                    entry = tied.setdefault(id(p), (p, Uses()))
+                    entry[1].items.append(Use(_Direct(name, part), call, None, name, None))
             for p, uses in tied.values():
                 for ext, value, _ in self._tied_results(p, uses, exts, w, order=2):
                     self.store(p, ext, value)
@@ -1426,6 +1438,18 @@ class BackwardPass:
             if entry is None:
                 entry = tied[id(p)] = (p, Uses())
             entry[1].items.append(Use(rule, call, g, name, outer.get(name)))
+
+
+class _Direct(Rule):
+    """A parameter's per-sample, per-column gradients given as they are (the parts of columns
+    that lie in its own space), as a use of the tied path."""
+
+    def __init__(self, name: str, part: Tensor) -> None:
+        self.name = name
+        self.part = part
+
+    def per_sample(self, call: Call, g: Any) -> dict[str, Tensor]:
+        return {self.name: self.part}
 
 
 class _WholeBatch(Rule):

@@ -265,6 +265,10 @@ class SecondOrderExtension(Extension):
     order = 2
     #: also needs the Hessian residual columns of nonlinearities (DiagHessian family)
     needs_residual: bool = False
+    #: takes the Hessian term of a product of a parameter's nested uses (a Linear weight that
+    #: also feeds the layer's input: :class:`~backprism.engine.residual.NestedSite`) from
+    #: columns with direct parts in the parameter's space, through :meth:`from_dense`
+    nested_products: bool = False
     #: does its own work at the loss (:meth:`handle_loss`) instead of receiving columns
     handles_loss: bool = False
 

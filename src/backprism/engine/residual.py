@@ -18,7 +18,9 @@ contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the p
 gradient into signed columns on both operands (:class:`BilinearSite`,
 :mod:`backprism.engine.bilinear`), found on the products' nodes; fused attention kernels the
 terms of the three operations they compose (:class:`AttentionSite`,
-:mod:`backprism.engine.attention`). Other normalisations (batch statistics, local response) and
+:mod:`backprism.engine.attention`); a Linear weight that also feeds its layer's input (a tied
+output layer) the term of the product of its uses (:class:`NestedSite`, columns with a part
+in the weight's own space). Other normalisations (batch statistics, local response) and
 parameters entering a module nonlinearly are refused for the DiagHessian family with a clear
 error; everything linear or piecewise linear (Linear, Conv, ReLU, LeakyReLU, max/avg pooling,
 Flatten, residual additions, dropout) contributes nothing.
@@ -90,6 +92,7 @@ from backprism.engine import backward as _backward
 from backprism.engine.attention import attention_columns, sdpa_arguments
 from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
+from backprism.engine.decompositions import decomposed
 from backprism.engine.fold import _param_only
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
@@ -342,6 +345,102 @@ class BilinearSite:
         return hook
 
 
+class NestedSite:
+    """A Linear call ``y = x Wᵀ + b`` whose weight ``W`` also feeds its input ``x`` through
+    other calls (a tied output layer, an unrolled recurrence, ``lin(lin(x))``): the product of
+    its uses adds ``2⟨G, dx dWᵀ⟩`` (``G = ∂L/∂y``) to ``W``'s Hessian block. Per sample, with
+    ``Gₙ = Σᵣ σₙᵣ uₙᵣ vₙᵣᵀ`` (``[T, out]`` over the positions ``T``), that form is
+    ``Σᵣₖ σₙᵣ/2 [(aᵣₖ·dx + bᵣₖ·dW)² − (aᵣₖ·dx − bᵣₖ·dW)²]`` with ``aᵣₖ = uₙᵣ ⊗ eₖ``,
+    ``bᵣₖ = vₙᵣ ⊗ eₖ``: signed columns ``√(σₙᵣ/2)(aᵣₖ, ±bᵣₖ)`` (weights ``±1``), the first part
+    pushed into ``x`` to every call upstream, the second ``W``'s own per-sample gradient of the
+    column, added to the pushed parts' before squaring (:func:`push_nested`). Exact; costs
+    ``2·rank(Gₙ)·in`` columns per sample. Made per pass by :func:`check_pass`."""
+
+    __slots__ = ("call", "name", "pass_")
+
+    def __init__(self, call: Any, name: str, bp: Any) -> None:
+        self.call = call
+        self.name = name
+        self.pass_ = bp
+
+    def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
+        exts = [e for e in bp.second if e.needs_residual]
+
+        def hook(grad_outputs: tuple) -> None:
+            grad = grad_outputs[0]
+            if grad is None or self.pass_ is not bp or bp.in_columns:
+                return
+            push_nested(bp, exts, self.call, self.name, grad)
+
+        return hook
+
+
+def push_nested(bp: Any, exts: list, call: Any, name: str, grad: Tensor) -> None:
+    """Push the signed columns of a :class:`NestedSite` (``grad = ∂L/∂y``, ``[N, *, out]``)."""
+    x = call.input
+    w = call.params[name]
+    n, k_in = x.shape[0], x.shape[-1]
+    g = grad.detach().reshape(n, -1, grad.shape[-1])
+    u, sv, vh = decomposed(lambda t: torch.linalg.svd(t, full_matrices=False), g)
+    rank = sv.shape[1]
+    pm = sv.new_tensor([0.5, -0.5])
+    values = (sv[:, :, None, None] * pm).expand(n, rank, k_in, 2).reshape(n, -1)
+    v = vh.mT  # [N, out, R]
+    edge = call.input_edges[0]
+
+    def parts(idx: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return idx // (2 * k_in), (idx // 2) % k_in, torch.arange(idx.numel(), device=idx.device)
+
+    def make(idx: Tensor, scale: Tensor) -> list[Tensor]:
+        r, k, j = parts(idx, scale)
+        cols = x.new_zeros(idx.numel(), n, g.shape[1], k_in)
+        cols[j, :, :, k] = (u[:, :, r] * scale[:, None, :]).permute(2, 0, 1).to(x.dtype)
+        return [cols.reshape(idx.numel(), *x.shape)]
+
+    def direct(idx: Tensor, scale: Tensor) -> list[Any]:
+        r, k, j = parts(idx, scale)
+        sign = 1 - 2 * (idx % 2).to(scale.dtype)
+        d = w.new_zeros(idx.numel(), n, v.shape[1], k_in)
+        d[j, :, :, k] = (v[:, :, r] * (scale * sign)[:, None, :]).permute(2, 0, 1).to(w.dtype)
+        return [(call, name, d.reshape(idx.numel(), n, *w.shape))]
+
+    push_signed(bp, exts, [edge], values, make, direct=direct)
+
+
+def _fed_params(call: Any, shared: AbstractSet[int]) -> list[str]:
+    """Names of ``call``'s parameters among ``shared`` (ids) that lie upstream of its inputs."""
+    starts = [e.node for e in call.input_edges]
+    found = {
+        id(var) for fn in _upstream(starts, set()).values()
+        if (var := getattr(fn, "variable", None)) is not None and id(var) in shared
+    }
+    return [k for k, p in call.params.items() if id(p) in found]
+
+
+def nested_site(call: Any, bp: Any, exts: list, shared: AbstractSet[int]) -> Any:
+    """For a call among nested uses of parameters (ids ``shared``), every extension building
+    such terms: ``None`` where none of its parameters in a product with its input feeds that
+    input (its uses come first: the products lie downstream; a Linear bias is only added), a
+    :class:`NestedSite` for a Linear call whose weight does; else why not (a phrase)."""
+    unable = sorted({type(e).__name__ for e in exts if not e.nested_products})
+    if unable:
+        return f"{', '.join(unable)} does not build the term of a product of uses"
+    fed = _fed_params(call, shared)
+    if not fed:
+        return None
+    weight = get_rule(call.module).product_weight
+    if weight is None or parametrized(call):
+        return (
+            f"{call.name}'s {', '.join(fed)} feeds its own input (built for a Linear layer's "
+            "weight only)"
+        )
+    if weight not in fed:
+        return None  # (a bias: added, in no product with the input)
+    if call.fold != 1 or call.batch_axis or call.rebased or len(call.input_edges) != 1:
+        return f"{call.name}'s input does not hold the samples on axis 0"
+    return NestedSite(call, weight, bp)
+
+
 class AttentionSite:
     """``O = F.scaled_dot_product_attention(q, k, v, …)`` (a fused kernel: one node); holds its
     inputs (which the node saves anyway) and options. A DiagHessian-family pass that reaches it
@@ -453,12 +552,16 @@ def push_bilinear(bp: Any, exts: list, form: BilinearForm, grad: Tensor) -> None
 def push_signed(
     bp: Any, exts: list, origins: list[Any], values: Tensor,
     make: Callable[[Tensor, Tensor], list[Tensor]], batched: bool = True,
+    direct: Callable[[Tensor, Tensor], list[Any]] | None = None,
 ) -> None:
     """Push signed columns from ``origins`` (tensors or gradient edges) to the pass's calls:
     ``values [n, C]`` (each column's eigenvalue, per sample if ``batched``, else one row for
     the whole batch) and ``make(idx, scale)``, the columns ``idx`` scaled by ``scale =
     √|values|`` (``[n, c]``), one tensor ``[c, *origin.shape]`` per origin. Each column's
-    squared contributions are weighed by its value's sign (:func:`_signed`)."""
+    squared contributions are weighed by its value's sign (:func:`_signed`). ``direct(idx,
+    scale)``: parts of the same columns that lie in a parameter's space itself (a product
+    with the parameter as an operand, :class:`NestedSite`), as ``(call, name, [c, n, *p])``,
+    added to that parameter's per-sample gradients from the pushed parts before squaring."""
     signed = _signed(values, batched, bp.n_samples)
     if signed is None:
         return
@@ -467,8 +570,13 @@ def push_signed(
     def chunk(start: int, stop: int) -> list[Tensor]:
         return make(active[start:stop], sqrt_abs[:, start:stop])
 
+    def direct_chunk(start: int, stop: int) -> list[Any]:
+        assert direct is not None
+        return direct(active[start:stop], sqrt_abs[:, start:stop])
+
     bp.process_columns(
-        bp.loss_calls(), origins, Columns(active.numel(), chunk), exts, weights
+        bp.loss_calls(), origins, Columns(active.numel(), chunk), exts, weights,
+        direct_chunk if direct is not None else None,
     )
 
 
@@ -856,7 +964,8 @@ def shared_message(names: str, call: Any) -> str:
     return (
         f"backprism {names}: a parameter of {type(call.module).__name__} is used by several "
         "calls of which one feeds another (unrolled recurrence, tied weights); the Hessian "
-        "term from the product of its uses is not built from columns. Use DiagGGNExact() for "
+        "term from the product of its uses is built from columns for a Linear weight that "
+        "feeds its layer's input, by DiagHessian and BatchDiagHessian only. Use DiagGGNExact() for "
         "the GGN diagonal or HutchinsonDiagHessian() for an unbiased estimate of the exact "
         "Hessian diagonal."
     )
@@ -874,9 +983,20 @@ def check_pass(bp: Any, exts: list) -> None:
     for call, _ in calls:
         for p in call.params.values():
             uses[id(p)] = uses.get(id(p), 0) + 1
-    for call, _ in calls:
-        if any(uses[id(p)] > 1 for p in call.params.values()) and nested_uses(call, bp):
-            raise NonlinearityError(shared_message(names, call))
+    shared = {k for k, v in uses.items() if v > 1}
+    nested: list[tuple[NestedSite, Any]] = []
+    for call, edges in calls:
+        if any(id(p) in shared for p in call.params.values()) and nested_uses(call, bp):
+            site = nested_site(call, bp, exts, shared)
+            if isinstance(site, str):
+                raise NonlinearityError(f"{shared_message(names, call)} ({site})")
+            if site is not None and edges and edges[0] is not None:
+                nested.append((site, edges[0][0]))
+    nested_ids = shared  # (every nested use passed: its term built, or none needed)
+    # (the products inside those calls: their terms are the sites')
+    inside_nested = {
+        k for site, node in nested for k in _region([node], [e.node for e in site.call.input_edges])
+    }
     products = {
         id(site): node for site, node in bp.view.site_nodes if isinstance(site, ProductSite)
     }
@@ -884,7 +1004,7 @@ def check_pass(bp: Any, exts: list) -> None:
 
     def product(node: Any) -> str | None:
         """``None`` where the product's term is off the parameters' blocks or built."""
-        if not shares_parameters(node, bp.view.params.keys()):
+        if id(node) in inside_nested or not shares_parameters(node, bp.view.params.keys()):
             return None
         found = bilinear_site(bp, node)
         if isinstance(found, str):
@@ -917,7 +1037,8 @@ def check_pass(bp: Any, exts: list) -> None:
             )
     found = _unrecorded_nonlinearity(bp, product)
     if found is None:
-        bp.bilinear_sites = list(bilinear.values())
+        bp.bilinear_sites = [*bilinear.values(), *nested]
+        bp.nested_params = frozenset(nested_ids)
         params = [p for call, _ in calls for p in call.params.values()]
         if not all(p.__dict__.get(_WANTED, False) for p in params):
             want_residuals(params)

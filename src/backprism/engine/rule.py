@@ -87,6 +87,11 @@ class Rule:
     #: whether the module's output depends on its parameters linearly (needed by DiagHessian:
     #: a parameter entering nonlinearly has a Hessian term of its own).
     linear_in_params: bool = True
+    #: the parameter ``W`` of a call ``y = x Wᵀ + b`` (a product over the input's last axis:
+    #: Linear), or ``None``: where ``W`` also feeds ``x`` (tied weights, unrolled steps), the
+    #: DiagHessian family builds the Hessian term of the product of its uses
+    #: (:class:`~backprism.engine.residual.NestedSite`); other such calls are refused.
+    product_weight: str | None = None
     #: whether every statistic is computed differentiably from the call's inputs and output
     #: gradients (no detached parameters, no in-place ops on saved tensors), so that a
     #: ``create_graph=True`` pass may hand it live inputs; others are refused in such a pass.

@@ -39,8 +39,10 @@ terms of its ``Q Kᵀ``, softmax and ``P V`` (:mod:`backprism.engine.attention`)
 their input and parameters (Linear, Conv, …), elementwise and row-wise nonlinearities (MLPs with
 LayerNorm, ConvNeXt), products of parameter-dependent values (attention, eager or fused,
 SwiGLU, Hugging Face's RMSNorm; GPT-2, BERT, ViT, Llama), piecewise-linear operations and
-linear glue code, including parameters shared by parallel branches; anything else between
-parameters and loss (a parameter used by nested calls — a tied output layer —, attention dropout,
+linear glue code, including parameters shared by parallel branches and Linear weights that also
+feed their layer's input (a tied output layer, an unrolled cell:
+:class:`~backprism.engine.residual.NestedSite`); anything else between
+parameters and loss (other nested uses — a norm applied to its own output —, attention dropout,
 a product whose operands do not hold the samples on their first axis, a module without a rule
 that is not affine in its parameters, or whose body holds an operation of unknown kind)
 raises a clear error pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on
@@ -71,12 +73,17 @@ __all__ = ["BatchDiagHessian", "DiagHessian", "HutchinsonDiagHessian"]
 
 
 def check_shared(ext: SecondOrderExtension, call: Call) -> None:
-    """Refuse parameters used by nested calls: their Hessian has a term from the product of the
-    uses, which the column construction does not contain. (The pass's check refuses them
-    before anything is written, :func:`backprism.engine.residual.check_pass`; this guards the
-    extensions' dense path itself.)"""
+    """Refuse parameters used by nested calls unless the pass builds the term of the product
+    of the uses (:class:`~backprism.engine.residual.NestedSite`, whose columns carry it). (The
+    pass's check refuses them before anything is written,
+    :func:`backprism.engine.residual.check_pass`; this guards the extensions' dense path
+    itself.)"""
     bp = current_pass()
-    if bp is None or nested_uses(call, bp):
+    if bp is None:
+        raise NonlinearityError(shared_message(type(ext).__name__, call))
+    if nested_uses(call, bp) and not (
+        ext.nested_products and {id(p) for p in call.params.values()} <= bp.nested_params
+    ):
         raise NonlinearityError(shared_message(type(ext).__name__, call))
 
 
@@ -102,6 +109,7 @@ class DiagHessian(SummedOverSamples, _Residual):
     """
 
     savefield = "diag_h"
+    nested_products = True
 
     def from_rule(self, rule: Rule, call: Call, g: Any, weights: Tensor | None) -> dict:
         check_linear_in_params(call, [self])
@@ -117,6 +125,7 @@ class BatchDiagHessian(PerSampleRows, _Residual):
     ``diag ∇²_θ(ℓₙ/N)`` (mean reduction; ``ℓₙ`` for ``"sum"``); they sum to ``diag_h``."""
 
     savefield = "diag_h_batch"
+    nested_products = True
     #: (the residual terms are added unscaled during the backward: rescaled at the end)
     scaled_in_pass = False
 

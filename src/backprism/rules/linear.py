@@ -109,6 +109,8 @@ def linear_shell(weight: Tensor, bias: Tensor | None) -> nn.Linear:
 class LinearRule(Rule):
     #: acts on the last axis only: an input with the batch elsewhere is moved batch-first
     moves_batch_axis = True
+    #: ``y = x Wᵀ + b``: a weight that also feeds ``x`` gets the Hessian term of the product
+    product_weight = "weight"
     #: every statistic is a polynomial in the live input and the output gradient
     differentiable = True
 
