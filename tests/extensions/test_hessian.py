@@ -710,3 +710,19 @@ def test_nested_linear_uses_refused_where_the_term_is_not_built():
     ):
         lf(model(X), y).backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
+def test_nested_linear_uses_in_column_chunks():
+    """The direct parts follow the pushed columns chunk by chunk: chunks of 2 and 7 columns
+    give the dense Hessian's diagonal too."""
+    torch.manual_seed(32)
+    base = NestedLinear("module_head").double()
+    X, y = torch.randint(0, 6, (3, 4)), torch.randint(0, 6, (3, 4))
+    lf = nn.CrossEntropyLoss()
+    expected = split(torch.diagonal(loss_hessian(copy.deepcopy(base), lf, X, y)), base)
+    for chunk in (2, 7):
+        model = extend(copy.deepcopy(base))
+        with collect(DiagHessian(), chunk_size=chunk):
+            extend(copy.deepcopy(lf))(model(X), y).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)

@@ -1330,7 +1330,7 @@ class BackwardPass:
         outputs = [GradientEdge(*e) for _, edges in calls for e in edges if e is not None]
         count = Counter(id(p) for c, _ in calls for p in c.params.values())
         self._kronecker_tied = self._kronecker_uses(calls, count)
-        per_col = _column_bytes(calls, count, exts, self._kronecker_tied)
+        per_col = _column_bytes(calls, count, exts, self._kronecker_tied, direct is not None)
         chunk = self.ctx.chunk_size or max(1, self.ctx.memory_budget // per_col)
         chunks = backprop_columns(origins, cols, outputs, chunk)
         while True:
@@ -1595,7 +1595,7 @@ def _additive(ext: Any, p: nn.Parameter, kronecker: frozenset[int]) -> bool:
 
 def _column_bytes(
     calls: list[tuple[Call, list[Any]]], count: Counter[int], exts: list[Any],
-    kronecker: frozenset[int] = frozenset(),
+    kronecker: frozenset[int] = frozenset(), direct: bool = False,
 ) -> int:
     """Bytes one backpropagated column costs at its peak: the column at every captured output,
     plus the per-sample gradients ``[N, *p]`` an extension may build from it (the largest
@@ -1606,7 +1606,9 @@ def _column_bytes(
     Without the last two terms a 2048-token decoder with tied embeddings overran a 512 MiB
     budget 23-fold: each column carried an ``[N, V, d]`` gradient of the tied matrix. A shared
     parameter whose calls all have outer factors, for extensions that take their statistic from
-    them, costs the cross terms' ``[N, T, T']`` instead (:mod:`backprism.engine.tied`)."""
+    them, costs the cross terms' ``[N, T, T']`` instead (:mod:`backprism.engine.tied`).
+    ``direct``: the columns also carry parts in the shared parameters' own space
+    (:class:`~backprism.engine.residual.NestedSite`), another ``[N, *p]`` each."""
     elem = 4
     total = 0
     for call, edges in calls:
@@ -1636,7 +1638,7 @@ def _column_bytes(
             t = max(c.out_shapes[0].numel() // max(1, n * c.out_shapes[0][-1]) for c in users)
             shared += t * t
         else:
-            shared += p.numel()
+            shared += p.numel() * (2 if direct else 1)
     return max(1, total + n * elem * (built + shared))
 
 
