@@ -422,7 +422,7 @@ def test_a_sequence_first_layer_appearing_later_is_recorded_again():
     assert_first_order(model, ref, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["local_response_norm", "shared", "generic"])
+@pytest.mark.parametrize("case", ["local_response_norm", "shared", "generic", "custom_function"])
 def test_refusals_hold_without_the_mode(case: str):
     """Every DiagHessian refusal of a recorded forward (``test_residual``'s cases) holds for a
     forward without the mode, before anything is written, with a message naming the kind of
@@ -437,7 +437,7 @@ def test_refusals_hold_without_the_mode(case: str):
     _learn(model, lf, X, y)
     free = MODE_FREE[model][True] is not None
     loss = lf(model(X), y)
-    expected = r"product|matmul|softmax|_norm|division|nonlinearly|several calls|not known"
+    expected = r"product|matmul|softmax|_norm|division|nonlinearly|several calls|not known|custom"
     with pytest.raises(NonlinearityError, match=expected), collect(DiagHessian()):
         loss.backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())

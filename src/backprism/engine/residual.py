@@ -93,7 +93,7 @@ from backprism.engine.attention import attention_columns, sdpa_arguments
 from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
 from backprism.engine.decompositions import decomposed
-from backprism.engine.fold import _param_only
+from backprism.engine.fold import _IDENTITIES, _param_only
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rows import row_columns
@@ -895,12 +895,17 @@ def _unrecorded_nonlinearity(
             continue
         seen.add(id(fn))
         stack.extend(f for f, _ in fn.next_functions if f is not None)
-        if id(fn) in trusted:
+        custom = _custom_function(fn)
+        if id(fn) in trusted and not custom:
             continue
         if dependent is None:
             dependent = _param_dependent(view)
         if id(fn) not in dependent:
             continue
+        if custom:
+            # (the forward mode does not see inside an autograd.Function: no recorded forward
+            # vouches for it, and its second derivative is not known)
+            return type(fn).__name__.removesuffix("Backward"), _UNKNOWN, _CUSTOM_WHY
         op = _node_op(fn)
         kind = _node_kind(fn, op)
         if kind == _LINEAR:
@@ -924,6 +929,21 @@ def _unrecorded_nonlinearity(
             continue
         return op, kind, None  # a quotient, or a non-elementwise nonlinearity
     return None
+
+
+_CUSTOM_WHY = (
+    "it is a custom autograd.Function, whose forward backprism's forward mode does not see and "
+    "whose second derivative it cannot read (its backward need not be differentiable)"
+)
+
+
+def _custom_function(node: Any) -> bool:
+    """Whether ``node`` is the backward of a custom ``torch.autograd.Function`` (Bloom's
+    ``GeLUFunction``; a ``torch.compile`` region) other than one known to be the identity
+    (DDP's ``_DDPSink``)."""
+    return isinstance(node, torch.autograd.function.BackwardCFunction) and (
+        type(node).__name__ not in _IDENTITIES
+    )
 
 
 def _values(node: Any) -> int:

@@ -42,7 +42,8 @@ SwiGLU, Hugging Face's RMSNorm; GPT-2, BERT, ViT, Llama), piecewise-linear opera
 linear glue code, including parameters shared by parallel branches and Linear weights that also
 feed their layer's input (a tied output layer, an unrolled cell:
 :class:`~backprism.engine.residual.NestedSite`); anything else between
-parameters and loss (other nested uses — a norm applied to its own output —, attention dropout,
+parameters and loss (other nested uses — a norm applied to its own output —, a custom
+``autograd.Function`` such as Bloom's GeLU, attention dropout,
 a product whose operands do not hold the samples on their first axis, a module without a rule
 that is not affine in its parameters, or whose body holds an operation of unknown kind)
 raises a clear error pointing to ``DiagGGNExact`` or ``HutchinsonDiagHessian``, which works on
