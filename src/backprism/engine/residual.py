@@ -447,12 +447,16 @@ class AttentionSite:
     pushes the attention's three families of columns
     (:func:`backprism.engine.attention.attention_columns`) from a pre-hook on ``O``'s node."""
 
-    __slots__ = ("gqa", "is_causal", "k", "mask", "output_nr", "pass_", "q", "scale", "v")
+    __slots__ = (
+        "gqa", "is_causal", "k", "mask", "mask_grad", "output_nr", "pass_", "q", "scale", "v"
+    )
 
     def __init__(self, bound: dict, nr: int) -> None:
         self.q, self.k, self.v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
         self.mask = mask.detach() if isinstance(mask, Tensor) else None
+        #: the additive mask depends on parameters (T5's relative position bias)
+        self.mask_grad = isinstance(mask, Tensor) and mask.requires_grad
         self.is_causal = bool(bound.get("is_causal", False))
         self.scale = bound.get("scale")
         self.gqa = bool(bound.get("enable_gqa", False))
@@ -460,8 +464,15 @@ class AttentionSite:
         self.pass_: Any = None
 
     def refusal(self, bp: Any) -> str | None:
-        """Why the pass cannot build the term (the samples not on the inputs' first axis), or
-        ``None``."""
+        """Why the pass cannot build the term (an additive mask that depends on parameters, the
+        samples not on the inputs' first axis), or ``None``."""
+        if self.mask_grad:
+            return (
+                "its additive attn_mask depends on parameters (a relative position bias passed "
+                "as the mask, as Hugging Face's T5 does under SDPA), whose share of the term is "
+                "not built; the eager attention (attn_implementation='eager') computes the same "
+                "function with operations whose terms are"
+            )
         inputs = [t for t in (self.q, self.k, self.v) if t.requires_grad]
         if _samples_first(bp, [(t.grad_fn, t.output_nr) for t in inputs], self.q.shape[0]):
             return None
