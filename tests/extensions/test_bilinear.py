@@ -278,13 +278,15 @@ class Fused(nn.Module):
 
     def __init__(
         self, mask: Tensor | None = None, causal: bool = False, gqa: bool = False,
-        scale: float | None = None, dropout: float = 0.0,
+        scale: float | None = None, dropout: float = 0.0, mqa: bool = False,
     ) -> None:
         super().__init__()
         self.mask, self.causal, self.gqa = mask, causal, gqa
         self.scale, self.dropout = scale, dropout
         self.embed, self.q, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
-        kv = 2 if gqa else 4  # (grouped-query: one key/value head for two query heads)
+        # (grouped-query: one key/value head for two query heads; multi-query: one key/value
+        # head broadcast over the query heads, without enable_gqa, as Falcon passes them)
+        kv = 2 if gqa or mqa else 4
         self.k, self.v = nn.Linear(4, kv), nn.Linear(4, kv)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -311,6 +313,7 @@ FUSED = {
     "float_mask": lambda: {"mask": torch.randn(4, 4)},
     "bool_mask": lambda: {"mask": _bool_mask(4)},
     "grouped_query_causal": lambda: {"gqa": True, "causal": True},
+    "multi_query_broadcast": lambda: {"mqa": True},
     "scale": lambda: {"scale": 0.7},
 }
 

@@ -3,7 +3,8 @@ r"""The Hessian term of ``F.scaled_dot_product_attention``, as signed columns.
 Fused attention kernels are one autograd node, ``O = softmax(S) V`` with
 ``S = c · Q Kᵀ + M`` (scale ``c``, default ``1/√E``; ``M`` the additive mask, ``−∞`` where a
 boolean or causal mask hides a key; grouped-query attention repeats each key/value head over
-its query heads). Its second-order term, for ``G_O = ∂L/∂O``, is the sum of the terms of the
+its query heads, and leading axes broadcast — one key/value head for all query heads, as in
+multi-query attention). Its second-order term, for ``G_O = ∂L/∂O``, is the sum of the terms of the
 three operations it composes (the chain rule to second order), each with the gradient at its
 own output:
 
@@ -56,6 +57,10 @@ def attention_columns(
         if gqa and kk.shape[-3] != qq.shape[-3]:
             rep = qq.shape[-3] // kk.shape[-3]
             kk, vv = kk.repeat_interleave(rep, -3), vv.repeat_interleave(rep, -3)
+        # leading axes broadcast as the kernel's matmuls do (Falcon's multi-query attention
+        # passes one key/value head for all query heads): the products' forms need them equal
+        lead = torch.broadcast_shapes(qq.shape[:-2], kk.shape[:-2], vv.shape[:-2])
+        qq, kk, vv = (t.expand(*lead, *t.shape[-2:]) for t in (qq, kk, vv))
         c = 1.0 / math.sqrt(qq.shape[-1]) if scale is None else scale
         kt = kk.transpose(-2, -1)
         raw = qq @ kt
