@@ -726,3 +726,60 @@ def test_nested_linear_uses_in_column_chunks():
             extend(copy.deepcopy(lf))(model(X), y).backward()
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.diag_h, expected[name], rtol=1e-8, atol=1e-10)
+
+
+class RelativeBias(nn.Module):
+    """A relative position bias table read without inputs (Hugging Face's BEiT and Swin
+    bias modules): its output, shared by all samples, is added to the attention scores."""
+
+    def __init__(self, t: int, heads: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * t - 1, heads))
+        idx = torch.arange(t)[None] - torch.arange(t)[:, None] + t - 1
+        self.register_buffer("idx", idx)
+
+    def forward(self) -> Tensor:
+        return self.table[self.idx].permute(2, 0, 1)[None]  # [1, H, T, T]
+
+
+class LearnedPositions(nn.Module):
+    """Positions looked up from integer ids and a keyword offset (OPT's learned positional
+    embedding): no floating input to probe."""
+
+    def __init__(self, t: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(t + 2, d))
+
+    def forward(self, ids: Tensor, offset: Tensor | None = None) -> Tensor:
+        return self.weight[ids + (0 if offset is None else offset)]
+
+
+class BiasedAttention(nn.Module):
+    """Eager attention with a relative position bias and learned positions of their own
+    modules, which take the generic rule."""
+
+    def __init__(self, t: int = 4, d: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.t, self.heads = t, heads
+        self.embed, self.qkv, self.head = nn.Linear(3, d), nn.Linear(d, 3 * d), nn.Linear(d, 3)
+        self.bias, self.pos = RelativeBias(t, heads), LearnedPositions(t, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        ids = torch.arange(t).expand(n, t)
+        h = torch.tanh(self.embed(x)) + self.pos(ids, offset=torch.ones_like(ids))
+        q, k, v = (
+            z.view(n, t, self.heads, -1).transpose(1, 2) for z in self.qkv(h).chunk(3, -1)
+        )
+        p = torch.softmax(q @ k.transpose(-1, -2) + self.bias(), -1)
+        return self.head((p @ v).transpose(1, 2).reshape(n, t, -1)).mean(1)
+
+
+def test_generic_modules_without_floating_inputs():
+    """Modules without a rule whose inputs are none (a bias table) or integers and keyword
+    tensors (learned positions): probed affine in their parameters on their own arguments,
+    their bodies linear — DiagHessian and BatchDiagHessian against the dense Hessian. (Before:
+    refused, 'enter nonlinearly'; Hugging Face's BEiT, Swin, OPT and CLIP so refused.)"""
+    torch.manual_seed(33)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    check_diag(BiasedAttention(), nn.CrossEntropyLoss(), X, y)

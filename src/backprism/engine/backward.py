@@ -225,6 +225,9 @@ class BackwardPass:
         #: ids of the parameters whose nested uses' product terms the pass builds
         #: (:class:`~backprism.engine.residual.NestedSite`)
         self.nested_params: frozenset[int] = frozenset()
+        #: call number → whether the DiagHessian family takes a module without a rule through
+        #: the recorded operations of its body (``residual._nonlinear_in_params``)
+        self.body_verdicts: dict[int, bool] = {}
 
     # -- before the engine runs --------------------------------------------------------------
     def check(self) -> None:

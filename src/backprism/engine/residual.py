@@ -950,10 +950,11 @@ _CUSTOM_WHY = (
 
 def _custom_function(node: Any) -> bool:
     """Whether ``node`` is the backward of a custom ``torch.autograd.Function`` (Bloom's
-    ``GeLUFunction``; a ``torch.compile`` region) other than one known to be the identity
-    (DDP's ``_DDPSink``)."""
+    ``GeLUFunction``) other than one known to be the identity (DDP's ``_DDPSink``) or a
+    ``torch.compile`` region (AOTAutograd's ``CompiledFunction``, whose operations the forward
+    mode sees while it runs: their sites are on the region's node)."""
     return isinstance(node, torch.autograd.function.BackwardCFunction) and (
-        type(node).__name__ not in _IDENTITIES
+        type(node).__name__ not in _IDENTITIES and type(node).__name__ != "CompiledFunctionBackward"
     )
 
 
@@ -1009,7 +1010,7 @@ def check_pass(bp: Any, exts: list) -> None:
     calls = bp.loss_calls()
     note = _backward.modeless_note(bp.view)
     for call, edges in calls:
-        check_linear_in_params(call, exts, [e[0] for e in edges if e is not None], note)
+        check_linear_in_params(call, exts, [e[0] for e in edges if e is not None], note, bp)
     uses: dict[int, int] = {}
     for call, _ in calls:
         for p in call.params.values():
@@ -1115,28 +1116,30 @@ def second_derivative(fn: Callable[[Tensor], Tensor], z: Tensor) -> Tensor:
     return torch.zeros_like(z) if d2 is None else d2.detach()
 
 
-#: call → whether the DiagHessian family accepts it through the operations of its body
-#: (:func:`_body_recorded`), decided once per call where its output nodes are known
-_BODY_VERDICTS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def _nonlinear_in_params(call: Any, outputs: list[Any] | None = None) -> bool:
+def _nonlinear_in_params(call: Any, outputs: list[Any] | None = None, bp: Any = None) -> bool:
     """Whether ``call``'s parameters enter its output nonlinearly (a parametrized weight, a
     rule not linear in them): no column construction covers its own Hessian term. A rule
     only affine in each parameter (:meth:`~backprism.engine.rule.Rule.is_affine_in_params`)
     passes where every operation of the call's body, between its inputs and its output nodes
     ``outputs``, has a known kind and, if nonlinear, its recorded site (:func:`_body_recorded`):
     the term in its inputs is then those operations' terms, and its parameters' own terms are
-    zero. Decided once per call (later checks without ``outputs`` read the verdict)."""
+    zero. Decided once per call and pass (``BackwardPass.body_verdicts``, by the call's
+    number, which the views of a call computed on a folded batch keep); later checks without
+    ``outputs`` read the verdict."""
     if parametrized(call):
         return True
     rule = get_rule(call.module)
     if rule.is_linear_in_params(call):
         return False
-    verdict = _BODY_VERDICTS.get(call)
-    if verdict is None and outputs is not None:
-        verdict = rule.is_affine_in_params(call) and _body_recorded(call, outputs)
-        _BODY_VERDICTS[call] = verdict
+    bp = bp if bp is not None else _backward.current_pass()
+    verdicts = getattr(bp, "body_verdicts", None)
+    if verdicts is not None and call.seq in verdicts:
+        return not verdicts[call.seq]
+    if outputs is None:
+        return True
+    verdict = rule.is_affine_in_params(call) and _body_recorded(call, outputs)
+    if verdicts is not None:
+        verdicts[call.seq] = verdict
     return not verdict
 
 
@@ -1161,13 +1164,13 @@ def _body_recorded(call: Any, outputs: list[Any]) -> bool:
 
 
 def check_linear_in_params(
-    call: Any, exts: list, outputs: list[Any] | None = None, note: str = ""
+    call: Any, exts: list, outputs: list[Any] | None = None, note: str = "", bp: Any = None
 ) -> None:
     """Raise if ``call``'s module has parameters entering nonlinearly (DiagHessian family), or
     if recording is switched off; ``outputs``: the call's output nodes, where known
     (:func:`_nonlinear_in_params`); ``note``: the pass's sentence on forwards without the
     forward mode (:func:`~backprism.engine.backward.modeless_note`), whose bodies carry no
-    sites."""
+    sites; ``bp``: the pass (else the one running)."""
     check_recording(exts)
     if call.unrecorded:
         names = _names(exts)
@@ -1177,7 +1180,7 @@ def check_linear_in_params(
             "and the Hessian residual terms would be missing. Run the forward pass inside the "
             f"collect() that holds {names}, or outside any collect()."
         )
-    if _nonlinear_in_params(call, outputs):
+    if _nonlinear_in_params(call, outputs, bp):
         names = _names(exts)
         raise NonlinearityError(
             f"backprism {names}: the parameters of {call.name} enter its output "

@@ -253,23 +253,28 @@ _MULTI_AFFINE: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakK
 def multi_affine(
     call: Call, primals: dict[str, Tensor], run: Any, inputs: bool = True
 ) -> bool:
-    r"""Whether ``call``'s module (without sub-modules, at most :data:`_MAX_PARAMS` parameters)
-    is affine in each of its parameters and (``inputs``) in its inputs, each with the rest held
-    (timm's ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has
-    no term of its own in any parameter's block, and none through its inputs — the DiagHessian
-    family takes it like a Linear layer. Probed on the call's first two samples: the output at
-    the midpoint of two random values of one parameter (then of all inputs at once) is the
-    mean of the outputs at the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the
-    largest output; a nonlinear dependence fails that almost surely. Cached per
-    module, shapes and ``inputs``. ``primals`` and ``run(params, args, kwargs)``: the module's
-    functional call, outputs listed (as for :func:`affine_per_sample`)."""
+    r"""Whether ``call``'s module (at most :data:`_MAX_PARAMS` parameters) is affine in each of
+    its parameters and (``inputs``) in its inputs, each with the rest held (timm's
+    ``LayerScale`` ``x ⊙ γ``, ResMLP's ``Affine`` ``β + α ⊙ x``): its Hessian then has no term
+    of its own in any parameter's block, and none through its inputs — the DiagHessian family
+    takes it like a Linear layer. Probed by the outputs at the midpoint of two random values
+    of one parameter (then of all inputs at once), which must be the mean of the outputs at
+    the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the largest output; a
+    nonlinear dependence fails that almost surely. With ``inputs`` the module (without
+    sub-modules, one floating input on the batch, one output) runs on the call's first two
+    samples; without, on the call's own arguments, whatever they are (an embedding's indices,
+    keyword tensors, sub-modules, several outputs). Cached per module, shapes and ``inputs``.
+    ``primals`` and ``run(params, args, kwargs)``: the module's functional call, outputs
+    listed (as for :func:`affine_per_sample`)."""
     module = call.module
     n = call.batch_size
     params = primals
     tensors = [a for a in call.args if isinstance(a, Tensor)]
-    if (
-        module._modules or not params or len(params) > _MAX_PARAMS or call.fold != 1
-        or call.batch_axis or len(call.out_shapes) != 1 or not tensors
+    if not params or len(params) > _MAX_PARAMS:
+        return False
+    if inputs and (
+        call.fold != 1 or call.batch_axis
+        or module._modules or len(call.out_shapes) != 1 or not tensors
         or any(isinstance(v, Tensor) for v in call.kwargs.values())  # (inputs: positional)
         or any(t.dim() == 0 or t.shape[0] != n or not t.is_floating_point() for t in tensors)
     ):
@@ -277,23 +282,28 @@ def multi_affine(
     key = (
         tuple((k, tuple(p.shape)) for k, p in params.items()),
         tuple(tuple(t.shape[1:]) for t in tensors),
+        tuple((k, tuple(v.shape)) for k, v in call.kwargs.items() if isinstance(v, Tensor)),
         inputs,
     )
     known = _MULTI_AFFINE.setdefault(module, {})
     if key in known:
         return known[key]
-    rows = slice(0, min(2, n))
+    rows = slice(0, min(2, n)) if inputs else slice(None)
     args = tuple(a[rows].detach() if isinstance(a, Tensor) else a for a in call.args)
     kwargs = call.kwargs
-    gen = torch.Generator(device=tensors[0].device).manual_seed(0)
+    gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(0)
 
     def noise(t: Tensor) -> Tensor:
         return t + torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype)
 
     def midpoint_holds(y: Any) -> bool:
-        ya, yb, ym = y(0), y(1), y(2)
-        tol = (1e-6 if ya.dtype == torch.float64 else 1e-3) * float(ya.abs().max()) + 1e-12
-        return bool(((ym - (ya + yb) / 2).abs() <= tol).all())
+        for ya, yb, ym in zip(y(0), y(1), y(2), strict=True):
+            if not ya.is_floating_point():
+                continue
+            tol = (1e-6 if ya.dtype == torch.float64 else 1e-3) * float(ya.abs().max()) + 1e-12
+            if not bool(((ym - (ya + yb) / 2).abs() <= tol).all()):
+                return False
+        return True
 
     try:
         with torch.no_grad():
@@ -304,17 +314,16 @@ def multi_affine(
                 ok = ok and midpoint_holds(
                     lambda i, name=name, points=points: run(
                         {**params, name: points[i]}, args, kwargs
-                    )[0]
+                    )
                 )
-            xa = [noise(t) if isinstance(t, Tensor) else t for t in args]
-            xb = [noise(t) if isinstance(t, Tensor) else t for t in args]
-            xm = [
-                (u + v) / 2 if isinstance(u, Tensor) else u for u, v in zip(xa, xb, strict=True)
-            ]
-            ok = ok and (
-                not inputs
-                or midpoint_holds(lambda i: run(params, tuple((xa, xb, xm)[i]), kwargs)[0])
-            )
+            if inputs and ok:
+                xa = [noise(t) if isinstance(t, Tensor) else t for t in args]
+                xb = [noise(t) if isinstance(t, Tensor) else t for t in args]
+                xm = [
+                    (u + v) / 2 if isinstance(u, Tensor) else u
+                    for u, v in zip(xa, xb, strict=True)
+                ]
+                ok = midpoint_holds(lambda i: run(params, tuple((xa, xb, xm)[i]), kwargs))
     except Exception:  # (a module that does not take such values: not known to be affine)
         ok = False
     known[key] = ok
