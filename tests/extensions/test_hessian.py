@@ -338,6 +338,10 @@ class RowWise(nn.Module):
             h = F.softmin(h, dim=-1)
         elif self.kind == "softmax_positions":  # over the middle axis T
             h = h.softmax(1)
+        elif self.kind == "normalize":  # (cosine attention's, XCiT's F.normalize)
+            h = F.normalize(h, dim=-1)
+        elif self.kind == "normalize_positions":  # over T, with p = 3
+            h = F.normalize(h, p=3.0, dim=1)
         elif self.kind == "layer_norm_2d":
             h = self.norm(h.unflatten(-1, (2, 3))).flatten(-2)
         else:
@@ -347,20 +351,21 @@ class RowWise(nn.Module):
 
 
 ROW_KINDS = ["layer_norm", "layer_norm_plain", "layer_norm_2d", "rms_norm", "group_norm",
-             "softmax", "softmin", "softmax_positions"]
+             "softmax", "softmin", "softmax_positions", "normalize", "normalize_positions"]
 
 
 @pytest.mark.parametrize("kind", ROW_KINDS)
 @pytest.mark.parametrize("loss", ["ce", "mse"])
 def test_row_wise_nonlinearities(kind: str, loss: str):
-    """Norms and softmaxes between parameters: their Hessian term is block-diagonal over the
-    rows they act on; DiagHessian and BatchDiagHessian against the dense Hessian."""
+    """Norms, ``F.normalize`` and softmaxes between parameters: their Hessian term is
+    block-diagonal over the rows they act on; DiagHessian and BatchDiagHessian against the
+    dense Hessian."""
     torch.manual_seed(21)
     model = RowWise(kind)
     for p in model.parameters():  # away from the initialisation (norm weights 1, biases 0)
         with torch.no_grad():
             p.add_(0.5 * torch.randn_like(p))
-    shape = (4, 5, 3) if kind == "softmax_positions" else (4, 3)
+    shape = (4, 5, 3) if kind.endswith("_positions") else (4, 3)
     X = torch.randn(*shape)
     y = torch.randint(0, 3, (4,)) if loss == "ce" else torch.randn(4, 3)
     check_diag(model, nn.CrossEntropyLoss() if loss == "ce" else nn.MSELoss(), X, y)

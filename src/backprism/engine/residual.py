@@ -11,8 +11,9 @@ nonlinearity:
 
 where ``(…)`` collects the terms of the other operations that are *not* linear in their inputs.
 *Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``,
-``softmax``, ``softmin``: each row of ``d`` entries on its own) contribute one ``d × d`` block
-per row, eigen-decomposed into signed columns (:class:`RowSite`, :func:`push_rows`). Products of two
+``normalize``, ``softmax``, ``softmin``: each row of ``d`` entries on its own) contribute one
+``d × d`` block per row, eigen-decomposed into signed columns (:class:`RowSite`,
+:func:`push_rows`). Products of two
 values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
 contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
 gradient into signed columns on both operands (:class:`BilinearSite`,
@@ -1452,10 +1453,14 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
 
 #: smooth nonlinear operations acting on rows of their input independently (:class:`RowSite`)
 _ROW_WISE = frozenset(
-    {"softmax", "_softmax", "softmin", "layer_norm", "rms_norm", "group_norm", "instance_norm"}
+    {
+        "softmax", "_softmax", "softmin", "layer_norm", "rms_norm", "group_norm",
+        "instance_norm", "normalize",
+    }
 )
 
 _INSTANCE_NORM = inspect.signature(F.instance_norm)
+_NORMALIZE = inspect.signature(F.normalize)
 
 
 def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> RowSite | None:
@@ -1485,6 +1490,18 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
             return F.instance_norm(zz, None, None, w, b, True, 0.0, eps)
 
         return RowSite(fn_inst, z, name, out.output_nr, None, z.dim() - 2)
+    if name == "normalize":  # x / max(‖x‖_p, eps) along dim (cosine attention, XCiT)
+        bound = _NORMALIZE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        p_, dim, eps = a["p"], a["dim"], a["eps"]
+        if a.get("out") is not None or not isinstance(dim, int) or z.dim() == 0:
+            return None
+
+        def fn_normalize(zz: Tensor) -> Tensor:
+            return F.normalize(zz, p_, dim, eps)
+
+        return RowSite(fn_normalize, z, name, out.output_nr, dim, 1)
     if name == "group_norm":  # rows: the groups of channels with their positions
         groups = args[1] if len(args) > 1 else kwargs.get("num_groups")
         if not isinstance(groups, int) or z.dim() < 2 or groups < 1 or z.shape[1] % groups:
