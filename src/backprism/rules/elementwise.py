@@ -305,8 +305,12 @@ def multi_affine(
                 return False
         return True
 
+    device = next(iter(params.values())).device
     try:
-        with torch.no_grad():
+        # (a module drawing random numbers, dropout, leaves the user's random state alone)
+        with torch.no_grad(), torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [], device_type=device.type
+        ):
             ok = True
             for name, p in params.items():
                 a, b = noise(p), noise(p)
