@@ -307,6 +307,14 @@ def _bool_mask(t: int) -> Tensor:
     return mask
 
 
+def _left_padded(n: int, t: int) -> Tensor:
+    """A causal mask per sample with sample 1 left-padded by two positions: its first two
+    queries see no key (PyTorch's kernels give them zero attention)."""
+    mask = torch.ones(t, t, dtype=torch.bool).tril().expand(n, 1, t, t).clone()
+    mask[1, :, :, :2] = False
+    return mask
+
+
 FUSED = {
     "plain": dict,
     "causal": lambda: {"causal": True},
@@ -314,6 +322,7 @@ FUSED = {
     "bool_mask": lambda: {"mask": _bool_mask(4)},
     "grouped_query_causal": lambda: {"gqa": True, "causal": True},
     "multi_query_broadcast": lambda: {"mqa": True},
+    "left_padded_rows_without_keys": lambda: {"mask": _left_padded(3, 4)},
     "scale": lambda: {"scale": 0.7},
 }
 
@@ -451,3 +460,28 @@ def test_products_and_attention_under_autocast(model_name: str):
     for (name, p), q in zip(low.named_parameters(), ref.parameters(), strict=True):
         assert p.diag_h.dtype == torch.float32
         torch.testing.assert_close(p.diag_h, q.diag_h, atol=0.1 * scale, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("model_name", ["attention_swiglu_rmsnorm", "fused"])
+def test_a_sample_with_a_nan_gradient(model_name: str):
+    """A sample whose gradient is NaN (a NaN in its input) gets NaN per-sample results, as its
+    gradient, and the others their exact ones — the products' SVDs and the rows' eigen-
+    decompositions take NaN matrices as NaN factors instead of failing mid-backward."""
+    from tests.extensions.test_hessian import per_sample_hessian_diags
+
+    make = {"attention_swiglu_rmsnorm": MODELS["attention_swiglu_rmsnorm"][0],
+            "fused": lambda: Fused(causal=True)}[model_name]
+    model = _perturbed(make(), 37)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        per_sample = per_sample_hessian_diags(copy.deepcopy(model), lf, X, y)
+    X[0, 1, 2] = float("nan")
+    extend(model)
+    with collect(BatchDiagHessian()):
+        extend(copy.deepcopy(lf))(model(X), y).backward()
+    got = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
+    assert got[0].isnan().any()
+    torch.testing.assert_close(got[1:], per_sample[1:], rtol=1e-8, atol=1e-12)

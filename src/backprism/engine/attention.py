@@ -31,7 +31,7 @@ from torch import Tensor
 from backprism.engine.bilinear import BilinearForm, signed_columns
 from backprism.engine.rows import row_columns
 
-__all__ = ["attention_columns", "sdpa_arguments"]
+__all__ = ["attention_columns", "safe_softmax", "sdpa_arguments"]
 
 Family = tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]]]
 
@@ -71,7 +71,10 @@ def attention_columns(
             s = s.masked_fill(~keep, float("-inf"))
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-        p = torch.softmax(s, dim=-1)
+        # a query that sees no key (a left-padded position under a causal mask) attends to
+        # nothing: its row of P is zero, as PyTorch's kernels return, not softmax's NaN
+        hidden = torch.isneginf(s).all(-1, keepdim=True)
+        p = safe_softmax(s, hidden)
         out = p @ vv
         g = grad.detach().to(out.dtype)
         g_p, g_s = torch.autograd.grad(out, (p, s), g, retain_graph=True)
@@ -98,12 +101,18 @@ def attention_columns(
     values, make = signed_columns(_product_form(qq, kt), g_s.detach() * c, n)
     families.append((values, pulled([qq, kt], make)))
     values, make = row_columns(
-        lambda t: torch.softmax(t, dim=-1), s.detach(), g_p, -1, 1, n, budget
+        lambda t: safe_softmax(t, hidden), s.detach(), g_p, -1, 1, n, budget
     )
     families.append((values, pulled([s], make)))
     values, make = signed_columns(_product_form(p, vv), g, n)
     families.append((values, pulled([p, vv], make)))
     return families
+
+
+def safe_softmax(s: Tensor, hidden: Tensor) -> Tensor:
+    """``softmax(s)`` over the last axis, with the rows ``hidden`` (``[..., 1]``: every key
+    masked, ``-∞``) zero instead of NaN, and zero gradient there."""
+    return torch.softmax(s.masked_fill(hidden, 0.0), dim=-1).masked_fill(hidden, 0.0)
 
 
 def sdpa_arguments(args: tuple, kwargs: dict) -> dict | None:

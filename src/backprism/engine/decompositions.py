@@ -19,8 +19,15 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def decomposed(fn: Callable[[Tensor], tuple[Tensor, ...]], x: Tensor) -> tuple[Tensor, ...]:
-    """``fn(x)`` (``torch.linalg.eigh``, ``torch.linalg.svd``...), computed in float32 for a
-    half-precision ``x``, its factors in ``x``'s dtype."""
-    if x.dtype in _HALF:
-        return tuple(t.to(x.dtype) for t in fn(x.float()))
-    return tuple(fn(x))
+    """``fn(x)`` (``torch.linalg.eigh``, ``torch.linalg.svd``...) of a batch of matrices
+    ``[B, I, J]``, computed in float32 for a half-precision ``x``, its factors in ``x``'s dtype.
+    A matrix with a non-finite entry (a gradient that is NaN already) gets NaN factors, as the
+    gradient it comes from, instead of failing the decomposition (checked on the device: no
+    host read)."""
+    bad = ~torch.isfinite(x).flatten(1).all(1)  # [B]
+    clean = torch.where(bad[:, None, None], 0, x)
+    out = fn(clean.float() if x.dtype in _HALF else clean)
+    poison = torch.where(bad, float("nan"), 1.0).to(x.dtype)
+    return tuple(
+        (t.to(x.dtype) * poison.reshape(-1, *([1] * (t.dim() - 1)))) for t in out
+    )

@@ -53,8 +53,9 @@ def row_columns(
     rows = zm.numel() // (n * d)  # per sample
     H = row_hessians(f, zm, ga, d, budget)  # [n·rows, d, d]
     lam, vecs = decomposed(torch.linalg.eigh, H)
-    tol = lam.abs().max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
-    lam = torch.where(lam.abs() > tol, lam, torch.zeros_like(lam))
+    # (a row whose gradient is NaN already keeps NaN values: its results are NaN, as .grad)
+    tol = lam.abs().nan_to_num(0.0).max().clamp_min(torch.finfo(lam.dtype).tiny) * 1e-12
+    lam = torch.where((lam.abs() > tol) | lam.isnan(), lam, torch.zeros_like(lam))
     values = lam.reshape(n, rows * d)
     vecs = vecs.reshape(n, rows, d, d)  # [..., entry, j]
     shape = zm.shape
