@@ -287,13 +287,20 @@ def test_diag_hessian(name: str, attention: str):
     :func:`test_diag_hessian_tied_head`). Llama computes its RMSNorm and eager
     softmax in float32 (also in a float64 model): its curvature agrees to float32's precision,
     relative to the diagonal's largest entry."""
-    from tests.extensions.test_hessian import per_sample_hessian_diags
 
     model, x, y, kind = _setup(name)
     if name == "gpt2":
         model.config.tie_word_embeddings = False
         model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     model.set_attn_implementation(attention)
+    _check_diag_hessian(model, x, y, kind, 1e-4 if name == "llama" else 1e-10)
+
+
+def _check_diag_hessian(model: nn.Module, x: Tensor, y: Tensor, kind: str, rel: float) -> None:
+    """DiagHessian and BatchDiagHessian (per sample, and summed) of ``model`` against the
+    dense Hessian (the math attention kernel), to ``rel`` of the diagonal's largest entry."""
+    from tests.extensions.test_hessian import per_sample_hessian_diags
+
     lossfunc = _loss(kind)
     with sdpa_kernel(SDPBackend.MATH):
         diag = torch.diagonal(loss_hessian(Logits(model), lossfunc, x, y))
@@ -301,7 +308,6 @@ def test_diag_hessian(name: str, attention: str):
     _backward(model, x, y, kind, DiagHessian(), BatchDiagHessian())
     got = torch.cat([p.diag_h.flatten() for _, p in _trainable(model)])
     got_n = torch.cat([p.diag_h_batch.flatten(1) for _, p in _trainable(model)], 1)
-    rel = 1e-4 if name == "llama" else 1e-10
     scale = float(diag.abs().max())
     torch.testing.assert_close(got, diag, rtol=rel, atol=rel * scale)
     torch.testing.assert_close(got_n, per_sample, rtol=rel, atol=rel * scale)
@@ -313,20 +319,9 @@ def test_diag_hessian_tied_head():
     Hessian term of that product of uses (``2⟨G, dh dWᵀ⟩`` at the head) is built from the
     SVD of each sample's logit gradient (``residual.NestedSite``). DiagHessian and
     BatchDiagHessian against the dense Hessian."""
-    from tests.extensions.test_hessian import per_sample_hessian_diags
-
     model, x, y, kind = _setup("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
-    lossfunc = _loss(kind)
-    with sdpa_kernel(SDPBackend.MATH):
-        diag = torch.diagonal(loss_hessian(Logits(model), lossfunc, x, y))
-        per_sample = per_sample_hessian_diags(Logits(model), lossfunc, x, y)
-    _backward(model, x, y, kind, DiagHessian(), BatchDiagHessian())
-    got = torch.cat([p.diag_h.flatten() for _, p in _trainable(model)])
-    got_n = torch.cat([p.diag_h_batch.flatten(1) for _, p in _trainable(model)], 1)
-    scale = float(diag.abs().max())
-    torch.testing.assert_close(got, diag, rtol=1e-10, atol=1e-10 * scale)
-    torch.testing.assert_close(got_n, per_sample, rtol=1e-10, atol=1e-10 * scale)
+    _check_diag_hessian(model, x, y, kind, 1e-10)
 
 
 class _ShiftedLoss:

@@ -322,17 +322,18 @@ def product_node(node: Any) -> Any:
     return node
 
 
-class BilinearSite:
-    """A product of two values that depend on the same parameters, found by a DiagHessian-family
-    pass (:func:`bilinear_site`): its term lies inside those parameters' blocks, pushed as the
-    signed columns of :mod:`backprism.engine.bilinear` from a pre-hook on the product's node.
-    Made per pass; holds shapes, no tensors."""
+class _PassSite:
+    """A site a DiagHessian-family pass finds at its check (made per pass): :meth:`push` runs
+    from a pre-hook on its node with the gradient of the node's first output, in the pass's
+    own backward only."""
 
-    __slots__ = ("form", "pass_")
+    __slots__ = ("pass_",)
 
-    def __init__(self, form: BilinearForm, bp: Any) -> None:
-        self.form = form
+    def __init__(self, bp: Any) -> None:
         self.pass_ = bp
+
+    def push(self, bp: Any, exts: list, grad: Tensor) -> None:
+        raise NotImplementedError
 
     def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
         exts = [e for e in bp.second if e.needs_residual]
@@ -341,12 +342,28 @@ class BilinearSite:
             grad = grad_outputs[0]
             if grad is None or self.pass_ is not bp or bp.in_columns:
                 return
-            push_bilinear(bp, exts, self.form, grad)
+            self.push(bp, exts, grad)
 
         return hook
 
 
-class NestedSite:
+class BilinearSite(_PassSite):
+    """A product of two values that depend on the same parameters, found by a DiagHessian-family
+    pass (:func:`bilinear_site`): its term lies inside those parameters' blocks, pushed as the
+    signed columns of :mod:`backprism.engine.bilinear` from a pre-hook on the product's node.
+    Holds shapes, no tensors."""
+
+    __slots__ = ("form",)
+
+    def __init__(self, form: BilinearForm, bp: Any) -> None:
+        super().__init__(bp)
+        self.form = form
+
+    def push(self, bp: Any, exts: list, grad: Tensor) -> None:
+        push_bilinear(bp, exts, self.form, grad)
+
+
+class NestedSite(_PassSite):
     """A Linear call ``y = x Wᵀ + b`` whose weight ``W`` also feeds its input ``x`` through
     other calls (a tied output layer, an unrolled recurrence, ``lin(lin(x))``): the product of
     its uses adds ``2⟨G, dx dWᵀ⟩`` (``G = ∂L/∂y``) to ``W``'s Hessian block. Per sample, with
@@ -357,23 +374,15 @@ class NestedSite:
     column, added to the pushed parts' before squaring (:func:`push_nested`). Exact; costs
     ``2·rank(Gₙ)·in`` columns per sample. Made per pass by :func:`check_pass`."""
 
-    __slots__ = ("call", "name", "pass_")
+    __slots__ = ("call", "name")
 
     def __init__(self, call: Any, name: str, bp: Any) -> None:
+        super().__init__(bp)
         self.call = call
         self.name = name
-        self.pass_ = bp
 
-    def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
-        exts = [e for e in bp.second if e.needs_residual]
-
-        def hook(grad_outputs: tuple) -> None:
-            grad = grad_outputs[0]
-            if grad is None or self.pass_ is not bp or bp.in_columns:
-                return
-            push_nested(bp, exts, self.call, self.name, grad)
-
-        return hook
+    def push(self, bp: Any, exts: list, grad: Tensor) -> None:
+        push_nested(bp, exts, self.call, self.name, grad)
 
 
 def push_nested(bp: Any, exts: list, call: Any, name: str, grad: Tensor) -> None:
