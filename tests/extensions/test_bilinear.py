@@ -485,3 +485,46 @@ def test_a_sample_with_a_nan_gradient(model_name: str):
     got = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
     assert got[0].isnan().any()
     torch.testing.assert_close(got[1:], per_sample[1:], rtol=1e-8, atol=1e-12)
+
+
+class TorchEncoder(nn.Module):
+    """PyTorch's own attention layers: ``nn.MultiheadAttention`` (its packed projection taken
+    apart sequence-first, then the fused kernel) and ``nn.TransformerEncoderLayer``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed, self.head = nn.Linear(3, 4), nn.Linear(4, 3)
+        if kind == "encoder_layer":
+            self.body = nn.TransformerEncoderLayer(
+                4, 2, 6, dropout=0.0, batch_first=True, norm_first=True, activation="gelu"
+            )
+        else:
+            self.body = nn.MultiheadAttention(4, 2, batch_first=kind == "mha_batch_first")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.embed(x))
+        if self.kind == "encoder_layer":
+            mask = nn.Transformer.generate_square_subsequent_mask(4)
+            h = self.body(h, is_causal=True, src_mask=mask)
+        elif self.kind == "mha_batch_first":
+            h = self.body(h, h, h, need_weights=False)[0]
+        else:  # sequence-first [T, N, E]
+            h = h.transpose(0, 1)
+            h = self.body(h, h, h, need_weights=False)[0].transpose(0, 1)
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("kind", ["mha_batch_first", "mha_sequence_first", "encoder_layer"])
+def test_torch_attention_layers(kind: str):
+    """DiagHessian and BatchDiagHessian through ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` against the dense Hessian: the samples are followed through
+    the packed projection's ``unflatten``/``unsqueeze``/``squeeze``/``unbind`` to the kernel's
+    inputs, and the attention call keeps only ``out_proj``, which enters linearly. (Before:
+    refused, 'do not all hold the samples on their first axis'.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _perturbed(TorchEncoder(kind), 38).eval()
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    with sdpa_kernel(SDPBackend.MATH):
+        check_diag(model, nn.CrossEntropyLoss(), X, y)

@@ -194,12 +194,23 @@ def saved_dim(d: Any, ndim: int) -> int:
 
 
 def _reshape(status: Status, inp: tuple[int, ...], out: tuple[int, ...]) -> Status | None:
-    """The status of ``out`` (a row-major reshape of ``inp``, whose batch is ``status``)."""
+    """The status of ``out`` (a row-major reshape of ``inp``, whose batch is ``status``): the
+    axes before the batch axis may be regrouped (size-1 axes added or dropped, as
+    ``unsqueeze``/``squeeze`` do: ``nn.MultiheadAttention``'s split of its packed projection),
+    as long as they hold the same number of elements — the batch axis then starts at the same
+    place of the row-major order."""
     axis, g = status
-    # the axes before the batch axis must be unchanged
-    if len(out) <= axis or inp[:axis] != out[:axis]:
+    lead = math.prod(inp[:axis])
+    j, acc = 0, 1
+    while j < len(out) and acc < lead:
+        acc *= out[j]
+        j += 1
+    while j < len(out) and out[j] == 1 and inp[axis] != 1:  # (an axis of 1 put before it)
+        j += 1
+    if lead == 0 or acc != lead or j >= len(out):
         return None
-    size, new = inp[axis], out[axis]
+    size, new = inp[axis], out[j]
+    axis = j
     if new == size:  # rows of the same length: the same rows
         return (axis, g)
     n = size // g

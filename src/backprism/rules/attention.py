@@ -375,6 +375,13 @@ class MultiheadAttentionRule(GenericRule):
             return _NOTHING
         return _RELEASE
 
+    def is_linear_in_params(self, call: Call) -> bool:
+        """Linear where the call released its input projection and keeps ``out_proj`` only
+        (self-attention, :meth:`inside`): ``y = o W_outᵀ + b_out`` with ``o`` free of them, the
+        attention before it recorded operation by operation (its kernel, the released
+        projection's Linear call); otherwise ``W_q``, ``W_k`` enter through the softmax."""
+        return bool(call.params) and set(call.params) <= {"out_proj.weight", "out_proj.bias"}
+
     def _kept_o(self, call: Call) -> Tensor | None:
         """``o`` ``[N, L, E]`` (the input of ``out_proj``) as the forward kept it, if the call
         released its input projection and the kept ``F.linear`` is the one whose output the
