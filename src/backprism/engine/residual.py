@@ -1034,7 +1034,6 @@ def check_pass(bp: Any, exts: list) -> None:
                 raise NonlinearityError(f"{shared_message(names, call)} ({site})")
             if site is not None and edges and edges[0] is not None:
                 nested.append((site, edges[0][0]))
-    nested_ids = shared  # (every nested use passed: its term built, or none needed)
     # (the products inside those calls: their terms are the sites')
     inside_nested = {
         k for site, node in nested for k in _region([node], [e.node for e in site.call.input_edges])
@@ -1080,7 +1079,8 @@ def check_pass(bp: Any, exts: list) -> None:
     found = _unrecorded_nonlinearity(bp, product)
     if found is None:
         bp.bilinear_sites = [*bilinear.values(), *nested]
-        bp.nested_params = frozenset(nested_ids)
+        # (every nested use passed its check: its term built, or none needed)
+        bp.nested_params = frozenset(shared)
         params = [p for call, _ in calls for p in call.params.values()]
         if not all(p.__dict__.get(_WANTED, False) for p in params):
             want_residuals(params)
@@ -1433,9 +1433,9 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
     if kind == _NONLIN:
         if name == "batch_norm" and not _bn_training(args, kwargs):
             return  # eval-mode batch norm is affine in its input
-        if name == "instance_norm" and not _INSTANCE_NORM.bind(*args, **kwargs).arguments.get(
-            "use_input_stats", True
-        ):
+        if name == "instance_norm" and not _arguments(F.instance_norm, args, kwargs)[
+            "use_input_stats"
+        ]:
             return  # with running statistics: affine in its input
         if name in _ROW_WISE:
             site = _row_site(func, name, args, kwargs, out)
@@ -1468,8 +1468,14 @@ _ROW_WISE = frozenset(
     }
 )
 
-_INSTANCE_NORM = inspect.signature(F.instance_norm)
-_NORMALIZE = inspect.signature(F.normalize)
+_SIGNATURES = {f: inspect.signature(f) for f in (F.instance_norm, F.normalize)}
+
+
+def _arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of ``func`` (in :data:`_SIGNATURES`) by name, defaults filled."""
+    bound = _SIGNATURES[func].bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> RowSite | None:
@@ -1487,9 +1493,7 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
         return func(zz, *rest, **kw)
 
     if name == "instance_norm":  # rows: each sample's channels with their positions
-        bound = _INSTANCE_NORM.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = _arguments(F.instance_norm, args, kwargs)
         if z.dim() < 3:
             return None  # (an unbatched input: its rows are not samples)
         w, b = (t.detach() if isinstance(t, Tensor) else t for t in (a["weight"], a["bias"]))
@@ -1500,9 +1504,7 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
 
         return RowSite(fn_inst, z, name, out.output_nr, None, z.dim() - 2)
     if name == "normalize":  # x / max(‖x‖_p, eps) along dim (cosine attention, XCiT)
-        bound = _NORMALIZE.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = _arguments(F.normalize, args, kwargs)
         p_, dim, eps = a["p"], a["dim"], a["eps"]
         if a.get("out") is not None or not isinstance(dim, int) or z.dim() == 0:
             return None

@@ -291,7 +291,8 @@ def multi_affine(
     rows = slice(0, min(2, n)) if inputs else slice(None)
     args = tuple(a[rows].detach() if isinstance(a, Tensor) else a for a in call.args)
     kwargs = call.kwargs
-    gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(0)
+    device = next(iter(params.values())).device
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def noise(t: Tensor) -> Tensor:
         return t + torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype)
@@ -305,7 +306,6 @@ def multi_affine(
                 return False
         return True
 
-    device = next(iter(params.values())).device
     try:
         # (a module drawing random numbers, dropout, leaves the user's random state alone)
         with torch.no_grad(), torch.random.fork_rng(

@@ -522,19 +522,22 @@ class GenericRule(Rule):
         being affine in each parameter and in its inputs (:func:`elementwise.multi_affine`:
         timm's ``LayerScale``), which no other module is taken to be (see
         :meth:`is_affine_in_params` for the weaker promise)."""
-        if hasattr(call.module, "linear_in_params"):
-            return bool(call.module.linear_in_params)
-        primals, run, _ = _functional(call)
-        return elementwise.multi_affine(call, primals, run)
+        return self._probed_affine(call, inputs=True)
 
     def is_affine_in_params(self, call: Call) -> bool:
         """A module probed for being affine in each parameter only
         (:func:`elementwise.multi_affine` with ``inputs=False``: a hand-written RMSNorm, a
         module calling ``F.layer_norm`` on its own scale and shift)."""
+        return self._probed_affine(call, inputs=False)
+
+    @staticmethod
+    def _probed_affine(call: Call, inputs: bool) -> bool:
+        """A stand-in's own ``linear_in_params``, else :func:`elementwise.multi_affine` of the
+        module's functional call."""
         if hasattr(call.module, "linear_in_params"):
             return bool(call.module.linear_in_params)
         primals, run, _ = _functional(call)
-        return elementwise.multi_affine(call, primals, run, inputs=False)
+        return elementwise.multi_affine(call, primals, run, inputs=inputs)
 
     # -- caching one (call, g) -------------------------------------------------------------
     def _lookup(self, call: Call, g: Any) -> dict[str, Tensor] | None:
