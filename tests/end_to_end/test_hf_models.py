@@ -38,6 +38,7 @@ from backprism.extensions import (
 )
 
 transformers = pytest.importorskip("transformers")
+from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 
 from tests.common import assert_first_order  # noqa: E402
 from tests.reference import (  # noqa: E402
@@ -322,6 +323,60 @@ def test_diag_hessian_tied_head():
     model, x, y, kind = _setup("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
     _check_diag_hessian(model, x, y, kind, 1e-10)
+
+
+class _EncoderLogits(nn.Module):
+    """A T5 encoder with a mean-pooled linear head, its output as ``.logits``."""
+
+    def __init__(self, encoder: nn.Module, width: int, classes: int) -> None:
+        super().__init__()
+        self.encoder, self.head = encoder, nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Any:
+        h = self.encoder(input_ids=x).last_hidden_state
+        return SequenceClassifierOutput(logits=self.head(h.mean(1)))
+
+
+def _relative_bias_model(name: str) -> nn.Module:
+    if name == "t5":
+        cfg = transformers.T5Config(
+            num_layers=1, num_heads=2, d_model=8, d_kv=4, d_ff=8, vocab_size=11,
+            dropout_rate=0.0, attn_implementation="sdpa",
+        )
+        return _EncoderLogits(transformers.T5EncoderModel(cfg), 8, 3)
+    if name == "beit":
+        cfg = transformers.BeitConfig(
+            image_size=16, patch_size=8, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=8, num_labels=3,
+            use_relative_position_bias=True, attn_implementation="sdpa",
+        )
+        return transformers.BeitForImageClassification(cfg)
+    cfg = transformers.SwinConfig(
+        image_size=8, patch_size=2, embed_dim=4, depths=[2], num_heads=[2], window_size=2,
+        num_labels=3, attn_implementation="sdpa",
+    )
+    return transformers.SwinForImageClassification(cfg)
+
+
+@pytest.mark.parametrize("name", ["t5", "beit", "swin"])
+def test_diag_hessian_relative_position_bias_under_sdpa(name: str):
+    """T5, BEiT and Swin pass their relative position bias to SDPA as the additive mask (Swin's
+    combined with the shifted windows' mask, on the samples folded with windows): the fused
+    attention's columns enter the mask too, so DiagHessian and BatchDiagHessian match the
+    dense Hessian (before: refused). T5 normalises in float32, hence float32's precision."""
+    torch.manual_seed(0)
+    model = _quiet(lambda: _relative_bias_model(name)).to(DT).eval()
+    with torch.no_grad():  # (tables initialised to zero: perturbed, so their terms count)
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    if name == "t5":
+        x, y, rel = torch.randint(0, 11, (N, 4)), torch.randint(0, 3, (N,)), 1e-5
+    else:
+        size = 16 if name == "beit" else 8
+        x, y, rel = torch.randn(N, 3, size, size, dtype=DT), torch.randint(0, 3, (N,)), 1e-10
+    with torch.no_grad():
+        model(x)  # (BEiT caches its position index: made here, not inside the references' vmap)
+    _check_diag_hessian(model, x, y, "cls", rel)
 
 
 class _ShiftedLoss:

@@ -368,29 +368,120 @@ def test_fused_attention_with_dropout_refused():
 
 class BiasedFused(Fused):
     """Fused attention with a relative position bias from a table of its own passed as the
-    additive mask (Hugging Face's T5 under SDPA)."""
+    additive mask (Hugging Face's T5 and BEiT under SDPA): ``[1, H, T, T]`` as it is, plus a
+    constant padding mask per sample (``padded``: ``[N, 1, 1, T]``, as T5 adds its attention
+    mask), or expanded over the batch first (``expanded``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "shared") -> None:
         super().__init__()
         self.bias = nn.Embedding(7, 2)
+        self.kind = kind
 
     def forward(self, x: Tensor) -> Tensor:
-        t = x.shape[1]
+        n, t = x.shape[:2]
         idx = (torch.arange(t)[None] - torch.arange(t)[:, None]).clamp(-3, 3) + 3
         self.mask = self.bias(idx).permute(2, 0, 1)[None]  # [1, H, T, T]
+        if self.kind == "padded":
+            pad = torch.zeros(n, 1, 1, t, dtype=x.dtype)
+            pad[1, ..., -1] = torch.finfo(x.dtype).min  # (sample 1 padded at its end)
+            self.mask = self.mask + pad
+        elif self.kind == "expanded":
+            self.mask = self.mask.expand(n, -1, -1, -1)
         return super().forward(x)
 
 
-def test_fused_attention_with_a_parameter_dependent_mask_refused():
-    """An additive mask that depends on parameters: its share of the term is not built, so the
-    pass is refused before anything is written, pointing to the eager attention. (Before: the
-    bias table's Hessian diagonal 1–8 % off, no error.)"""
-    model, lf = extend(BiasedFused()), extend(nn.CrossEntropyLoss())
+@pytest.mark.parametrize("kind", ["shared", "padded", "expanded"])
+def test_fused_attention_with_a_parameter_dependent_mask(kind: str):
+    """An additive mask that depends on parameters (a relative position bias): the softmax's
+    and ``P V``'s columns enter it as they enter ``Q Kᵀ``, so the bias table's diagonal and
+    every other one match the dense Hessian (through the math kernel), per sample too. (Before:
+    refused; before that, the table's diagonal 1–8 % off without an error.)"""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.extensions.test_hessian import per_sample_hessian_diags, run
+
+    model = _perturbed(BiasedFused(kind), 38)
     X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
-    refused = pytest.raises(NonlinearityError, match=r"attn_mask depends on parameters.*eager")
-    with refused, collect(DiagHessian()):
-        lf(model(X), y).backward()
-    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+    lf = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        diag = torch.diagonal(loss_hessian(ref, lf, X, y))
+        per_sample = per_sample_hessian_diags(ref, lf, X, y)
+    run(model, copy.deepcopy(lf), X, y, DiagHessian(), BatchDiagHessian())
+    got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+    got_n = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
+    assert model.bias.weight.diag_h.abs().max() > 1e-4  # (the table's term is not zero)
+    torch.testing.assert_close(got, diag, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(got_n, per_sample, rtol=1e-8, atol=1e-12)
+
+
+class TableBias(nn.Module):
+    """A relative position bias ``[1, H, T, T]`` read from a table of its own, called without
+    tensor inputs (Hugging Face's ``SwinRelativePositionBias``)."""
+
+    def __init__(self, t: int, heads: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * t - 1, heads))
+        pos = torch.arange(t)
+        self.register_buffer("index", pos[:, None] - pos[None, :] + t - 1)
+
+    def forward(self) -> Tensor:
+        return self.table[self.index].permute(2, 0, 1).unsqueeze(0)
+
+
+class WindowedBiasedFused(nn.Module):
+    """Hugging Face's Swin under SDPA: windows of ``T`` positions folded sample-major into the
+    batch (``[N·W, H, T, E]``), a :class:`TableBias` as the fused attention's additive mask,
+    with ``shifted`` first combined with a constant ``[N·W, 1, T, T]`` mask."""
+
+    def __init__(self, w: int, t: int, shifted: bool) -> None:
+        super().__init__()
+        self.w, self.t = w, t
+        self.embed, self.qkv, self.head = nn.Linear(3, 4), nn.Linear(4, 12), nn.Linear(4, 3)
+        self.bias = TableBias(t, 2)
+        shift = torch.zeros(w, 1, t, t)
+        shift[1:, :, 0, 1:] = -1e4
+        self.shift = shift if shifted else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        h = torch.tanh(self.embed(x)).reshape(n * self.w, self.t, 4)  # [N·W, T, 4]
+        q, k, v = self.qkv(h).view(n * self.w, self.t, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        mask = self.bias()
+        if self.shift is not None:
+            mask = mask + self.shift.expand(n, -1, -1, -1, -1).reshape(-1, 1, self.t, self.t)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(o.transpose(1, 2).reshape(n, self.w * self.t, 4)).mean(1)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_fused_attention_over_windows_with_a_bias_table_mask(shifted: bool):
+    """Swin's windows under SDPA: the widened bias's rows are the windows' (the samples folded
+    sample-major), so the mask takes columns like the queries: exact against the dense
+    Hessian, per sample too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.extensions.test_hessian import per_sample_hessian_diags, run
+
+    model = _perturbed(WindowedBiasedFused(3, 2, shifted), 40)
+    X, y = torch.randn(3, 6, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)
+    with sdpa_kernel(SDPBackend.MATH):
+        diag = torch.diagonal(loss_hessian(ref, lf, X, y))
+        per_sample = per_sample_hessian_diags(ref, lf, X, y)
+    run(model, copy.deepcopy(lf), X, y, DiagHessian(), BatchDiagHessian())
+    got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
+    got_n = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
+    torch.testing.assert_close(got, diag, rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(got_n, per_sample, rtol=1e-8, atol=1e-12)
+
+
+def test_hmp_through_fused_attention_with_a_parameter_dependent_mask():
+    """HMP's blocks through fused attention with a bias table as its mask."""
+    model = _perturbed(BiasedFused("padded"), 39)
+    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    check_hmp(model, nn.CrossEntropyLoss(), X, y, pchmp=False)
 
 
 class ConstantValues(nn.Module):

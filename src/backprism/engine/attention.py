@@ -44,16 +44,23 @@ def _product_form(x: Tensor, y: Tensor) -> BilinearForm:
 
 def attention_columns(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
-    gqa: bool, grad: Tensor, n: int, budget: int,
+    gqa: bool, grad: Tensor, n: int, budget: int, mask_grad: bool = False,
 ) -> list[Family]:
     """The three families of signed columns of attention ``(q, k, v) ↦ O`` (module docstring)
     for ``grad = ∂L/∂O`` and ``n`` samples on the first axis of ``q``, ``k``, ``v``: each
     ``(values [n, C], make)`` with ``make(idx, scale)`` the columns ``idx`` scaled by
     ``scale`` (``[n, c]``) in ``q``'s, ``k``'s and ``v``'s shapes (``[c, *shape]`` each; see
-    :func:`backprism.engine.bilinear.signed_columns`)."""
+    :func:`backprism.engine.bilinear.signed_columns`). With ``mask_grad``, the additive float
+    ``mask`` is an input too (a relative position bias that depends on parameters, as T5 and
+    BEiT pass under SDPA, widened over the samples): it enters ``S`` additively, so it takes
+    no product term of its own, but the softmax's and ``P V``'s columns reach it as they reach
+    ``c · Q Kᵀ`` — a fourth tensor per column, in the mask's shape."""
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-        qq, kk, vv = (t.view(t.shape) for t in leaves)  # (non-leaf: mapped through like the rest)
+        inputs = (q, k, v, mask) if mask_grad and mask is not None else (q, k, v)
+        leaves = [t.detach().requires_grad_(True) for t in inputs]
+        qq, kk, vv = (t.view(t.shape) for t in leaves[:3])  # (non-leaf: mapped like the rest)
+        if len(leaves) > 3:
+            mask = leaves[3]
         if gqa and kk.shape[-3] != qq.shape[-3]:
             rep = qq.shape[-3] // kk.shape[-3]
             kk, vv = kk.repeat_interleave(rep, -3), vv.repeat_interleave(rep, -3)

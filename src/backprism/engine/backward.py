@@ -580,11 +580,14 @@ class BackwardPass:
     def _anchors(self, call: Call, n: int) -> dict[tuple[int, int], tuple[int, int]]:
         """The statuses ``call``'s output edges anchor in a :class:`FoldAnalysis` of batch
         ``n``: each output on its own axis (:meth:`Call.output_axes`); none for a call of
-        another batch size, on a folded batch, or read at the tensor its output views."""
-        if call.batch_size != n or call.fold != 1 or call.rebased:
+        another batch size, on a folded batch, or read at the tensor its output views. A
+        shared call widened against rows that fold the samples (Swin's bias table met by the
+        windows) anchors its output with that fold: its copies are those rows'."""
+        fold = call.fold if call.meets and call.batch_size == n * call.fold else 1
+        if call.batch_size != n * fold or call.rebased:
             return {}
         return {
-            (id(e[0]), e[1]): (axis, 1)
+            (id(e[0]), e[1]): (axis, fold)
             for e, axis in zip(self.calls[call], call.output_axes(), strict=True)
             if e is not None
         }

@@ -458,34 +458,40 @@ class AttentionSite:
     (:func:`backprism.engine.attention.attention_columns`) from a pre-hook on ``O``'s node."""
 
     __slots__ = (
-        "gqa", "is_causal", "k", "mask", "mask_grad", "output_nr", "pass_", "q", "scale", "v"
+        "gqa", "is_causal", "k", "mask", "mask_in", "output_nr", "pass_", "q", "scale", "v"
     )
 
     def __init__(self, bound: dict, nr: int) -> None:
         self.q, self.k, self.v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
         self.mask = mask.detach() if isinstance(mask, Tensor) else None
-        #: the additive mask depends on parameters (T5's relative position bias)
-        self.mask_grad = isinstance(mask, Tensor) and mask.requires_grad
+        #: the additive mask where it depends on parameters (T5's, BEiT's relative position
+        #: bias): the columns enter it too
+        self.mask_in = mask if isinstance(mask, Tensor) and mask.requires_grad else None
         self.is_causal = bool(bound.get("is_causal", False))
         self.scale = bound.get("scale")
         self.gqa = bool(bound.get("enable_gqa", False))
         self.output_nr = nr
         self.pass_: Any = None
 
+    def _inputs(self) -> tuple[Tensor, ...]:
+        """The inputs the columns enter: query, key, value and a mask that depends on
+        parameters."""
+        return (self.q, self.k, self.v, self.mask_in) if self.mask_in is not None else (
+            self.q, self.k, self.v
+        )
+
     def refusal(self, bp: Any) -> str | None:
-        """Why the pass cannot build the term (an additive mask that depends on parameters, the
-        samples not on the inputs' first axis), or ``None``."""
-        if self.mask_grad:
-            return (
-                "its additive attn_mask depends on parameters (a relative position bias passed "
-                "as the mask, as Hugging Face's T5 does under SDPA), whose share of the term is "
-                "not built; the eager attention (attn_implementation='eager') computes the same "
-                "function with operations whose terms are"
-            )
-        inputs = [t for t in (self.q, self.k, self.v) if t.requires_grad]
+        """Why the pass cannot build the term (the samples not on the first axis of the inputs
+        that take columns — a mask that depends on parameters among them), or ``None``."""
+        inputs = [t for t in self._inputs() if t.requires_grad]
         if _samples_first(bp, [(t.grad_fn, t.output_nr) for t in inputs], self.q.shape[0]):
             return None
+        if self.mask_in is not None:
+            return (
+                "its query, key, value and additive attn_mask (which depends on parameters) do "
+                "not all hold the samples on their first axis"
+            )
         return "its query, key and value do not all hold the samples on their first axis"
 
     def node_hook(self, bp: Any, node: Any) -> Callable[[tuple], None] | None:
@@ -499,11 +505,12 @@ class AttentionSite:
                 return
             families = attention_columns(
                 self.q, self.k, self.v, self.mask, self.is_causal, self.scale, self.gqa, grad,
-                bp.n_samples, bp.ctx.memory_budget,
+                bp.n_samples, bp.ctx.memory_budget, mask_grad=self.mask_in is not None,
             )
             # (columns enter at the inputs that need gradients: a constant one takes none)
-            live = [i for i, t in enumerate((self.q, self.k, self.v)) if t.requires_grad]
-            origins = [(self.q, self.k, self.v)[i] for i in live]
+            inputs = self._inputs()
+            live = [i for i, t in enumerate(inputs) if t.requires_grad]
+            origins = [inputs[i] for i in live]
             for values, make in families:
 
                 def entering(idx: Tensor, sc: Tensor, make: Callable = make) -> list[Tensor]:
