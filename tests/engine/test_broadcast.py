@@ -668,6 +668,53 @@ class WindowBias(nn.Module):
         return self.head(grouped.mean(1))
 
 
+class MlpBias(WindowBias):
+    """Swin V2's continuous position bias: an MLP (``Linear``, ``ReLU(inplace=True)`` or
+    another activation, ``Linear``) on a constant table of relative coordinates, shared by all
+    samples, then ``16·sigmoid`` and added to the windows' scores (``w = 1``: no fold), a
+    projection on the windows' rows after the attention."""
+
+    def __init__(self, w: int, t: int, act: nn.Module) -> None:
+        super().__init__(w, t, False, "sample")
+        del self.bias
+        self.register_buffer("coords", torch.randn(2 * t - 1, 2, dtype=DT))
+        self.mlp = nn.Sequential(nn.Linear(2, 5), act, nn.Linear(5, H))
+        self.val = nn.Linear(D, D)
+        self.proj = nn.Linear(D, D)  # (on the windows' rows: a call of batch N·W)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        q, k = self.qk(x).chunk(2, -1)
+        q, k, v = self.rows(q), self.rows(k), self.rows(self.val(x))
+        scores = (q.view(*q.shape[:2], H, -1).transpose(1, 2)
+                  @ k.view(*k.shape[:2], H, -1).permute(0, 2, 3, 1))  # [N·W, H, T, T]
+        pos = torch.arange(self.t)
+        table = self.mlp(self.coords)  # [2T - 1, H]
+        b = table[pos[:, None] - pos[None, :] + self.t - 1].permute(2, 0, 1)
+        attn = (scores + 16 * torch.sigmoid(b).unsqueeze(0)).softmax(-1).mean(1)
+        out = self.proj(attn @ v).mean(1)  # [N·W, D]
+        return self.head(out.view(n, self.w, -1).mean(1))
+
+
+@pytest.mark.parametrize("w", [1, 3])
+@pytest.mark.parametrize(
+    "act", ["relu_inplace", "leaky_relu_inplace", "relu"], ids=lambda a: a
+)
+def test_an_mlp_on_a_shared_table_with_an_in_place_activation(w: int, act: str) -> None:
+    """The shared MLP's activation written into its first layer's output (``nn.ReLU(inplace=
+    True)``: ``F.relu(x, inplace=True)``, the flag passed by keyword or by position) is
+    replayed on each sample's copy, so the first layer's per-sample gradients go through its
+    mask (they were silently wrong — ``Σₙ grad_batch ≠ .grad`` — and a batch folded with
+    windows was refused: the copies' value, computed from detached leaves, did not count as
+    the same for every sample)."""
+    acts = {
+        "relu_inplace": lambda: nn.ReLU(inplace=True),
+        "leaky_relu_inplace": lambda: nn.LeakyReLU(0.1, inplace=True),
+        "relu": nn.ReLU,
+    }
+    _exact(lambda: MlpBias(w, 2, acts[act]()), 3, 2 * w, D)
+
+
 @pytest.mark.parametrize("mask", [False, True])
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_table_broadcast_over_windows_of_the_samples(n: int, mask: bool) -> None:

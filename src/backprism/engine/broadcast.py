@@ -240,7 +240,9 @@ def mark_free(name: str, args: tuple, kwargs: dict, out: Any) -> None:
             setattr(o, FREE, value)
 
 
-def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+def after_operation(
+    name: str, func: Any, args: tuple, kwargs: dict, out: Any, written: bool = False
+) -> Any:
     """What the forward mode does after each operation ``out = func(*args, **kwargs)``:
     follows shared calls' outputs through views and elementwise operations with constants
     (:func:`follow_shared`), widens one expanded over the batch, and marks a shared call whose
@@ -280,7 +282,7 @@ def after_operation(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -
                     return wide.reshape(out.shape)
                 _unsplit(info[0], _meets(name))
                 return out
-        follow_shared(name, func, args, kwargs, out)
+        follow_shared(name, func, args, kwargs, out, written)
     if len(args) > 1 and isinstance(out, Tensor) and out.dim() and out.shape[0] > 1:
         rank, n = out.dim(), out.shape[0]
         tensors = [a for a in args if isinstance(a, Tensor)]
@@ -329,12 +331,14 @@ def _rows_met(calls: list[Call], tensors: list[Tensor]) -> None:
     FORWARD.rows_pending -= 1
 
 
-def before_in_place(name: str, t: Tensor) -> None:
+def before_in_place(name: str, t: Tensor, written: bool = False) -> None:
     """``t``, computed from a shared call's output, is about to be modified in place by
-    ``name`` (DeBERTa's ``pos_query_layer /= scale``): if it is the same for every sample, its
-    origin is kept as it is now (a copy in the graph), so that each sample's copy replays the
-    operation on the value before it; an in-place operation that is not followed leaves ``t``
-    without a per-sample split (refused)."""
+    ``name`` (DeBERTa's ``pos_query_layer /= scale``; with ``written``, a function told to
+    write into it, ``F.relu(t, inplace=True)`` as ``nn.ReLU(inplace=True)`` calls it — Swin
+    V2's position-bias MLP): if it is the same for every sample, its origin is kept as it is
+    now (a copy in the graph), so that each sample's copy replays the operation on the value
+    before it; an in-place operation that is not followed leaves ``t`` without a per-sample
+    split (refused)."""
     info = getattr(t, SHARED, None)
     if info is None:
         return
@@ -344,7 +348,7 @@ def before_in_place(name: str, t: Tensor) -> None:
         # every sample (the model's first layer on the data): not followed further
         delattr(t, SHARED)
         return
-    if name not in _IN_PLACE:
+    if name not in _IN_PLACE and not (written and name in FOLLOWS):
         delattr(t, SHARED)
         _unsplit(
             call,
@@ -355,11 +359,14 @@ def before_in_place(name: str, t: Tensor) -> None:
     setattr(t, SHARED, (call, (t if origin is None else origin).clone(), before))
 
 
-def follow_shared(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+def follow_shared(
+    name: str, func: Any, args: tuple, kwargs: dict, out: Any, written: bool = False
+) -> None:
     """After ``out = func(*args, **kwargs)`` in an extended forward: if the one operand that
     needs a gradient is (computed from) a shared call's output and ``out`` is a view of it or
     has its shape (constants broadcast into it, not it over anything), mark ``out`` with the
-    call and the replay that rebuilds ``out`` from that output."""
+    call and the replay that rebuilds ``out`` from that output. ``written``: the operation
+    wrote into its first operand (by name, or by an ``inplace`` flag)."""
     if not isinstance(out, Tensor) or not out.requires_grad:
         return
     pos: int | str | None = None
@@ -381,7 +388,7 @@ def follow_shared(name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> 
         return
     if name in _ELEMENTWISE and out.shape != src.shape:
         return  # it broadcasts the shared tensor: where it meets the samples, widened before
-    if out is src and name not in _IN_PLACE:
+    if out is src and name not in _IN_PLACE and not written:
         return  # (the tensor itself: .to() of its own device and dtype, .contiguous())
     call, origin, before = info
     if origin is None:

@@ -73,6 +73,9 @@ _BATCH_NORMS = frozenset(
 #: backward nodes of functions that return their inputs unchanged: DDP's ``_DDPSink`` on the
 #: model's outputs (``find_unused_parameters=True``, static graphs)
 _IDENTITIES = frozenset({"_DDPSinkBackward"})
+#: the node of a shared call's output copied over the samples (``engine.broadcast._Spread``;
+#: its inputs: the spread, the value, the copies of the call's inputs)
+_SPREAD = "_SpreadFunctionBackward"
 
 #: backward node classes of the custom ``autograd.Function`` s declared sample-wise
 _SAMPLE_WISE_FUNCTIONS: weakref.WeakSet[type] = weakref.WeakSet()
@@ -709,9 +712,13 @@ class FoldAnalysis:
             # shared call's, or its copies over the rows: the same in every row)
             result = False
         else:
-            result = all(
-                f is None or self.sample_free(f, depth + 1) for f, _ in node.next_functions
-            )
+            inputs = node.next_functions
+            if type(node).__name__ == _SPREAD:
+                # a shared call's output copied over the samples (engine.broadcast's _Spread):
+                # its value is computed from detached leaves of the inputs the same for every
+                # sample; what carries rows are the copies of those inputs (after the value)
+                inputs = inputs[2:]
+            result = all(f is None or self.sample_free(f, depth + 1) for f, _ in inputs)
         self._free[key] = result
         self._held.append(node)
         return result

@@ -31,6 +31,7 @@ operation serves both.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -1060,6 +1061,36 @@ def _math_attention() -> Any:
     return _sdpa_kernel([_SDPBackend.MATH])
 
 
+#: the position of an ``inplace`` parameter of a function (``None``: it has none)
+_INPLACE_INDEX: dict[Any, int | None] = {}
+
+
+def _inplace_index(func: Any) -> int | None:
+    """The position of ``func``'s ``inplace`` parameter (``F.relu``: 1, ``F.leaky_relu``: 2,
+    ``F.dropout``: 3), or ``None``; functions without a Python signature have none."""
+    try:
+        return _INPLACE_INDEX[func]
+    except (KeyError, TypeError):
+        pass
+    index = None
+    with contextlib.suppress(TypeError, ValueError):
+        names = list(inspect.signature(func).parameters)
+        index = names.index("inplace") if "inplace" in names else None
+    if len(_INPLACE_INDEX) > 4096:
+        _INPLACE_INDEX.clear()
+    with contextlib.suppress(TypeError):
+        _INPLACE_INDEX[func] = index
+    return index
+
+
+def _writes_first(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a function with an ``inplace`` flag writes into its first operand."""
+    if "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    index = _inplace_index(func)
+    return index is not None and len(args) > index and bool(args[index])
+
+
 def _mutates(name: str) -> bool:
     """An operation that modifies its first operand in place (``w[0] = 0``, ``w.clamp_()``)."""
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
@@ -1129,11 +1160,14 @@ class ForwardMode(TorchFunctionMode):
         name, inert, kind, in_place = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
+        if not in_place and ("inplace" in kwargs or _inplace_index(func) is not None):
+            # F.relu(x, inplace=True), F.leaky_relu(x, 0.1, True): nn.ReLU(inplace=True)
+            in_place = _writes_first(func, args, kwargs)
         if in_place and args:
             if id(args[0]) in FORWARD.view_ids:
                 _invalidate_view(args[0])
             if isinstance(args[0], Tensor) and hasattr(args[0], SHARED):
-                before_in_place(name, args[0])
+                before_in_place(name, args[0], written=in_place)
         if name in MEETS:
             args, kwargs = broadcast_calls(name, args, kwargs)
         elif name in DROPOUT:
@@ -1164,7 +1198,7 @@ class ForwardMode(TorchFunctionMode):
             follow_batch_axis(name, args, kwargs, out)
         elif name in _AXIS_MOVES and stack:
             _mark_transposed(name, args, kwargs, out)
-        out = after_operation(name, func, args, kwargs, out)
+        out = after_operation(name, func, args, kwargs, out, in_place)
         if isinstance(out, Tensor):
             if not out.requires_grad:
                 return out
