@@ -392,6 +392,23 @@ def test_diag_hessian_convnext() -> None:
         torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
 
 
+def test_diag_hessian_swin() -> None:
+    """Swin with timm's eager attention: the bias table indexed by a view of its index buffer
+    (``table[index.view(-1)]``) is attributed where it meets the windows' scores (it made the
+    whole ``WindowAttention`` take the generic rule, whose parameters the DiagHessian family
+    refused), shifted windows and patch merging included: DiagHessian equals the exact
+    Hessian diagonal."""
+    model, x, y = setup("swin")
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = False
+    ref = hessian_diagonal(model, x, y)
+    _run(model, x, y, DiagHessian())
+    scale = max(float(t.abs().max()) for t in ref.values())
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-8, atol=1e-10 * scale, msg=k)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
 @pytest.mark.parametrize("name", VITS)
 def test_diag_hessian_vit(name: str, fused: bool) -> None:
@@ -409,13 +426,14 @@ def test_diag_hessian_vit(name: str, fused: bool) -> None:
         torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-8, atol=1e-10 * scale, msg=k)
 
 
-@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool", "mobilenet"])
+@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool", "mobilenet", "swin"])
 def test_no_generic_rule_for_convnext_and_vit(name: str, monkeypatch) -> None:
     """ConvNeXt's ``LayerNorm2d`` (an overriding ``nn.LayerNorm`` subclass), MobileNetV3's
     ``BatchNormAct2d`` (an overriding ``nn.BatchNorm2d`` subclass, in eval mode) and the
-    parameters the ConvNeXt blocks and the ViT use directly (``gamma``, ``cls_token``,
-    ``pos_embed``) are attributed where they enter, in closed form: no generic-rule warning
-    (shown once per type and process, so the record of earlier warnings is emptied first)."""
+    parameters the ConvNeXt blocks, the ViT and Swin's window attention use directly
+    (``gamma``, ``cls_token``, ``pos_embed``, the bias table indexed by a view of a buffer)
+    are attributed where they enter, in closed form: no generic-rule warning (shown once per
+    type and process, so the record of earlier warnings is emptied first)."""
     from backprism.rules import generic
 
     monkeypatch.setattr(generic, "_ANNOUNCED", set())

@@ -735,11 +735,14 @@ def _linear_use(name: str, views: list, kw_views: dict, every: list) -> bool:
 
 def _constant(a: Tensor) -> bool:
     """A tensor operand that is the same for every sample: a frozen parameter, or a buffer of
-    a module in its forward (a relative-position index)."""
+    a module in its forward (a relative-position index), or a view of one
+    (``self.relative_position_index.view(-1)``, as timm's Swin and BEiT index their bias
+    tables with)."""
     if isinstance(a, nn.Parameter):
         return True  # extended trainable ones are parameter views, never operands here
+    base = a._base
     return any(
-        a is b for frame in FORWARD.call_stack for b in frame[0]._buffers.values()
+        a is b or base is b for frame in FORWARD.call_stack for b in frame[0]._buffers.values()
     )
 
 
