@@ -127,10 +127,32 @@ def swinv2() -> tuple[nn.Module, tuple[int, ...]]:
     return model, (3, 16, 16)
 
 
+def beit() -> tuple[nn.Module, tuple[int, ...]]:
+    """BEiT: query and value biases joined with a constant key bias as the ``qkv`` layer's
+    bias (``F.linear(x, self.qkv.weight, torch.cat(...))``), a relative position bias table
+    indexed by a buffer (SDPA's mask in the fused attention), layer scale."""
+    model = timm.create_model(
+        "beit_base_patch16_224", img_size=32, patch_size=16, embed_dim=8, depth=1,
+        num_heads=2, mlp_ratio=2.0, init_values=0.5, num_classes=C,
+    )
+    return model, (3, 32, 32)
+
+
+def eva() -> tuple[nn.Module, tuple[int, ...]]:
+    """EVA-02: joined query/value biases, rotary position embeddings, SwiGLU, layer scale."""
+    model = timm.create_model(
+        "eva02_tiny_patch14_224", img_size=28, patch_size=14, embed_dim=8, depth=1,
+        num_heads=2, init_values=0.5, num_classes=C,
+    )
+    return model, (3, 28, 28)
+
+
 MODELS = {
     "resnet": resnet,
     "swin": swin,
     "swinv2": swinv2,
+    "beit": beit,
+    "eva": eva,
     "mobilenet": mobilenet,
     "convnext": convnext,
     "vit": _vit,
@@ -138,6 +160,10 @@ MODELS = {
     "vit_avgpool": lambda: _vit(class_token=False, global_pool="avg"),
 }
 VITS = ["vit", "vit_layerscale", "vit_avgpool"]
+#: models whose per-sample reference is a loop: Swin's masked window attention reshapes with
+#: -1 over the windows, and BEiT's fused attention takes a mask that needs a gradient, which
+#: torch.func's vmap cannot
+LOOP_REFERENCE = {"swin", "swinv2", "beit"}
 
 
 def _nontrivial(model: nn.Module) -> None:
@@ -272,8 +298,7 @@ def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
     def seen(m: nn.Module, args: tuple, out: Tensor) -> None:
         if args and isinstance(args[0], Tensor) and args[0].dim():
             rows[m] = args[0].shape[0]
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
-            inputs[m] = args[0].detach()
+            inputs.setdefault(m, args[0].detach())
 
     hooks = [m.register_forward_hook(seen) for m in model.modules()]
     with torch.no_grad():
@@ -281,6 +306,11 @@ def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
     for h in hooks:
         h.remove()
     parent = {c: m for m in model.modules() for c in m.children()}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m not in inputs:
+            # (timm's attention runs F.linear(x, self.qkv.weight, bias) on its own input)
+            inputs[m] = inputs[parent[m]]
+    inputs = {m: t for m, t in inputs.items() if isinstance(m, (nn.Linear, nn.Conv2d))}
     out = {}
     for m, inp in inputs.items():
         uses = 1
@@ -306,8 +336,7 @@ def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
 def test_first_order(name: str) -> None:
     """BatchGrad, BatchL2Grad, SumGradSquared, Variance and ``Σₙ grad_batch = .grad``."""
     model, x, y = setup(name)
-    # (Swin's masked window attention reshapes with -1 over the windows, which vmap cannot)
-    reference = per_sample_grads_loop if name.startswith("swin") else per_sample_grads
+    reference = per_sample_grads_loop if name in LOOP_REFERENCE else per_sample_grads
     ref = reference(model, nn.CrossEntropyLoss(), x, y)
     _run(model, x, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
     assert_first_order(model, ref, **TOL)
@@ -392,21 +421,41 @@ def test_diag_hessian_convnext() -> None:
         torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
 
 
-def test_diag_hessian_swin() -> None:
-    """Swin with timm's eager attention: the bias table indexed by a view of its index buffer
-    (``table[index.view(-1)]``) is attributed where it meets the windows' scores (it made the
-    whole ``WindowAttention`` take the generic rule, whose parameters the DiagHessian family
-    refused), shifted windows and patch merging included: DiagHessian equals the exact
-    Hessian diagonal."""
-    model, x, y = setup("swin")
+@pytest.mark.parametrize(
+    ("name", "fused"),
+    [("swin", False), ("beit", True), ("beit", False), ("eva", True), ("eva", False)],
+    ids=["swin-eager", "beit-fused", "beit-eager", "eva-fused", "eva-eager"],
+)
+def test_diag_hessian_attention_with_parameters_of_its_own(name: str, fused: bool) -> None:
+    """timm attention modules that use parameters of their own beside their ``qkv`` and
+    ``proj`` layers: Swin's bias table indexed by a view of its index buffer, BEiT's, EVA's and
+    Swin V2's query and value biases joined with a constant key bias as ``qkv``'s bias
+    (``F.linear(x, self.qkv.weight, torch.cat(...))``), BEiT's table as the fused attention's
+    mask, EVA's rotary embeddings. Each use is attributed where it enters (they made the whole
+    attention module take the generic rule, whose parameters the DiagHessian family refused):
+    DiagHessian equals the exact Hessian diagonal, with the fused kernel or eager. (Swin V2:
+    :func:`test_diag_hessian_swinv2_refused`.)"""
+    model, x, y = setup(name)
     for m in model.modules():
         if hasattr(m, "fused_attn"):
-            m.fused_attn = False
+            m.fused_attn = fused
     ref = hessian_diagonal(model, x, y)
     _run(model, x, y, DiagHessian())
     scale = max(float(t.abs().max()) for t in ref.values())
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-8, atol=1e-10 * scale, msg=k)
+
+
+def test_diag_hessian_swinv2_refused() -> None:
+    """Swin V2 scales its cosine attention by ``exp(clamp(logit_scale))``, a parameter entering
+    nonlinearly where it meets the samples, whose own Hessian term the column construction
+    does not build: refused before anything is written, naming the use."""
+    from backprism.engine.residual import NonlinearityError
+
+    model, x, y = setup("swinv2")
+    with pytest.raises(NonlinearityError, match=r"'mul' .*enter its output nonlinearly"):
+        _run(model, x, y, DiagHessian())
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
@@ -426,7 +475,9 @@ def test_diag_hessian_vit(name: str, fused: bool) -> None:
         torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-8, atol=1e-10 * scale, msg=k)
 
 
-@pytest.mark.parametrize("name", ["convnext", "vit", "vit_avgpool", "mobilenet", "swin"])
+@pytest.mark.parametrize(
+    "name", ["convnext", "vit", "vit_avgpool", "mobilenet", "swin", "swinv2", "beit", "eva"]
+)
 def test_no_generic_rule_for_convnext_and_vit(name: str, monkeypatch) -> None:
     """ConvNeXt's ``LayerNorm2d`` (an overriding ``nn.LayerNorm`` subclass), MobileNetV3's
     ``BatchNormAct2d`` (an overriding ``nn.BatchNorm2d`` subclass, in eval mode) and the
@@ -445,7 +496,7 @@ def test_no_generic_rule_for_convnext_and_vit(name: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("ext", [KFLR, KFAC])
-@pytest.mark.parametrize("name", [m for m in MODELS if m != "swinv2"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_kronecker(name: str, ext: type) -> None:
     """Every Conv/Linear weight has ``[B, A]`` (per-group factors with a leading group axis for
     the depthwise convolutions) with ``A`` from its inputs; biases and elementwise parameters
@@ -530,7 +581,7 @@ def test_forwards_without_the_mode(name: str) -> None:
     from backprism.engine.state import MODE_FREE
 
     model, x, y = setup(name)
-    reference = per_sample_grads_loop if name.startswith("swin") else per_sample_grads
+    reference = per_sample_grads_loop if name in LOOP_REFERENCE else per_sample_grads
     ref = reference(model, nn.CrossEntropyLoss(), x, y)
     ggn = diag_ggn_reference(model, x, y)
     lossfunc = extend(nn.CrossEntropyLoss())

@@ -518,3 +518,117 @@ def test_a_failed_pass_leaves_no_results() -> None:
         lf(model[2](h), y).backward()
     for p in model.parameters():
         assert not hasattr(p, "grad_batch") and not hasattr(p, "diag_ggn_exact")
+
+
+class JoinedQKV(nn.Module):
+    """timm's BEiT/EVA/Swin V2 attention: query and value biases of its own joined with a
+    constant key bias as the bias of its ``qkv`` layer's weight (``F.linear(x,
+    self.qkv.weight, torch.cat((q_bias, k_bias, v_bias)))``: ``qkv`` never runs), a relative
+    position table indexed by a view of its index buffer, added to the scores or passed as
+    the fused attention's mask. ``how``: ``"positional"``/``"keyword"`` ways of passing the
+    bias; ``"reused"`` uses the joined vector a second time, ``"unused"`` not at all (both
+    undo the release: the generic rule takes the module)."""
+
+    def __init__(self, how: str, fused: bool, d: int = 4, t: int = 3) -> None:
+        super().__init__()
+        self.how, self.fused, self.t = how, fused, t
+        self.embed = nn.Linear(3, d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.q_bias = nn.Parameter(torch.randn(d) * 0.5)
+        self.v_bias = nn.Parameter(torch.randn(d) * 0.5)
+        self.register_buffer("k_bias", torch.zeros(d), persistent=False)
+        self.table = nn.Parameter(torch.randn(2 * t - 1, 2) * 0.5)
+        idx = torch.arange(t)
+        self.register_buffer("index", idx[:, None] - idx[None, :] + t - 1)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        h = torch.tanh(self.embed(x))
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        if self.how == "keyword":
+            qkv = F.linear(h, weight=self.qkv.weight, bias=bias)
+        elif self.how == "unused":
+            qkv = F.linear(h, self.qkv.weight) + 0.0 * torch.cat((self.q_bias, self.v_bias)).sum()
+        else:
+            qkv = F.linear(h, self.qkv.weight, bias)
+        if self.how == "reused":
+            qkv = qkv * bias.sum()
+        q, k, v = qkv.reshape(n, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        rel = self.table[self.index.view(-1)].view(t, t, 2).permute(2, 0, 1).unsqueeze(0)
+        if self.fused:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=rel)
+        else:
+            o = torch.softmax(q @ k.transpose(-2, -1) / 2**0.5 + rel, -1) @ v
+        return self.head(self.proj(o.transpose(1, 2).reshape(n, t, -1)).mean(1))
+
+
+def _joined(how: str, fused: bool) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(11)
+    model = _fresh_type(JoinedQKV)(how, fused).to(DT)
+    return model, torch.randn(N, 3, 3, dtype=DT), torch.randint(0, 3, (N,))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_joined_bias_first_order_without_fallback(how: str, fused: bool) -> None:
+    """The joined bias is attributed where it enters (each part's per-sample gradient is its
+    slice of ``Σₜ gₙₜ``), ``qkv``'s weight, used without its module running, by the Linear
+    closed form, the table where it meets the scores or, fused, as the mask expanded over
+    the samples: no generic fallback; first order against the loop-free reference, the GGN
+    diagonal too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, x, y = _joined(how, fused)
+    lf = nn.CrossEntropyLoss()
+    with sdpa_kernel(SDPBackend.MATH):  # (torch.func's vmap: no mask gradient in the kernels)
+        ggn = diag_ggn(model, lf, x, y)
+    with sdpa_kernel(SDPBackend.MATH):
+        _first_order_without_fallback(model, x, y, lf)
+    model.zero_grad()
+    with collect(DiagGGNExact()):
+        extend(lf)(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["reused", "unused"])
+def test_joined_bias_used_otherwise_undoes_the_release(how: str) -> None:
+    """A joined vector used other than as a linear layer's bias, or not used at all: the
+    module claims its parameters after all (the generic rule), with the same numbers."""
+    model, x, y = _joined(how, False)
+    _check_first_order_and_diag_ggn(model, x, y)
+    assert get_rule(model)._release(type(model)) is False
+
+
+def test_joined_bias_kronecker_factors() -> None:
+    """KFLR: ``qkv``'s weight has its Kronecker pair (``A`` from the input it is applied to),
+    the joined biases and the table the single factor of their exact GGN diagonal."""
+    model, x, y = _joined("positional", False)
+    lf = nn.CrossEntropyLoss()
+    ggn = diag_ggn(model, lf, x, y)
+    extend(model)
+    with collect(KFLR()):
+        extend(lf)(model(x), y).backward()
+    assert [tuple(f.shape) for f in model.qkv.weight.kflr] == [(12, 12), (4, 4)]
+    for k in ("q_bias", "v_bias", "table"):
+        (d,) = getattr(model, k).kflr
+        torch.testing.assert_close(d, torch.diag(ggn[k].reshape(-1)), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_joined_bias_diag_hessian(fused: bool) -> None:
+    """DiagHessian through the joined bias, the table (fused: a mask that needs gradients)
+    and the attention, against the dense Hessian."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, x, y = _joined("positional", fused)
+    lf = nn.CrossEntropyLoss()
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = split(torch.diagonal(loss_hessian(model, lf, x, y)), model)
+    extend(model)
+    with collect(DiagHessian()):
+        extend(lf)(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-9, atol=1e-12, msg=k)

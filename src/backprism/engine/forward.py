@@ -475,6 +475,8 @@ def _module_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any) -
         arg_tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         call_args = tuple(tree_map(detached, a) for a in args)
         call_kwargs = {k: tree_map(detached, v) for k, v in kwargs.items()}
+    if FORWARD.joined:
+        settle_joined(frame)
     released = frame[2]
     if frame[10]:
         undo_release(frame)
@@ -680,6 +682,15 @@ def releasing_frame(params: Any) -> list[Any] | None:
         if frame[2] and any(id(p) in frame[2] for p in params):
             return frame
     return None
+
+
+def settle_joined(frame: list[Any]) -> None:
+    """A module ends its forward: the vectors joined from its released parameters
+    (``engine.functional._joined``) are done with; one that was not used as a linear layer's
+    bias (or is returned, to be used elsewhere) undoes the release."""
+    for key in [k for k, entry in FORWARD.joined.items() if entry[0] is frame]:
+        if not FORWARD.joined.pop(key)[1]:
+            frame[10] = True
 
 
 def undo_release(frame: list[Any]) -> None:

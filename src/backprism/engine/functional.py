@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - torch < 2.3
 
 from backprism.engine import forward as _forward
 from backprism.engine import residual
+from backprism.engine.attention import sdpa_arguments
 from backprism.engine.broadcast import (
     DROPOUT,
     EXPANDS,
@@ -126,9 +127,17 @@ def _is_owned(p: nn.Parameter) -> bool:
         return True  # the common case: a leaf module (Linear, Conv, a norm) using its own
     if any(frame[2] and pid in frame[2] for frame in stack):
         return False  # released by a call to be attributed where it enters (Inside.release)
-    for module, ran, *_ in reversed(stack):  # innermost first: the root's table is the largest
+    for frame in reversed(stack):  # innermost first: the root's table is the largest
+        module, ran = frame[0], frame[1]
         subs = _owners(module).get(pid)
         if subs is not None and (id(module) in subs or not subs <= ran):
+            if frame[2] and frame[8] is not None and id(module) not in subs:
+                # a sub-module's parameter used in the forward of a module that releases its
+                # own (timm's F.linear(x, self.qkv.weight, qkv_bias) beside its q_bias): it is
+                # released too, so that the use is attributed where it enters, not by a vmap
+                # of the whole module (undone with the rest, :func:`forward.undo_release`)
+                frame[2] = frame[2] | {pid}
+                return False
             return True
     return False
 
@@ -504,7 +513,7 @@ def _capture_one(module: nn.Module, x: Tensor, outs: list[Tensor], params: dict)
 def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None = None) -> None:
     """Attribute one operation's use of extended parameters (see the module docstring)."""
     for a in args:
-        if isinstance(a, (list, tuple)) and a:
+        if isinstance(a, (list, tuple)) and a and not _joined(func, args, kwargs, out):
             _nested_uses(a)
     views = [(i, v) for i, a in enumerate(args) if (v := param_view(a)) is not None]
     kw_views = (
@@ -540,6 +549,8 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
         # are optional: the local mode of a forward without the mode attributes them, see
         # forward.pause_body)
         FORWARD.acted += 1
+    if FORWARD.joined and name == "linear" and _joined_bias(args, kwargs, out, owned):
+        return
     tensors = [
         (i, a)
         for i, a in enumerate(args)
@@ -742,8 +753,147 @@ def _constant(a: Tensor) -> bool:
         return True  # extended trainable ones are parameter views, never operands here
     base = a._base
     return any(
-        a is b or base is b for frame in FORWARD.call_stack for b in frame[0]._buffers.values()
+        b is not None and (a is b or base is b)
+        for frame in FORWARD.call_stack
+        for b in frame[0]._buffers.values()
     )
+
+
+def _expanded_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``scaled_dot_product_attention(q, k, v, attn_mask=m)`` with ``m`` a view of a parameter
+    of batch size 1 (timm's BEiT passes its relative position bias table, indexed, as the
+    mask): ``m`` expanded over the samples first, as an explicit
+    :class:`~backprism.engine.broadcast.ParamBroadcast` call (each sample's gradient of the
+    table is the pull-back of its own slice), so that the attention is the engine's fused
+    attention with a mask that depends on parameters, not a stand-in whose rule re-runs it
+    per sample. Not on a batch that folds the samples with windows (its rows are not the
+    samples: left to the stand-in)."""
+    bound = sdpa_arguments(args, kwargs)
+    mask = None if bound is None else bound.get("attn_mask")
+    view = param_view(mask) if isinstance(mask, Tensor) else None
+    q = None if bound is None else bound["query"]
+    if (
+        view is None or q is None or q.dim() != mask.dim() or mask.shape[0] != 1
+        or q.shape[0] < 2 or q.shape[0] != FORWARD.root_batch
+    ):
+        return args, kwargs
+    wide = mask.expand(q.shape[0], *mask.shape[1:])
+    attribute(Tensor.expand, (mask, wide.shape), {}, wide, "expand")
+    if len(args) > 3:
+        return (*args[:3], wide, *args[4:]), kwargs
+    return args, kwargs | {"attn_mask": wide}
+
+
+#: joining operations whose result of released parameters may be a linear layer's bias
+_JOINS = frozenset({"cat", "concat", "concatenate"})
+#: tensor attribute of such a result: ``(dim, parts)``, each part ``("p", view)`` or
+#: ``("c", constant)``
+JOINED = "_backprism_joined"
+
+
+def _joined(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """``torch.cat((self.q_bias, self.k_bias, self.v_bias))`` in the forward of a module that
+    releases ``q_bias``/``v_bias`` (timm's BEiT, EVA and Swin V2 attention; ``k_bias`` a zero
+    buffer): a vector joined from views of parameters released by one module, each once, and
+    constants. It is marked (:data:`JOINED`) to be attributed where it is a linear layer's
+    bias (:func:`_joined_bias`); any other use (:func:`_joined_uses`), or none before the
+    module's forward ends (:func:`~backprism.engine.forward.settle_joined`), undoes the
+    release."""
+    if residual.op_name(func) not in _JOINS or not isinstance(out, Tensor) or out.dim() != 1:
+        return False
+    items = args[0]
+    if not isinstance(items, (list, tuple)) or any(k != "dim" for k in kwargs):
+        return False
+    parts: list[tuple[str, Any]] = []
+    frame = None
+    for a in items:
+        v = param_view(a) if isinstance(a, Tensor) else None
+        if v is not None:
+            f = releasing_frame([v[0]])
+            if f is None or f[8] is None or (frame is not None and f is not frame):
+                return False
+            frame = f
+            parts.append(("p", v))
+        elif isinstance(a, Tensor) and not a.requires_grad and _constant(a):
+            parts.append(("c", a.detach()))
+        else:
+            return False
+    ids = [id(v[0]) for kind, v in parts if kind == "p"]
+    if frame is None or len(set(ids)) != len(ids):
+        return False
+    setattr(out, JOINED, (args[1] if len(args) > 1 else kwargs.get("dim", 0), parts))
+    FORWARD.joined[id(out)] = [frame, False]
+    return True
+
+
+class JoinedBias(nn.Module):
+    """Stand-in for the bias of ``F.linear(x, w, torch.cat(parts))`` whose parts are views of
+    parameters (``p0``, ``p1``, …) and constants: re-runs the layer with ``w`` as it was and
+    the bias rebuilt from its parameters. Its rule (``rules/linear.JoinedBiasRule``) reads
+    each part's per-sample gradients off the output gradient, as for a Linear bias."""
+
+    linear_in_params = True
+
+    def __init__(self, weight: Tensor, dim: int, parts: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self._weight, self._dim = weight.detach(), dim
+        self._parts: list[Any] = []
+        params = []
+        for kind, part in parts:
+            if kind == "p":
+                self._parts.append(("p", len(params), part[1]))
+                params.append(part[0])
+            else:
+                self._parts.append(("c", part))
+        for i, p in enumerate(params):
+            self._parameters[f"p{i}"] = p
+        self._backprism_name = "linear bias joined from parameters (a functional use)"
+
+    def forward(self, x: Tensor) -> Tensor:
+        pieces = [
+            part[2](getattr(self, f"p{part[1]}")) if part[0] == "p" else part[1]
+            for part in self._parts
+        ]
+        return F.linear(x, self._weight, torch.cat(pieces, self._dim))
+
+
+def _joined_bias(args: tuple, kwargs: dict, out: Any, owned: frozenset[int]) -> bool:
+    """``F.linear(x, w, b)`` with ``b`` joined from released parameters (:func:`_joined`):
+    the weight is a Linear stand-in's (its closed forms, Kronecker factors included), the bias
+    a :class:`JoinedBias` call on the same output. ``False`` where ``b`` is no such vector."""
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    entry = FORWARD.joined.get(id(bias)) if isinstance(bias, Tensor) else None
+    if entry is None or entry[1]:
+        return False
+    frame = entry[0]
+    entry[1] = True  # (used: any other use undoes the release, forward.settle_joined)
+    x, weight = args[0], args[1] if len(args) > 1 else kwargs.get("weight")
+    w = _pv(weight, owned) if isinstance(weight, Tensor) else None
+    usable = (
+        isinstance(out, Tensor) and isinstance(x, Tensor) and x.dim() > 0
+        and isinstance(weight, Tensor) and _per_sample([(0, x)], frame[9])
+        and ((w is None and _frozen(weight, owned)) or (w is not None and w[2] == "param"))
+    )
+    if not usable:
+        frame[10] = True  # (the module claims its parameters after all)
+        return True
+    if w is not None:
+        _capture_one(_linear_stand_in(w[0], None), x, [out], {"weight": w[0]})
+    dim, parts = getattr(bias, JOINED)
+    module = JoinedBias(weight, dim, parts)
+    _capture_one(module, x, [out], dict(module._parameters))
+    return True
+
+
+def _joined_uses(name: str, args: tuple, kwargs: dict) -> None:
+    """An operation on a joined vector (:func:`_joined`) other than its first use as a linear
+    layer's bias undoes its module's release."""
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            entry = FORWARD.joined.get(id(t)) if isinstance(t, Tensor) else None
+            if entry is not None and not (name == "linear" and t is bias and not entry[1]):
+                entry[0][10] = True
 
 
 def _nested_uses(items: list | tuple) -> None:
@@ -1163,6 +1313,8 @@ class ForwardMode(TorchFunctionMode):
         name, inert, kind, in_place = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
+        if FORWARD.joined:
+            _joined_uses(name, args, kwargs)
         if not in_place and ("inplace" in kwargs or _inplace_index(func) is not None):
             # F.relu(x, inplace=True), F.leaky_relu(x, 0.1, True): nn.ReLU(inplace=True)
             in_place = _writes_first(func, args, kwargs)
@@ -1173,6 +1325,8 @@ class ForwardMode(TorchFunctionMode):
                 before_in_place(name, args[0], written=in_place)
         if name in MEETS:
             args, kwargs = broadcast_calls(name, args, kwargs)
+            if name == "scaled_dot_product_attention":
+                args, kwargs = _expanded_mask(args, kwargs)
         elif name in DROPOUT:
             mask = dropout_mask(args, kwargs)
             if mask is not None:  # (a shared tensor's: a product with a constant mask)
@@ -1270,6 +1424,7 @@ def _enter(root: nn.Module) -> None:
     a different path needs; the model is then recorded again
     (:func:`~backprism.engine.state.forget_mode_free`)."""
     FORWARD.view_ids.clear()  # views of parameters are tracked per top-level forward
+    FORWARD.joined.clear()
     FORWARD.widened.clear()
     FORWARD.rows_pending = 0
     if not torch.is_grad_enabled():  # an evaluation forward: nothing to attribute or record

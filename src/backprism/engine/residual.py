@@ -173,8 +173,8 @@ _PIECEWISE_OR_LINEAR = frozenset(
     index_put take take_along_dim masked_select masked_scatter __getitem__ __setitem__ view
     view_as reshape reshape_as flatten unflatten squeeze unsqueeze expand expand_as repeat
     repeat_interleave tile broadcast_to broadcast_tensors transpose t permute movedim moveaxis
-    swapaxes swapdims T mT H mH contiguous clone detach to type float double half bfloat16 cpu
-    cuda flip fliplr flipud roll rot90 diagonal diag diag_embed diagflat tril triu trace pad
+    swapaxes swapdims T mT H mH contiguous clone detach to type type_as float double half bfloat16
+    cpu cuda flip fliplr flipud roll rot90 diagonal diag diag_embed diagflat tril triu trace pad
     avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
     pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle unfold fold interpolate
     upsample upsample_nearest upsample_bilinear real imag conj zeros_like ones_like empty_like

@@ -421,6 +421,11 @@ class _ForwardState(threading.local):
         #: ids of the views of extended parameters made during this thread's top-level
         #: forward (``engine.functional``)
         self.view_ids: set[int] = set()
+        #: ``torch.cat`` results of released parameters and constants made in this top-level
+        #: forward, in the forward of the module releasing their parameters
+        #: (``engine.functional._joined``): ``id(tensor) → [that module's frame, whether it
+        #: was used as a linear layer's bias]``
+        self.joined: dict[int, list[Any]] = {}
         #: shared calls widened over the samples in this top-level forward
         #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``, reused by every
         #: later consumer of the same call, which so stays one call

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from backprism.engine.columns import pull_back
+from backprism.engine.functional import JoinedBias
 from backprism.engine.gram import gram
 from backprism.engine.rule import Call, Outer, Rule, register_rule
 
@@ -267,4 +269,37 @@ class LinearRule(Rule):
         out = {"weight": b}
         if call.module.bias is not None:
             out["bias"] = b
+        return out
+
+
+@register_rule(JoinedBias)
+class JoinedBiasRule(Rule):
+    r"""A linear layer's bias joined from parameters and constants
+    (:class:`~backprism.engine.functional.JoinedBias`: timm's
+    ``F.linear(x, w, torch.cat((q_bias, k_bias, v_bias)))``). As for a Linear bias, sample
+    ``n``'s gradient of the joined vector is ``sₘₙ = Σₜ gₘₙₜ`` (``[M, N, O]``); each
+    parameter's is the transpose of its part's rebuild ``r`` applied to its slice,
+    ``Vₘₙ(θ) = J_rᵀ sₘₙ[slice]`` (a slice of ``s`` itself for the parameter as it is). The
+    scaling is that of ``g``. Statistics and the single Kronecker factor (the GGN diagonal) come
+    from the :class:`~backprism.engine.rule.Rule` defaults."""
+
+    linear_in_params = True
+
+    def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
+        module = call.module
+        m, n = g.shape[0], g.shape[1]
+        s = g.reshape(m, n, -1, g.shape[-1]).sum(2)  # [M, N, O]
+        out: dict[str, Tensor] = {}
+        start = 0
+        for kind, *part in module._parts:
+            if kind == "c":
+                start += part[0].shape[0]
+                continue
+            i, rebuild = part
+            p = module._parameters[f"p{i}"].detach()
+            size = rebuild(p).shape[0]
+            cols = s[..., start : start + size].reshape(m * n, size).to(p.dtype)
+            (v,) = pull_back(lambda q, r=rebuild: (r(q),), (p,), (cols,))
+            out[f"p{i}"] = v.reshape(m, n, *p.shape)
+            start += size
         return out
