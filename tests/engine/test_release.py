@@ -501,9 +501,25 @@ def test_permuted_parameter_views() -> None:
     _check_first_order_and_diag_ggn(Permuted().to(DT))
 
 
-def test_a_failed_pass_leaves_no_results() -> None:
-    """An error during the backward pass (here a user's hook on an activation) after some
-    results were stored: the pass removes what it stored."""
+@pytest.mark.parametrize("where", ["user_hook", "rule"])
+def test_a_failed_pass_leaves_no_results(where: str, monkeypatch) -> None:
+    """An error during the backward pass (a user's hook on an activation, or a rule failing
+    inside the pass) after some results were stored and autograd had written the head's
+    ``.grad``: the pass removes what it stored, and parameters that had no ``.grad`` before
+    have none after (they kept a partial gradient)."""
+    from backprism.rules.linear import LinearRule
+
+    if where == "rule":
+        calls = []
+        real = LinearRule.per_sample
+
+        def failing(self, call, g):  # (the second Linear call: the head's already written)
+            calls.append(call)
+            if len(calls) > 1:
+                raise ValueError("a rule's hook failed")
+            return real(self, call, g)
+
+        monkeypatch.setattr(LinearRule, "per_sample", failing)
     torch.manual_seed(11)
     model = extend(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT))
     lf = extend(nn.CrossEntropyLoss())
@@ -513,11 +529,13 @@ def test_a_failed_pass_leaves_no_results() -> None:
         raise ValueError("a user's hook failed")
 
     h = model[1](model[0](x))
-    h.register_hook(fail)
+    if where == "user_hook":
+        h.register_hook(fail)
     with pytest.raises(ValueError, match="hook failed"), collect(BatchGrad(), DiagGGNExact()):
         lf(model[2](h), y).backward()
     for p in model.parameters():
         assert not hasattr(p, "grad_batch") and not hasattr(p, "diag_ggn_exact")
+        assert p.grad is None
 
 
 class JoinedQKV(nn.Module):

@@ -220,9 +220,17 @@ class collect:
         bp.start()
         self._running = bp
         ok = False
+        # (a failure inside the pass — no refusal, which comes before: an error in a rule —
+        # must not leave gradients autograd had written by then: parameters without .grad
+        # before get none back)
+        fresh = [p for p, _ in bp.view.params.values() if p.grad is None]
         try:
             out = func(*args, **kwargs)
             ok = True
+        except BaseException:
+            for p in fresh:
+                p.grad = None
+            raise
         finally:
             self._running = None
             bp.end(ok)
