@@ -650,3 +650,42 @@ def test_joined_bias_diag_hessian(fused: bool) -> None:
         extend(lf)(model(x), y).backward()
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_h, ref[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+class EscapingJoin(nn.Module):
+    """A joined bias returned by its module and used again after the module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.register_buffer("k_bias", torch.zeros(4))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        return F.linear(x, self.qkv.weight, bias), bias
+
+
+class UsesEscapedJoin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = EscapingJoin(), nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, bias = self.attn(x)
+        return self.head(torch.tanh(h) + bias)
+
+
+def test_joined_bias_used_after_its_module_is_refused() -> None:
+    """The joined vector used after its module's forward (returned): that use cannot be
+    attributed any more (the module's calls are settled), so the pass is refused before
+    anything is written, naming the module (it was silently wrong: the biases' per-sample
+    gradients missed that use)."""
+    torch.manual_seed(12)
+    model = extend(UsesEscapedJoin().to(DT))
+    lf = extend(nn.CrossEntropyLoss())
+    x, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    refused = pytest.raises(RuntimeError, match="EscapingJoin joined from its own parameters")
+    with refused, collect(BatchGrad()):
+        lf(model(x), y).backward()
+    assert all(p.grad is None and not hasattr(p, "grad_batch") for p in model.parameters())

@@ -367,6 +367,15 @@ class BackwardPass:
                     f"DiagGGNExact/DiagGGNMC/SqrtGGNExact/SqrtGGNMC are). {way_out}"
                 )
             self.whole_batch = True
+        if view.escaped and exts:
+            node, owner = view.escaped[0]
+            raise RuntimeError(
+                f"backprism: a vector {owner} joined from its own parameters (torch.cat of "
+                "them, attributed where it is a linear layer's bias) is used by "
+                f"{_node_name(node)} after {owner}'s forward; {_names(exts)} would miss that "
+                "use. Use the parameters themselves there, or freeze them "
+                "(requires_grad_(False)) to analyse the rest"
+            )
         if view.unattributed:
             p, node = view.unattributed[0]
             self._refuse_parametrized([p], exts)

@@ -685,12 +685,15 @@ def releasing_frame(params: Any) -> list[Any] | None:
 
 
 def settle_joined(frame: list[Any]) -> None:
-    """A module ends its forward: the vectors joined from its released parameters
-    (``engine.functional._joined``) are done with; one that was not used as a linear layer's
-    bias (or is returned, to be used elsewhere) undoes the release."""
-    for key in [k for k, entry in FORWARD.joined.items() if entry[0] is frame]:
-        if not FORWARD.joined.pop(key)[1]:
-            frame[10] = True
+    """A module ends its forward: a vector joined from its released parameters
+    (``engine.functional._joined``) that was not used as a linear layer's bias undoes the
+    release; the others are marked ended (a later use, outside the forward, is refused by
+    the graph check: ``engine.functional._joined_uses``)."""
+    for entry in FORWARD.joined.values():
+        if entry[0] is frame and not entry[2]:
+            entry[2] = True
+            if not entry[1]:
+                frame[10] = True
 
 
 def undo_release(frame: list[Any]) -> None:

@@ -63,6 +63,7 @@ from backprism.engine.broadcast import (
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
+    ESCAPED,
     FORWARD,
     FORWARD_LISTENERS,
     FREE,
@@ -822,7 +823,7 @@ def _joined(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     if frame is None or len(set(ids)) != len(ids):
         return False
     setattr(out, JOINED, (args[1] if len(args) > 1 else kwargs.get("dim", 0), parts))
-    FORWARD.joined[id(out)] = [frame, False]
+    FORWARD.joined[id(out)] = [frame, False, False]
     return True
 
 
@@ -885,15 +886,23 @@ def _joined_bias(args: tuple, kwargs: dict, out: Any, owned: frozenset[int]) -> 
     return True
 
 
-def _joined_uses(name: str, args: tuple, kwargs: dict) -> None:
+def _joined_uses(name: str, args: tuple, kwargs: dict) -> str | None:
     """An operation on a joined vector (:func:`_joined`) other than its first use as a linear
-    layer's bias undoes its module's release."""
+    layer's bias undoes its module's release, while that module's forward runs; after it
+    (the vector returned), the use cannot be attributed: the names of the vector's
+    parameters, which the operation's output records for the graph check's refusal."""
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    escaped = None
     for a in (*args, *kwargs.values()):
         for t in a if isinstance(a, (list, tuple)) else (a,):
             entry = FORWARD.joined.get(id(t)) if isinstance(t, Tensor) else None
-            if entry is not None and not (name == "linear" and t is bias and not entry[1]):
+            if entry is None or (name == "linear" and t is bias and not entry[1]):
+                continue
+            if entry[2]:
+                escaped = type(entry[0][0]).__name__
+            else:
                 entry[0][10] = True
+    return escaped
 
 
 def _nested_uses(items: list | tuple) -> None:
@@ -1184,18 +1193,18 @@ _INERT = frozenset(
         "tolist", "__format__", "__repr__", "__hash__", "__index__", "__int__", "__float__",
     }
 )
-#: function → (op name, inert, residual kind, in place: :func:`_mutates`); functions are few
-#: and long-lived
-_INFO: dict[Any, tuple[str, bool, int, bool]] = {}
+#: function → (op name, inert, residual kind, in place: :func:`_mutates`, the position of
+#: an ``inplace`` flag: :func:`_inplace_index`); functions are few and long-lived
+_INFO: dict[Any, tuple[str, bool, int, bool, int | None]] = {}
 
 
-def _info(func: Any) -> tuple[str, bool, int, bool]:
+def _info(func: Any) -> tuple[str, bool, int, bool, int | None]:
     try:
         return _INFO[func]
     except (KeyError, TypeError):
         pass
     name = residual.op_name(func)
-    info = (name, name in _INERT, residual.classify(name), _mutates(name))
+    info = (name, name in _INERT, residual.classify(name), _mutates(name), _inplace_index(func))
     if len(_INFO) > 4096:  # bounded even if callables are created on the fly
         _INFO.clear()
     with contextlib.suppress(TypeError):  # unhashable callable: not cached
@@ -1214,33 +1223,21 @@ def _math_attention() -> Any:
     return _sdpa_kernel([_SDPBackend.MATH])
 
 
-#: the position of an ``inplace`` parameter of a function (``None``: it has none)
-_INPLACE_INDEX: dict[Any, int | None] = {}
-
-
 def _inplace_index(func: Any) -> int | None:
     """The position of ``func``'s ``inplace`` parameter (``F.relu``: 1, ``F.leaky_relu``: 2,
     ``F.dropout``: 3), or ``None``; functions without a Python signature have none."""
     try:
-        return _INPLACE_INDEX[func]
-    except (KeyError, TypeError):
-        pass
-    index = None
-    with contextlib.suppress(TypeError, ValueError):
         names = list(inspect.signature(func).parameters)
-        index = names.index("inplace") if "inplace" in names else None
-    if len(_INPLACE_INDEX) > 4096:
-        _INPLACE_INDEX.clear()
-    with contextlib.suppress(TypeError):
-        _INPLACE_INDEX[func] = index
-    return index
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
 
 
-def _writes_first(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a call of a function with an ``inplace`` flag writes into its first operand."""
+def _writes_first(index: int | None, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a function with an ``inplace`` flag (at position ``index``) writes
+    into its first operand."""
     if "inplace" in kwargs:
         return bool(kwargs["inplace"])
-    index = _inplace_index(func)
     return index is not None and len(args) > index and bool(args[index])
 
 
@@ -1310,14 +1307,13 @@ class ForwardMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        name, inert, kind, in_place = _info(func)
+        name, inert, kind, in_place, flag = _info(func)
         if inert or FORWARD.suspended or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if FORWARD.joined:
-            _joined_uses(name, args, kwargs)
-        if not in_place and ("inplace" in kwargs or _inplace_index(func) is not None):
+        escaped = _joined_uses(name, args, kwargs) if FORWARD.joined else None
+        if not in_place and (flag is not None or "inplace" in kwargs):
             # F.relu(x, inplace=True), F.leaky_relu(x, 0.1, True): nn.ReLU(inplace=True)
-            in_place = _writes_first(func, args, kwargs)
+            in_place = _writes_first(flag, args, kwargs)
         if in_place and args:
             if id(args[0]) in FORWARD.view_ids:
                 _invalidate_view(args[0])
@@ -1356,6 +1352,10 @@ class ForwardMode(TorchFunctionMode):
         elif name in _AXIS_MOVES and stack:
             _mark_transposed(name, args, kwargs, out)
         out = after_operation(name, func, args, kwargs, out, in_place)
+        if escaped is not None:
+            for o in _outputs(out):
+                if o.grad_fn is not None:
+                    o.grad_fn.metadata[ESCAPED] = escaped
         if isinstance(out, Tensor):
             if not out.requires_grad:
                 return out

@@ -35,6 +35,7 @@ from backprism.engine.loss_nodes import loss_record
 from backprism.engine.state import (
     BASES,
     CALLS,
+    ESCAPED,
     LOSS,
     ROOT,
     SITES,
@@ -65,6 +66,9 @@ class GraphView:
     params: dict[int, tuple[nn.Parameter, Any]] = field(default_factory=dict)
     #: (parameter, consumer node) for parameter uses no claiming call's region contains
     unattributed: list[tuple[nn.Parameter, Any]] = field(default_factory=list)
+    #: nodes of operations on a vector joined from a module's released parameters after that
+    #: module's forward (``engine.functional._joined_uses``), with the module's type name
+    escaped: list[tuple[Any, str]] = field(default_factory=list)
     #: calls whose output all samples share (:mod:`backprism.engine.broadcast`) that meet
     #: the samples where they were not widened to the batch (``Call.unsplit``), or whose
     #: superseded output is also used elsewhere: part of their gradient has no per-sample
@@ -187,6 +191,8 @@ def analyse(roots: list[Tensor]) -> GraphView:
             if root is not None:
                 view.roots.append(root)
                 view.root_nodes.append((root, fn))
+            if ESCAPED in md:
+                view.escaped.append((fn, md[ESCAPED]))
             sites = md.get(SITES)
             if sites:
                 view.sites.extend(sites)

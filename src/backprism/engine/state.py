@@ -46,6 +46,7 @@ __all__ = [
     "AXIS",
     "BASES",
     "CALLS",
+    "ESCAPED",
     "FORWARD",
     "FORWARD_LISTENERS",
     "FREE",
@@ -84,6 +85,10 @@ BASES = "backprism.bases"
 #: an operation of the forward mode in which parameters met each other before any per-sample
 #: tensor (``a * b`` of two parameters): what they met, for the graph check's refusal
 UNATTRIBUTED = "backprism.unattributed"
+#: an operation of the forward mode on a vector joined from released parameters after its
+#: module's forward ended (``engine.functional._joined``): the parameters' names, for the
+#: graph check's refusal (that use is not attributed)
+ESCAPED = "backprism.escaped"
 #: tensor attribute: the batch axis of an activation whose batch is not on axis 0 (the outputs
 #: of a ``batch_first=False`` RNN, and what is computed from them), ``-1`` if unknown
 AXIS = "_backprism_batch_axis"
@@ -424,7 +429,7 @@ class _ForwardState(threading.local):
         #: ``torch.cat`` results of released parameters and constants made in this top-level
         #: forward, in the forward of the module releasing their parameters
         #: (``engine.functional._joined``): ``id(tensor) → [that module's frame, whether it
-        #: was used as a linear layer's bias]``
+        #: was used as a linear layer's bias, whether that forward has ended]``
         self.joined: dict[int, list[Any]] = {}
         #: shared calls widened over the samples in this top-level forward
         #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``, reused by every
