@@ -201,9 +201,39 @@ def _attention():
     return Attending().double(), torch.randn(16, 3, 5, dtype=torch.float64)
 
 
+class JoinedBiasAttention(nn.Module):
+    """timm's BEiT attention: query and value biases joined with a constant key bias as the
+    bias of ``qkv``'s weight (``qkv`` never runs), a relative position table indexed by a
+    buffer as the fused attention's mask (expanded over each rank's samples)."""
+
+    def __init__(self, t: int = 3) -> None:
+        super().__init__()
+        self.inp, self.qkv = nn.Linear(5, 4), nn.Linear(4, 12, bias=False)
+        self.q_bias, self.v_bias = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.register_buffer("k_bias", torch.zeros(4), persistent=False)
+        self.table = nn.Parameter(torch.randn(2 * t - 1, 2) * 0.5)
+        idx = torch.arange(t)
+        self.register_buffer("index", idx[:, None] - idx[None, :] + t - 1, persistent=False)
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, x):  # [N, T, 5]
+        N, T, _ = x.shape
+        h = torch.tanh(self.inp(x))
+        bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+        q, k, v = F.linear(h, self.qkv.weight, bias).view(N, T, 3, 2, 2).permute(2, 0, 3, 1, 4)
+        rel = self.table[self.index.view(-1)].view(T, T, 2).permute(2, 0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=rel)
+        return self.out(o.transpose(1, 2).reshape(N, T, 4).mean(1))
+
+
+def _joined():
+    torch.manual_seed(0)
+    return JoinedBiasAttention().double(), torch.randn(16, 3, 5, dtype=torch.float64)
+
+
 MODELS = {
     "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross,
-    "shared_norm": _shared_norm, "norms": _norms, "attention": _attention,
+    "shared_norm": _shared_norm, "norms": _norms, "attention": _attention, "joined": _joined,
 }
 
 
@@ -549,6 +579,8 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "shared_norm", [3, 5], [[KFLR(), DiagGGNExact()]])
         _check_all(rank, world, "norms", [3, 5], [SECOND[1]])
         _check_all(rank, world, "attention", [3, 5], [SECOND[1]])
+        # (timm's BEiT attention: a joined bias, a released sub-module weight, a table mask)
+        _check_all(rank, world, "joined", [3, 5], [FIRST[0], SECOND[0], SECOND[1]])
         _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]
