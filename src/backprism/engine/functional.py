@@ -823,7 +823,7 @@ def _joined(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     if frame is None or len(set(ids)) != len(ids):
         return False
     setattr(out, JOINED, (args[1] if len(args) > 1 else kwargs.get("dim", 0), parts))
-    FORWARD.joined[id(out)] = [frame, False, False]
+    FORWARD.joined[id(out)] = [frame, False, False, out]  # (held: its id is not reused)
     return True
 
 
@@ -864,7 +864,7 @@ def _joined_bias(args: tuple, kwargs: dict, out: Any, owned: frozenset[int]) -> 
     a :class:`JoinedBias` call on the same output. ``False`` where ``b`` is no such vector."""
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     entry = FORWARD.joined.get(id(bias)) if isinstance(bias, Tensor) else None
-    if entry is None or entry[1]:
+    if entry is None or entry[1] or entry[3] is not bias:
         return False
     frame = entry[0]
     entry[1] = True  # (used: any other use undoes the release, forward.settle_joined)
@@ -896,7 +896,9 @@ def _joined_uses(name: str, args: tuple, kwargs: dict) -> str | None:
     for a in (*args, *kwargs.values()):
         for t in a if isinstance(a, (list, tuple)) else (a,):
             entry = FORWARD.joined.get(id(t)) if isinstance(t, Tensor) else None
-            if entry is None or (name == "linear" and t is bias and not entry[1]):
+            if entry is None or entry[3] is not t or (
+                name == "linear" and t is bias and not entry[1]
+            ):
                 continue
             if entry[2]:
                 escaped = type(entry[0][0]).__name__
@@ -1474,6 +1476,7 @@ def _enter(root: nn.Module) -> None:
 def _exit(root: nn.Module, output: Any) -> None:
     FORWARD.free_ops = None
     FORWARD.widened.clear()
+    FORWARD.joined.clear()
     FORWARD.rows_pending = 0
     if FORWARD.free_unrecorded:
         FORWARD.free_unrecorded = False

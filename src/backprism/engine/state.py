@@ -429,7 +429,7 @@ class _ForwardState(threading.local):
         #: ``torch.cat`` results of released parameters and constants made in this top-level
         #: forward, in the forward of the module releasing their parameters
         #: (``engine.functional._joined``): ``id(tensor) → [that module's frame, whether it
-        #: was used as a linear layer's bias, whether that forward has ended]``
+        #: was used as a linear layer's bias, whether that forward has ended, the tensor]``
         self.joined: dict[int, list[Any]] = {}
         #: shared calls widened over the samples in this top-level forward
         #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``, reused by every
