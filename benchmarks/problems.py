@@ -314,6 +314,21 @@ TIMM = {
         {"img_size": 32, "patch_size": 2, "window_size": 4, "depths": (2, 2),
          "num_heads": (2, 4), "embed_dim": 32},
     ),
+    # attention with query/value biases of its own joined into qkv's bias, a bias table (BEiT:
+    # the fused attention's mask), rotary embeddings (EVA), a position-bias MLP (Swin V2)
+    "timm_beit": (
+        "beit_base_patch16_224",
+        {"img_size": 32, "patch_size": 4, "embed_dim": 192, "depth": 4, "num_heads": 3},
+    ),
+    "timm_eva": (
+        "eva02_tiny_patch14_224",
+        {"img_size": 32, "patch_size": 4, "embed_dim": 192, "depth": 4, "num_heads": 3},
+    ),
+    "timm_swinv2": (
+        "swinv2_tiny_window8_256",
+        {"img_size": 32, "patch_size": 2, "window_size": 4, "depths": (2, 2),
+         "num_heads": (2, 4), "embed_dim": 32},
+    ),
 }
 
 

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backprism import collect, extend
+from backprism.engine.residual import NonlinearityError
 from backprism.extensions import (
     GGNMP,
     KFLR,
@@ -552,6 +553,35 @@ def test_deberta_and_its_relative_embeddings(version: str):
     x, y = torch.randint(3, 13, (N, 6)), torch.randint(0, 3, (N,))
     tol = LOOSE if version == "v1" else TOL
     _against_loops(extend(model), nn.CrossEntropyLoss(), x, y, tol)
+
+
+@pytest.mark.parametrize("norm", ["none", "layer_norm"])
+def test_deberta_v2_diag_hessian(norm: str):
+    """DeBERTa-v2's relative embeddings, shared by all samples, are projected by every layer's
+    key and query projections, which take each sample's copy: DiagHessian and
+    BatchDiagHessian against the dense Hessian. Normalised first (``norm_rel_ebd=
+    "layer_norm"``), the LayerNorm of the shared embeddings is copied over the samples by the
+    engine's own autograd Function, whose per-sample pull-backs do not build that LayerNorm's
+    Hessian term: refused before anything is written (it was silently wrong when such copies
+    were let through, 100 % off on the embeddings' diagonal)."""
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=8,
+        vocab_size=13, max_position_embeddings=16, num_labels=3, relative_attention=True,
+        pos_att_type=["c2p", "p2c"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        position_buckets=4, norm_rel_ebd=norm,
+    )
+    model = _quiet(lambda: transformers.DebertaV2ForSequenceClassification(cfg)).to(DT).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    x, y = torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,))
+    if norm == "none":
+        _check_diag_hessian(model, x, y, "cls", 1e-10)
+        return
+    with pytest.raises(NonlinearityError, match="a value all samples share lies between"):
+        _backward(model, x, y, "cls", DiagHessian())
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
 
 
 def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: dict) -> None:

@@ -674,9 +674,10 @@ class MlpBias(WindowBias):
     samples, then ``16·sigmoid`` and added to the windows' scores (``w = 1``: no fold), a
     projection on the windows' rows after the attention."""
 
-    def __init__(self, w: int, t: int, act: nn.Module) -> None:
+    def __init__(self, w: int, t: int, act: nn.Module, sigmoid: bool = True) -> None:
         super().__init__(w, t, False, "sample")
         del self.bias
+        self.sigmoid = sigmoid
         self.register_buffer("coords", torch.randn(2 * t - 1, 2, dtype=DT))
         self.mlp = nn.Sequential(nn.Linear(2, 5), act, nn.Linear(5, H))
         self.val = nn.Linear(D, D)
@@ -691,7 +692,9 @@ class MlpBias(WindowBias):
         pos = torch.arange(self.t)
         table = self.mlp(self.coords)  # [2T - 1, H]
         b = table[pos[:, None] - pos[None, :] + self.t - 1].permute(2, 0, 1)
-        attn = (scores + 16 * torch.sigmoid(b).unsqueeze(0)).softmax(-1).mean(1)
+        if self.sigmoid:
+            b = 16 * torch.sigmoid(b)
+        attn = (scores + b.unsqueeze(0)).softmax(-1).mean(1)
         out = self.proj(attn @ v).mean(1)  # [N·W, D]
         return self.head(out.view(n, self.w, -1).mean(1))
 
@@ -713,6 +716,78 @@ def test_an_mlp_on_a_shared_table_with_an_in_place_activation(w: int, act: str) 
         "relu": nn.ReLU,
     }
     _exact(lambda: MlpBias(w, 2, acts[act]()), 3, 2 * w, D)
+
+
+class TableBias(MlpBias):
+    """:class:`MlpBias` with the bias read from an ``Embedding`` of constant ids (a shared call
+    without inputs that need gradients: copied by expansion), ``16·sigmoid`` of it or not."""
+
+    def __init__(self, w: int, t: int, sigmoid: bool) -> None:
+        super().__init__(w, t, nn.ReLU(), sigmoid)
+        del self.mlp
+        self.table = nn.Embedding(2 * t - 1, H)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[0]
+        q, k = self.qk(x).chunk(2, -1)
+        q, k, v = self.rows(q), self.rows(k), self.rows(self.val(x))
+        scores = (q.view(*q.shape[:2], H, -1).transpose(1, 2)
+                  @ k.view(*k.shape[:2], H, -1).permute(0, 2, 3, 1))
+        pos = torch.arange(self.t)
+        b = self.table(torch.arange(2 * self.t - 1))[pos[:, None] - pos[None, :] + self.t - 1]
+        b = b.permute(2, 0, 1)
+        if self.sigmoid:
+            b = 16 * torch.sigmoid(b)
+        attn = (scores + b.unsqueeze(0)).softmax(-1).mean(1)
+        return self.head(self.proj(attn @ v).mean(1).view(n, self.w, -1).mean(1))
+
+
+class NormedMlpBias(MlpBias):
+    """:class:`MlpBias` whose second layer is a LayerNorm (on the first layer's output, which
+    needs gradients: its copies are pulled back per sample), no sigmoid."""
+
+    def __init__(self, w: int, t: int) -> None:
+        super().__init__(w, t, nn.Identity(), False)
+        self.mlp = nn.Sequential(nn.Linear(2, H), nn.LayerNorm(H))
+
+
+@pytest.mark.parametrize("w", [1, 3])
+@pytest.mark.parametrize(
+    "make", ["table", "table_sigmoid", "linear_mlp", "tanh_mlp", "tanh_mlp_sigmoid", "norm_mlp"]
+)
+def test_diag_hessian_through_a_shared_table(make: str, w: int) -> None:
+    """DiagHessian where a shared table meets the samples: exact through linear operations on
+    it (views, an index) and through a Linear layer on a Linear layer's output (each copied
+    over the samples, linear in its input); refused before anything is written where a
+    nonlinear operation on the shared value (``16·sigmoid``, Swin V2's; a tanh between two
+    layers) or a layer nonlinear in an input that needs gradients (a LayerNorm: its copies pull
+    back each sample's gradient without its Hessian term) lies before the meeting — the copies
+    replay them without their terms (silently wrong before the refusal: up to 15 % off)."""
+    from backprism.engine.residual import NonlinearityError
+    from backprism.extensions import DiagHessian
+    from tests.reference import loss_hessian, split
+
+    torch.manual_seed(0)
+    model = {
+        "table": lambda: TableBias(w, 2, False), "table_sigmoid": lambda: TableBias(w, 2, True),
+        "linear_mlp": lambda: MlpBias(w, 2, nn.Identity(), False),
+        "tanh_mlp": lambda: MlpBias(w, 2, nn.Tanh(), False),
+        "tanh_mlp_sigmoid": lambda: MlpBias(w, 2, nn.Tanh()),
+        "norm_mlp": lambda: NormedMlpBias(w, 2),
+    }[make]().to(DT)
+    x, y = torch.randn(3, 2 * w, D, dtype=DT), torch.randint(0, C, (3,))
+    lossfunc = nn.CrossEntropyLoss()
+    ref = split(torch.diagonal(loss_hessian(model, lossfunc, x, y)), model)
+    extend(model)
+    if make not in ("table", "linear_mlp"):
+        with pytest.raises(NonlinearityError, match="all samples share"), collect(DiagHessian()):
+            lossfunc(model(x), y).backward()
+        assert_nothing_written(model, grad_too=True)
+        return
+    with collect(DiagHessian()):
+        lossfunc(model(x), y).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
 
 
 @pytest.mark.parametrize("mask", [False, True])

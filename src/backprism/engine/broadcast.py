@@ -66,6 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from backprism.engine.forward import attach, capture, detached
 from backprism.engine.rule import get_rule
 from backprism.engine.state import (
+    CURVED,
     FORWARD,
     FREE,
     SHARED,
@@ -548,7 +549,17 @@ def _widen_shared(
     is broadcast against (whose axis 0 holds the batch), if ``t`` is computed from a shared
     call's output alone and broadcasting puts a new or size-1 axis of it against the batch.
     ``against``: those operands, where known (recorded as :attr:`Call.meets`); ``added``: ``t``
-    is added to them as it is (``x + t``)."""
+    is added to them as it is (``x + t``). Copies of a :data:`CURVED` value are marked so."""
+    copies = _copies(t, rank, n, against, added)
+    curved = getattr(t, CURVED, None)
+    if copies is not None and curved is not None:
+        setattr(copies, CURVED, curved)
+    return copies
+
+
+def _copies(
+    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...], added: bool
+) -> Tensor | None:
     info = getattr(t, SHARED, None)
     if info is None or t.dim() > rank:
         return None

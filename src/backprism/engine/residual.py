@@ -99,7 +99,7 @@ from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rows import row_columns
 from backprism.engine.rule import get_rule
-from backprism.engine.state import AXIS, CALLS, FORWARD, MODE_FREE, SITES, active
+from backprism.engine.state import AXIS, CALLS, CURVED, FORWARD, MODE_FREE, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -717,6 +717,23 @@ def _add_error(
     _add_site(out, ErrorSite(what, nll_output, why, advice))
 
 
+def add_error(out: Tensor, what: str, why: str) -> None:
+    """Record on ``out``'s node an operation whose Hessian term the DiagHessian family cannot
+    build (:class:`ErrorSite`: ``what`` lies between parameters and loss; ``why``)."""
+    _add_error(out, what, why=why)
+
+
+def nonlinear_in_first(kind: int, name: str, args: tuple) -> bool:
+    """Whether an operation of :func:`classify`'s ``kind`` with one differentiable operand is
+    nonlinear in it: a smooth or other nonlinearity, one of unknown kind, a division by it or a
+    power of it (a product with constants, a division of it, a view: linear)."""
+    if kind in (_SMOOTH_KIND, _NONLIN, _UNKNOWN):
+        return True
+    if kind == _QUOTIENT:
+        return not (args and isinstance(args[0], Tensor) and args[0].requires_grad)
+    return False
+
+
 def _add_residual(
     out: Tensor, fn: Callable[[Tensor], Tensor], z: Tensor | None, name: str, axis: int = 0
 ) -> None:
@@ -933,6 +950,10 @@ def _unrecorded_nonlinearity(
         if custom:
             # (the forward mode does not see inside an autograd.Function: no recorded forward
             # vouches for it, and its second derivative is not known)
+            if type(fn).__name__ == "_SpreadFunctionBackward":
+                if _linear_spread(fn):
+                    continue
+                return "_SpreadFunction", _UNKNOWN, _SPREAD_WHY
             return type(fn).__name__.removesuffix("Backward"), _UNKNOWN, _CUSTOM_WHY
         op = _node_op(fn)
         kind = _node_kind(fn, op)
@@ -959,6 +980,28 @@ def _unrecorded_nonlinearity(
     return None
 
 
+def _linear_spread(node: Any) -> bool:
+    """Whether the engine's copies of a shared call over the samples (``node``: a
+    ``_SpreadFunctionBackward``) are of a layer linear in its input (Linear, a convolution:
+    DeBERTa-v2's key and query projections of its relative embeddings), whose Hessian terms
+    are those of any call of it (the per-sample pull-back of the copies is its Jacobian)."""
+    call = getattr(getattr(node, "spread", None), "call", None)
+    module = getattr(call, "module", None)
+    if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+        return False
+    args, kwargs = call.live if call.live is not None else (call.args, call.kwargs)
+    # (copies of an input computed by a nonlinear operation replay it without its term)
+    return not any(
+        isinstance(a, Tensor) and hasattr(a, CURVED) for a in (*args, *kwargs.values())
+    )
+
+
+_SPREAD_WHY = (
+    "it is computed by a module with parameters from inputs that need gradients (DeBERTa-v2's "
+    "relative embeddings through their LayerNorm, Swin V2's position-bias MLP) and copied "
+    "over the samples by backprism, whose copies take each sample's gradient but not the "
+    "Hessian terms of that computation"
+)
 _CUSTOM_WHY = (
     "it is a custom autograd.Function, whose forward backprism's forward mode does not see and "
     "whose second derivative it cannot read (its backward need not be differentiable)"
@@ -969,7 +1012,9 @@ def _custom_function(node: Any) -> bool:
     """Whether ``node`` is the backward of a custom ``torch.autograd.Function`` (Bloom's
     ``GeLUFunction``) other than one known to be the identity (DDP's ``_DDPSink``) or a
     ``torch.compile`` region (AOTAutograd's ``CompiledFunction``, whose operations the forward
-    mode sees while it runs: their sites are on the region's node)."""
+    mode sees while it runs: their sites are on the region's node). The engine's own copies of
+    a shared call over the samples (``engine.broadcast._SpreadFunction``) count: the Hessian
+    terms of the call's computation, which the copies pull back per sample, are not built."""
     return isinstance(node, torch.autograd.function.BackwardCFunction) and (
         type(node).__name__ not in _IDENTITIES and type(node).__name__ != "CompiledFunctionBackward"
     )
@@ -1114,6 +1159,8 @@ def check_pass(bp: Any, exts: list) -> None:
         _QUOTIENT: f"the division '{op}' by a parameter-dependent tensor",
         _NONLIN: f"the non-elementwise nonlinear operation '{op}'",
     }.get(kind, f"the operation '{op}' (not known to be linear)")
+    if why is _SPREAD_WHY:
+        what = "a value all samples share"
     why = why or "its Hessian term is not an elementwise residual"
     raise NonlinearityError(
         f"backprism {names}: {what} lies between the parameters and the loss; {why}, so the "

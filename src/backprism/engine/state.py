@@ -103,6 +103,10 @@ SHARED = "_backprism_shared"
 #: batch, ``expand``/``repeat``, makes it per-sample): the tuple of the calls it was computed
 #: by, see :mod:`backprism.engine.broadcast`
 FREE = "_backprism_free"
+#: tensor attribute of a value shared by all samples (:data:`SHARED`) computed from a shared
+#: call's output through a nonlinear operation (its name), and of its copies per sample, which
+#: replay that operation without the forward mode: their Hessian terms are not recorded
+CURVED = "_backprism_curved"
 #: tensor attribute on a view of an extended parameter that the forward mode follows (``p[0:k]``,
 #: ``p.t()``): ``(parameter, rebuild, kind)`` with ``rebuild(p)`` the view, see
 #: :mod:`backprism.engine.functional`
