@@ -331,12 +331,17 @@ FUSED = {
 def test_fused_attention(option: str):
     """DiagHessian and BatchDiagHessian through the fused kernel against the dense Hessian
     (computed through the math kernel: the fused one has no forward-mode derivative)."""
+    _check_fused(_perturbed(Fused(**FUSED[option]()), 34), torch.randn(3, 4, 3))
+
+
+def _check_fused(model: nn.Module, X: Tensor) -> None:
+    """DiagHessian and BatchDiagHessian of ``model`` (fused attention inside) on ``X`` against
+    the dense Hessian and its per-sample diagonals, computed through the math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tests.extensions.test_hessian import per_sample_hessian_diags, run
 
-    model = _perturbed(Fused(**FUSED[option]()), 34)
-    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
+    y = torch.randint(0, 3, (X.shape[0],))
     lf = nn.CrossEntropyLoss()
     ref = copy.deepcopy(model)
     with sdpa_kernel(SDPBackend.MATH):
@@ -396,23 +401,9 @@ def test_fused_attention_with_a_parameter_dependent_mask(kind: str):
     and ``P V``'s columns enter it as they enter ``Q Kᵀ``, so the bias table's diagonal and
     every other one match the dense Hessian (through the math kernel), per sample too. (Before:
     refused; before that, the table's diagonal 1–8 % off without an error.)"""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from tests.extensions.test_hessian import per_sample_hessian_diags, run
-
     model = _perturbed(BiasedFused(kind), 38)
-    X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
-    lf = nn.CrossEntropyLoss()
-    ref = copy.deepcopy(model)
-    with sdpa_kernel(SDPBackend.MATH):
-        diag = torch.diagonal(loss_hessian(ref, lf, X, y))
-        per_sample = per_sample_hessian_diags(ref, lf, X, y)
-    run(model, copy.deepcopy(lf), X, y, DiagHessian(), BatchDiagHessian())
-    got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
-    got_n = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
+    _check_fused(model, torch.randn(3, 4, 3))
     assert model.bias.weight.diag_h.abs().max() > 1e-4  # (the table's term is not zero)
-    torch.testing.assert_close(got, diag, rtol=1e-8, atol=1e-12)
-    torch.testing.assert_close(got_n, per_sample, rtol=1e-8, atol=1e-12)
 
 
 class TableBias(nn.Module):
@@ -459,22 +450,7 @@ def test_fused_attention_over_windows_with_a_bias_table_mask(shifted: bool):
     """Swin's windows under SDPA: the widened bias's rows are the windows' (the samples folded
     sample-major), so the mask takes columns like the queries: exact against the dense
     Hessian, per sample too."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from tests.extensions.test_hessian import per_sample_hessian_diags, run
-
-    model = _perturbed(WindowedBiasedFused(3, 2, shifted), 40)
-    X, y = torch.randn(3, 6, 3), torch.randint(0, 3, (3,))
-    lf = nn.CrossEntropyLoss()
-    ref = copy.deepcopy(model)
-    with sdpa_kernel(SDPBackend.MATH):
-        diag = torch.diagonal(loss_hessian(ref, lf, X, y))
-        per_sample = per_sample_hessian_diags(ref, lf, X, y)
-    run(model, copy.deepcopy(lf), X, y, DiagHessian(), BatchDiagHessian())
-    got = torch.cat([p.diag_h.flatten() for p in model.parameters()])
-    got_n = torch.cat([p.diag_h_batch.flatten(1) for p in model.parameters()], 1)
-    torch.testing.assert_close(got, diag, rtol=1e-8, atol=1e-12)
-    torch.testing.assert_close(got_n, per_sample, rtol=1e-8, atol=1e-12)
+    _check_fused(_perturbed(WindowedBiasedFused(3, 2, shifted), 40), torch.randn(3, 6, 3))
 
 
 def test_hmp_through_fused_attention_with_a_parameter_dependent_mask():

@@ -792,11 +792,11 @@ def _follow_curvature(
     :data:`CURVED` where the operation is nonlinear in that value (``sigmoid``, ``1 / s``) or its
     operand was; return the name where ``out`` is already the copies per sample (an expand
     over the batch widened it)."""
-    curved = _curved_operand(args, kwargs)
     if out is not raw:  # (widened: these are the copies)
-        return curved
+        return _curved_operand(args, kwargs)
     if not hasattr(out, SHARED):
         return None
+    curved = _curved_operand(args, kwargs)
     if curved is None and residual.nonlinear_in_first(kind, name, args):
         curved = name
     if curved is not None:
