@@ -582,10 +582,10 @@ class JoinedQKV(nn.Module):
         return self.head(self.proj(o.transpose(1, 2).reshape(n, t, -1)).mean(1))
 
 
-def _joined(how: str, fused: bool) -> tuple[nn.Module, Tensor, Tensor]:
+def _joined(how: str, fused: bool, n: int = N) -> tuple[nn.Module, Tensor, Tensor]:
     torch.manual_seed(11)
     model = _fresh_type(JoinedQKV)(how, fused).to(DT)
-    return model, torch.randn(N, 3, 3, dtype=DT), torch.randint(0, 3, (N,))
+    return model, torch.randn(n, 3, 3, dtype=DT), torch.randint(0, 3, (n,))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
@@ -635,13 +635,15 @@ def test_joined_bias_kronecker_factors() -> None:
         torch.testing.assert_close(d, torch.diag(ggn[k].reshape(-1)), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("n", [1, N])
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
-def test_joined_bias_diag_hessian(fused: bool) -> None:
-    """DiagHessian through the joined bias, the table (fused: a mask that needs gradients)
-    and the attention, against the dense Hessian."""
+def test_joined_bias_diag_hessian(fused: bool, n: int) -> None:
+    """DiagHessian through the joined bias, the table (fused: a mask that needs gradients,
+    expanded over the samples — for one sample too) and the attention, against the dense
+    Hessian."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model, x, y = _joined("positional", fused)
+    model, x, y = _joined("positional", fused, n)
     lf = nn.CrossEntropyLoss()
     with sdpa_kernel(SDPBackend.MATH):
         ref = split(torch.diagonal(loss_hessian(model, lf, x, y)), model)

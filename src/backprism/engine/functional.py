@@ -819,11 +819,15 @@ def _expanded_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     q = None if bound is None else bound["query"]
     if (
         view is None or q is None or q.dim() != mask.dim() or mask.shape[0] != 1
-        or q.shape[0] < 2 or q.shape[0] != FORWARD.root_batch
+        or q.shape[0] != FORWARD.root_batch
     ):
         return args, kwargs
-    wide = mask.expand(q.shape[0], *mask.shape[1:])
-    attribute(Tensor.expand, (mask, wide.shape), {}, wide, "expand")
+    p, rebuild, _ = view
+    wide = mask.expand(q.shape[0], *mask.shape[1:])  # (also for one sample: its own copy)
+    capture(
+        ParamBroadcast(p, rebuild), (), {}, [], [wide], {"p0": p}, batch_size=wide.shape[0],
+        live=((), {}),
+    )
     if len(args) > 3:
         return (*args[:3], wide, *args[4:]), kwargs
     return args, kwargs | {"attn_mask": wide}
