@@ -63,6 +63,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from backprism.engine import residual
 from backprism.engine.forward import attach, capture, detached
 from backprism.engine.rule import get_rule
 from backprism.engine.state import (
@@ -395,6 +396,9 @@ def follow_shared(
     if origin is None:
         origin = src
     in_place = out is src  # (its value before: origin, see before_in_place)
+    curved = getattr(src, CURVED, None) or (name if residual.nonlinear_in(name, pos) else None)
+    if curved is not None:
+        setattr(out, CURVED, curved)
 
     def replay(x: Tensor, before=before, func=func, args=args, kwargs=kwargs, pos=pos) -> Tensor:
         x = x if before is None else before(x)
@@ -549,11 +553,16 @@ def _widen_shared(
     is broadcast against (whose axis 0 holds the batch), if ``t`` is computed from a shared
     call's output alone and broadcasting puts a new or size-1 axis of it against the batch.
     ``against``: those operands, where known (recorded as :attr:`Call.meets`); ``added``: ``t``
-    is added to them as it is (``x + t``). Copies of a :data:`CURVED` value are marked so."""
+    is added to them as it is (``x + t``). The copies of a :data:`CURVED` value replay its
+    nonlinear operations without the forward mode: they carry the DiagHessian family's
+    refusal."""
     copies = _copies(t, rank, n, against, added)
     curved = getattr(t, CURVED, None)
     if copies is not None and curved is not None:
-        setattr(copies, CURVED, curved)
+        residual.add_error(
+            copies, f"the nonlinear operation '{curved}' on a value all samples share (before "
+            "it meets them)", why="its Hessian term on each sample's copy is not built",
+        )
     return copies
 
 

@@ -53,7 +53,6 @@ from backprism.engine.attention import sdpa_arguments
 from backprism.engine.broadcast import (
     DROPOUT,
     EXPANDS,
-    FOLLOWS,
     MEETS,
     ParamBroadcast,
     after_operation,
@@ -64,7 +63,6 @@ from backprism.engine.broadcast import (
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
     AXIS,
-    CURVED,
     ESCAPED,
     FORWARD,
     FORWARD_LISTENERS,
@@ -762,48 +760,6 @@ def _constant(a: Tensor) -> bool:
     )
 
 
-def _curved_copies(old_args: tuple, old_kwargs: dict, args: tuple, kwargs: dict) -> str | None:
-    """The nonlinear operation (:data:`CURVED`) behind an operand that was replaced by its
-    copies per sample, if any."""
-    pairs = [*zip(old_args, args, strict=False)]
-    pairs += [(v, kwargs.get(k)) for k, v in old_kwargs.items()]
-    for old, new in pairs:
-        if new is not old and isinstance(old, Tensor):
-            curved = getattr(old, CURVED, None)
-            if curved is not None:
-                return curved
-    return None
-
-
-def _curved_operand(args: tuple, kwargs: dict) -> str | None:
-    """The nonlinear operation (:data:`CURVED`) behind a shared operand, if any."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            curved = getattr(a, CURVED, None)
-            if curved is not None:
-                return curved
-    return None
-
-
-def _follow_curvature(
-    name: str, kind: int, args: tuple, kwargs: dict, raw: Any, out: Tensor
-) -> str | None:
-    """After an operation the forward mode follows on a shared value: mark ``out``
-    :data:`CURVED` where the operation is nonlinear in that value (``sigmoid``, ``1 / s``) or its
-    operand was; return the name where ``out`` is already the copies per sample (an expand
-    over the batch widened it)."""
-    if out is not raw:  # (widened: these are the copies)
-        return _curved_operand(args, kwargs)
-    if not hasattr(out, SHARED):
-        return None
-    curved = _curved_operand(args, kwargs)
-    if curved is None and residual.nonlinear_in_first(kind, name, args):
-        curved = name
-    if curved is not None:
-        setattr(out, CURVED, curved)
-    return None
-
-
 def _expanded_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``scaled_dot_product_attention(q, k, v, attn_mask=m)`` with ``m`` a view of a parameter
     of batch size 1 (timm's BEiT passes its relative position bias table, indexed, as the
@@ -1369,14 +1325,10 @@ class ForwardMode(TorchFunctionMode):
                 _invalidate_view(args[0])
             if isinstance(args[0], Tensor) and hasattr(args[0], SHARED):
                 before_in_place(name, args[0], written=in_place)
-        curved = None
         if name in MEETS:
-            met_args, met_kwargs = args, kwargs
             args, kwargs = broadcast_calls(name, args, kwargs)
             if name == "scaled_dot_product_attention":
                 args, kwargs = _expanded_mask(args, kwargs)
-            if args is not met_args or kwargs is not met_kwargs:
-                curved = _curved_copies(met_args, met_kwargs, args, kwargs)
         elif name in DROPOUT:
             mask = dropout_mask(args, kwargs)
             if mask is not None:  # (a shared tensor's: a product with a constant mask)
@@ -1405,17 +1357,7 @@ class ForwardMode(TorchFunctionMode):
             follow_batch_axis(name, args, kwargs, out)
         elif name in _AXIS_MOVES and stack:
             _mark_transposed(name, args, kwargs, out)
-        raw = out
         out = after_operation(name, func, args, kwargs, out, in_place)
-        if name in FOLLOWS and isinstance(out, Tensor):
-            curved = _follow_curvature(name, kind, args, kwargs, raw, out) or curved
-        if curved is not None and isinstance(out, Tensor) and self.record:
-            # (the copies replay the operations on each sample's copy without the mode: their
-            # Hessian terms are not recorded)
-            residual.add_error(
-                out, f"the nonlinear operation '{curved}' on a value all samples share (before "
-                "it meets them)", why="its Hessian term on each sample's copy is not built",
-            )
         if escaped is not None:
             for o in _outputs(out):
                 if o.grad_fn is not None:

@@ -99,7 +99,7 @@ from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
 from backprism.engine.rows import row_columns
 from backprism.engine.rule import get_rule
-from backprism.engine.state import AXIS, CALLS, CURVED, FORWARD, MODE_FREE, SITES, active
+from backprism.engine.state import AXIS, CALLS, FORWARD, MODE_FREE, SITES, active
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -723,15 +723,16 @@ def add_error(out: Tensor, what: str, why: str) -> None:
     _add_error(out, what, why=why)
 
 
-def nonlinear_in_first(kind: int, name: str, args: tuple) -> bool:
-    """Whether an operation of :func:`classify`'s ``kind`` with one differentiable operand is
-    nonlinear in it: a smooth or other nonlinearity, one of unknown kind, a division by it or a
-    power of it (a product with constants, a division of it, a view: linear)."""
+def nonlinear_in(name: str, pos: int | str) -> bool:
+    """Whether the operation ``name`` is nonlinear in its one differentiable operand, at
+    position ``pos`` (an index or a keyword): a smooth or other nonlinearity, one of unknown
+    kind, a division by it (``x / t``; ``c / t`` is the reflected ``t.__rtruediv__(c)``) — not a
+    product with constants, a division of it or a view."""
+    kind = classify(name)
     if kind in (_SMOOTH_KIND, _NONLIN, _UNKNOWN):
         return True
-    if kind == _QUOTIENT:
-        return not (args and isinstance(args[0], Tensor) and args[0].requires_grad)
-    return False
+    divisor = 0 if name.startswith("__r") else 1
+    return kind == _QUOTIENT and pos == divisor
 
 
 def _add_residual(
@@ -987,13 +988,9 @@ def _linear_spread(node: Any) -> bool:
     are those of any call of it (the per-sample pull-back of the copies is its Jacobian)."""
     call = getattr(getattr(node, "spread", None), "call", None)
     module = getattr(call, "module", None)
-    if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-        return False
-    args, kwargs = call.live if call.live is not None else (call.args, call.kwargs)
-    # (copies of an input computed by a nonlinear operation replay it without its term)
-    return not any(
-        isinstance(a, Tensor) and hasattr(a, CURVED) for a in (*args, *kwargs.values())
-    )
+    # (copies of an input computed by a nonlinear operation carry their own refusal:
+    # engine.broadcast._widen_shared)
+    return isinstance(module, (nn.Linear, nn.modules.conv._ConvNd))
 
 
 _SPREAD_WHY = (

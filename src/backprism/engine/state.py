@@ -104,8 +104,8 @@ SHARED = "_backprism_shared"
 #: by, see :mod:`backprism.engine.broadcast`
 FREE = "_backprism_free"
 #: tensor attribute of a value shared by all samples (:data:`SHARED`) computed from a shared
-#: call's output through a nonlinear operation (its name), and of its copies per sample, which
-#: replay that operation without the forward mode: their Hessian terms are not recorded
+#: call's output through a nonlinear operation (its name): its copies per sample replay that
+#: operation without the forward mode, so their Hessian terms are not recorded
 CURVED = "_backprism_curved"
 #: tensor attribute on a view of an extended parameter that the forward mode follows (``p[0:k]``,
 #: ``p.t()``): ``(parameter, rebuild, kind)`` with ``rebuild(p)`` the view, see
