@@ -85,6 +85,7 @@ __all__ = [
     "after_operation",
     "before_in_place",
     "broadcast_calls",
+    "broadcast_param",
     "dropout_mask",
 ]
 
@@ -99,6 +100,17 @@ class ParamBroadcast(nn.Module):
         self._parameters["p0"] = p
         self.source = source
         self._backprism_name = "a parameter broadcast over the batch"
+
+
+def broadcast_param(
+    p: nn.Parameter, source: Callable[[Tensor], Tensor], wide: Tensor
+) -> Call | None:
+    """Capture ``wide`` (``[n, ...]``, every row ``source(p)[0]``) as a :class:`ParamBroadcast`
+    call of batch size ``n`` (``None`` where it is not attached)."""
+    return capture(
+        ParamBroadcast(p, source), (), {}, [], [wide], {"p0": p}, batch_size=wide.shape[0],
+        live=((), {}),
+    )
 
 
 #: in-place elementwise arithmetic: followed on a shared tensor (:func:`before_in_place`)
@@ -924,11 +936,7 @@ def _parameter_copies(a: Tensor, wide: Tensor) -> Tensor | None:
     def source(q: Tensor, rebuild: Any = rebuild) -> Tensor:
         return rebuild(q).unsqueeze(0)
 
-    call = capture(
-        ParamBroadcast(p, source), (), {}, [], [wide], {"p0": p}, batch_size=wide.shape[0],
-        live=((), {}),
-    )
-    return None if call is None else wide
+    return None if broadcast_param(p, source, wide) is None else wide
 
 
 class _NotWidened(Exception):

@@ -58,6 +58,7 @@ from backprism.engine.broadcast import (
     after_operation,
     before_in_place,
     broadcast_calls,
+    broadcast_param,
     dropout_mask,
 )
 from backprism.engine.forward import capture, keep_linear, releasing_frame
@@ -571,16 +572,14 @@ def attribute(func: Any, args: tuple, kwargs: dict, out: Any, name: str | None =
 
         src = args[pos]
         if _expands_batch(name, src, out):
-            module = ParamBroadcast(p, rebuild)
             if src.dim() < out.dim():  # g.expand(N, d): a new leading axis, each slice g
 
                 def source(q: Tensor, rebuild=rebuild) -> Tensor:
                     return rebuild(q).unsqueeze(0)
 
-                module = ParamBroadcast(p, source)
-            capture(
-                module, (), {}, [], [out], {"p0": p}, batch_size=out.shape[0], live=((), {})
-            )
+                broadcast_param(p, source, out)
+            else:
+                broadcast_param(p, rebuild, out)
             return
         two_d_transpose = name in _TRANSPOSES and p.dim() == 2 and out.dim() == 2
         new_kind = "T" if kind == "param" and two_d_transpose else (
@@ -780,10 +779,7 @@ def _expanded_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     p, rebuild, _ = view
     wide = mask.expand(q.shape[0], *mask.shape[1:])  # (also for one sample: its own copy)
-    capture(
-        ParamBroadcast(p, rebuild), (), {}, [], [wide], {"p0": p}, batch_size=wide.shape[0],
-        live=((), {}),
-    )
+    broadcast_param(p, rebuild, wide)
     if len(args) > 3:
         return (*args[:3], wide, *args[4:]), kwargs
     return args, kwargs | {"attn_mask": wide}
@@ -835,29 +831,27 @@ class JoinedBias(nn.Module):
     """Stand-in for the bias of ``F.linear(x, w, torch.cat(parts))`` whose parts are views of
     parameters (``p0``, ``p1``, …) and constants: re-runs the layer with ``w`` as it was and
     the bias rebuilt from its parameters. Its rule (``rules/linear.JoinedBiasRule``) reads
-    each part's per-sample gradients off the output gradient, as for a Linear bias."""
-
-    linear_in_params = True
+    each part's per-sample gradients off the output gradient, as for a Linear bias. Each part
+    is ``(length, parameter index or None, rebuild or constant)``."""
 
     def __init__(self, weight: Tensor, dim: int, parts: list[tuple[str, Any]]) -> None:
         super().__init__()
         self._weight, self._dim = weight.detach(), dim
-        self._parts: list[Any] = []
-        params = []
+        self._parts: list[tuple[int, int | None, Any]] = []
         for kind, part in parts:
             if kind == "p":
-                self._parts.append(("p", len(params), part[1]))
-                params.append(part[0])
+                p, rebuild = part[0], part[1]
+                i = len(self._parameters)
+                self._parameters[f"p{i}"] = p
+                with torch.no_grad():
+                    self._parts.append((rebuild(p).shape[0], i, rebuild))
             else:
-                self._parts.append(("c", part))
-        for i, p in enumerate(params):
-            self._parameters[f"p{i}"] = p
+                self._parts.append((part.shape[0], None, part))
         self._backprism_name = "linear bias joined from parameters (a functional use)"
 
     def forward(self, x: Tensor) -> Tensor:
         pieces = [
-            part[2](getattr(self, f"p{part[1]}")) if part[0] == "p" else part[1]
-            for part in self._parts
+            value if i is None else value(getattr(self, f"p{i}")) for _, i, value in self._parts
         ]
         return F.linear(x, self._weight, torch.cat(pieces, self._dim))
 

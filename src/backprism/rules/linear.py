@@ -281,25 +281,18 @@ class JoinedBiasRule(Rule):
     parameter's is the transpose of its part's rebuild ``r`` applied to its slice,
     ``Vₘₙ(θ) = J_rᵀ sₘₙ[slice]`` (a slice of ``s`` itself for the parameter as it is). The
     scaling is that of ``g``. Statistics and the single Kronecker factor (the GGN diagonal) come
-    from the :class:`~backprism.engine.rule.Rule` defaults."""
-
-    linear_in_params = True
+    from the :class:`~backprism.engine.rule.Rule` defaults; linear in its parameters."""
 
     def per_sample(self, call: Call, g: Tensor) -> dict[str, Tensor]:
-        module = call.module
         m, n = g.shape[0], g.shape[1]
         s = g.reshape(m, n, -1, g.shape[-1]).sum(2)  # [M, N, O]
         out: dict[str, Tensor] = {}
         start = 0
-        for kind, *part in module._parts:
-            if kind == "c":
-                start += part[0].shape[0]
-                continue
-            i, rebuild = part
-            p = module._parameters[f"p{i}"].detach()
-            size = rebuild(p).shape[0]
-            cols = s[..., start : start + size].reshape(m * n, size).to(p.dtype)
-            (v,) = pull_back(lambda q, r=rebuild: (r(q),), (p,), (cols,))
-            out[f"p{i}"] = v.reshape(m, n, *p.shape)
+        for size, i, rebuild in call.module._parts:
+            if i is not None:
+                p = call.module._parameters[f"p{i}"].detach()
+                cols = s[..., start : start + size].reshape(m * n, size).to(p.dtype)
+                (v,) = pull_back(lambda q, r=rebuild: (r(q),), (p,), (cols,))
+                out[f"p{i}"] = v.reshape(m, n, *p.shape)
             start += size
         return out
