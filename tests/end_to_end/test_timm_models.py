@@ -290,14 +290,12 @@ def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
     its inputs in a plain forward (``u``: the unfolded patch of one output position of a
     group for a convolution, the feature vector of one position for a Linear layer). A layer
     on a table shared by all samples (input batch 1: Swin V2's position-bias MLP on its
-    coordinate table) is used once per row of the batch its nearest enclosing module runs on
-    (``N·windows``), each use a copy of the one input: ``Σₜ uₜ uₜᵀ`` counts that often."""
+    coordinate table) is used once per sample, however many rows of the batch (windows) the
+    table then meets: its one input counts ``N`` times, ``A = Σₜ uₜ uₜᵀ``."""
     inputs: dict[nn.Module, Tensor] = {}
-    rows: dict[nn.Module, int] = {}
 
     def seen(m: nn.Module, args: tuple, out: Tensor) -> None:
         if args and isinstance(args[0], Tensor) and args[0].dim():
-            rows[m] = args[0].shape[0]
             inputs.setdefault(m, args[0].detach())
 
     hooks = [m.register_forward_hook(seen) for m in model.modules()]
@@ -313,12 +311,7 @@ def input_factors(model: nn.Module, x: Tensor) -> dict[nn.Module, Tensor]:
     inputs = {m: t for m, t in inputs.items() if isinstance(m, (nn.Linear, nn.Conv2d))}
     out = {}
     for m, inp in inputs.items():
-        uses = 1
-        if inp.shape[0] == 1:  # (a shared table: copied over the rows where it is used)
-            up = parent.get(m)
-            while up is not None and rows.get(up, 1) == 1:
-                up = parent.get(up)
-            uses = rows.get(up, 1) if up is not None else 1
+        uses = N if inp.shape[0] == 1 else 1  # (a shared table: one copy per sample)
         if isinstance(m, nn.Linear):
             u = inp.reshape(-1, inp.shape[-1])
             out[m] = uses * u.T @ u / N

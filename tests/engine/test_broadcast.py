@@ -699,23 +699,25 @@ class MlpBias(WindowBias):
         return self.head(out.view(n, self.w, -1).mean(1))
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("w", [1, 3])
 @pytest.mark.parametrize(
     "act", ["relu_inplace", "leaky_relu_inplace", "relu"], ids=lambda a: a
 )
-def test_an_mlp_on_a_shared_table_with_an_in_place_activation(w: int, act: str) -> None:
+def test_an_mlp_on_a_shared_table_with_an_in_place_activation(w: int, act: str, n: int) -> None:
     """The shared MLP's activation written into its first layer's output (``nn.ReLU(inplace=
     True)``: ``F.relu(x, inplace=True)``, the flag passed by keyword or by position) is
     replayed on each sample's copy, so the first layer's per-sample gradients go through its
     mask (they were silently wrong — ``Σₙ grad_batch ≠ .grad`` — and a batch folded with
     windows was refused: the copies' value, computed from detached leaves, did not count as
-    the same for every sample)."""
+    the same for every sample). Over windows (``w = 3``) the MLP runs on one copy per sample,
+    repeated over the sample's windows; also for one sample (a rank's last batch)."""
     acts = {
         "relu_inplace": lambda: nn.ReLU(inplace=True),
         "leaky_relu_inplace": lambda: nn.LeakyReLU(0.1, inplace=True),
         "relu": nn.ReLU,
     }
-    _exact(lambda: MlpBias(w, 2, acts[act]()), 3, 2 * w, D)
+    _exact(lambda: MlpBias(w, 2, acts[act]()), n, 2 * w, D)
 
 
 class TableBias(MlpBias):
@@ -802,10 +804,14 @@ def test_a_table_broadcast_over_windows_of_the_samples(n: int, mask: bool) -> No
 @pytest.mark.parametrize("mask", [False, True])
 def test_a_table_broadcast_over_window_major_rows_is_refused(mask: bool) -> None:
     """Window-major rows (``[W·N, …]``) group no sample's rows together: refused before
-    anything is written, the projections before the fold being of batch ``N``."""
+    anything is written. Every layer runs on ``N`` rows (the projections before the fold, the
+    head after it, the table widened to ``N`` copies, each repeated over its sample's rows),
+    so only the check of those rows' fold can tell. With the constant mask added first, the
+    table is widened over the mask's ``W·N`` rows, a batch size no fold explains."""
     torch.manual_seed(0)
     model = extend(WindowBias(3, 2, mask, "window").to(DT))
-    _refused(model, torch.randn(2, 6, D, dtype=DT), "batch sizes")
+    match = "batch sizes" if mask else "sample-major groups of 3"
+    _refused(model, torch.randn(2, 6, D, dtype=DT), match)
 
 
 def test_a_module_before_several_consumers_is_one_call() -> None:
@@ -929,3 +935,29 @@ def test_a_module_on_the_batch_without_it_in_its_output_is_refused() -> None:
     with collect(BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance()):
         lossfunc(model(X), y).backward()
     assert_first_order(model, ref, **TOL)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_shared_mlp_over_windows_runs_on_one_copy_per_sample(n: int, monkeypatch) -> None:
+    """Swin V2's position-bias MLP met by ``N·W`` window rows: its layers are widened to ``N``
+    copies (each repeated over its sample's windows), not to one per window row — the cost of
+    the shared layers' widened inputs and per-sample pull-backs does not grow with the windows.
+    Exactness of that layout is checked by the tests above."""
+    from backprism.engine import broadcast
+
+    sizes: list[int] = []
+    prepare = broadcast._Spread.prepare.__func__
+
+    def spy(cls, module, live, copies, m, batch_one):
+        sizes.append(m)
+        return prepare(cls, module, live, copies, m, batch_one)
+
+    monkeypatch.setattr(broadcast._Spread, "prepare", classmethod(spy))
+    torch.manual_seed(0)
+    model = extend(MlpBias(4, 2, nn.ReLU(inplace=True)).to(DT))
+    x, y = torch.randn(n, 8, D, dtype=DT), torch.randint(0, C, (n,))
+    with collect(BatchGrad()):
+        F.cross_entropy(model(x), y).backward()
+    assert sizes == [n]
+    widths = {p.grad_batch.shape[0] for p in model.parameters()}
+    assert widths == {n}

@@ -231,9 +231,38 @@ def _joined():
     return JoinedBiasAttention().double(), torch.randn(16, 3, 5, dtype=torch.float64)
 
 
+class WindowedMlpBias(nn.Module):
+    """Swin V2's continuous position bias: an MLP with an in-place ReLU on a constant table,
+    added to the scores of windows folded sample-major into the batch (``[N·W, H, T, T]``):
+    widened to one copy per sample, repeated over the sample's windows, on each rank."""
+
+    def __init__(self, w: int = 3, t: int = 2) -> None:
+        super().__init__()
+        self.w, self.t = w, t
+        self.qk, self.out = nn.Linear(5, 8), nn.Linear(4, 3)
+        self.register_buffer("coords", torch.randn(2 * t - 1, 2), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+        idx = torch.arange(t)
+        self.register_buffer("index", idx[:, None] - idx[None, :] + t - 1, persistent=False)
+
+    def forward(self, x):  # [N, W·T, 5]
+        n, w, t = x.shape[0], self.w, self.t
+        q, k = self.qk(x).reshape(n * w, t, 2, 2, 2).permute(2, 0, 3, 1, 4)  # [N·W, 2, T, 2]
+        b = self.mlp(self.coords)[self.index.view(-1)].view(t, t, 2).permute(2, 0, 1)
+        attn = (q @ k.transpose(-1, -2) + 16 * torch.sigmoid(b).unsqueeze(0)).softmax(-1)
+        o = (attn @ k).transpose(1, 2).reshape(n, w * t, 4)
+        return self.out(o.mean(1))
+
+
+def _windowed():
+    torch.manual_seed(0)
+    return WindowedMlpBias().double(), torch.randn(16, 6, 5, dtype=torch.float64)
+
+
 MODELS = {
     "residual": _residual, "conv": _conv, "chain": _chain, "shared": _shared, "cross": _cross,
     "shared_norm": _shared_norm, "norms": _norms, "attention": _attention, "joined": _joined,
+    "windowed": _windowed,
 }
 
 
@@ -581,6 +610,10 @@ def _two_ranks(rank: int, world: int, path: str) -> None:
         _check_all(rank, world, "attention", [3, 5], [SECOND[1]])
         # (timm's BEiT attention: a joined bias, a released sub-module weight, a table mask)
         _check_all(rank, world, "joined", [3, 5], [FIRST[0], SECOND[0], SECOND[1]])
+        # (Swin V2's position-bias MLP met by windows; one copy per sample on each rank, also
+        # on a rank with one sample)
+        for sizes in ([3, 5], [1, 5]):
+            _check_all(rank, world, "windowed", sizes, [FIRST[0], SECOND[0]])
         _check_all(rank, world, "residual", [1, 5], [FIRST[0], SECOND[0]])  # one sample
         second = [DiagGGNExact(), BatchDiagGGNExact(), SqrtGGNExact(), KFLR()]
         shared = [FIRST[0], FIRST[1], FIRST[3], second]

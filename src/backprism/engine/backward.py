@@ -326,6 +326,8 @@ class BackwardPass:
             sizes = self._fold_calls(sizes)
         if per_sample and len(sizes) > 1:
             self._check_batch_sizes(sizes, per_sample)
+        if exts:
+            self._check_repeats(exts)
         if exts and sizes:
             for call in self.calls:
                 if not call.params:
@@ -556,6 +558,25 @@ class BackwardPass:
                 self._check_folds(list(folds))
                 return [n]
         return sizes
+
+    def _check_repeats(self, exts: list[Extension]) -> None:
+        """A shared call's copies per sample repeated over ``g`` rows each where they met a
+        per-sample tensor (:attr:`Call.repeats`, Swin V2's position-bias MLP met by the
+        windows' rows) are split right only if that tensor's axis 0 folds the samples
+        sample-major with ``g`` rows each, as the graph must show; refused otherwise."""
+        for call in self.calls:
+            for g, edges in call.repeats:
+                if edges and all(self.sample_fold(e.node, e.output_nr) == g for e in edges):
+                    continue
+                raise RuntimeError(
+                    f"backprism: the output of {call.name} is shared by all samples and meets "
+                    f"a tensor of {g * call.batch_size} rows, {g} for each of the "
+                    f"{call.batch_size} samples, but the graph does not show those rows as the "
+                    f"samples' in sample-major groups of {g} (rows n·{g} … n·{g} + {g - 1} "
+                    "of sample n, as Swin's window partition gives), so "
+                    f"{_names(exts)} cannot split its gradient per sample. Fold the samples "
+                    "sample-major ([N, windows, ...] → [N·windows, ...]) before it meets them"
+                )
 
     def _one_sample(self) -> bool:
         """Every forward of the pass ran on one sample (its first input's axis 0 of size 1)."""

@@ -39,6 +39,13 @@ and recorded as a :class:`ParamBroadcast`, anything else is expanded. The call i
 per sample: its output on the copies is its output on the shared inputs, copied, and the
 per-sample pull-back to the input copies happens in the backward pass (:class:`_Spread`).
 
+Where the operand it meets has ``g·N`` rows (``N``: the top-level forward's batch), the samples
+folded with windows (Swin's ``[N·windows, H, T, T]`` scores), the call is widened to ``N`` copies
+and each is repeated over its sample's ``g`` rows (:func:`_rows_per_sample`): the widened
+inputs, replayed operations and per-sample pull-backs cost ``N`` copies, not ``g·N``. That the
+rows fold the samples sample-major is checked by the backward pass from the graph
+(:attr:`~backprism.engine.state.Call.repeats`); other layouts are refused.
+
 Every shared call is widened once per forward; later consumers reuse its copies (each layer of
 T5 meeting the one relative position bias, DeBERTa's key and query projections meeting the one
 LayerNorm of its relative embeddings), so it stays one call whose per-sample gradients autograd
@@ -568,19 +575,40 @@ def _widen_shared(
     is added to them as it is (``x + t``). The copies of a :data:`CURVED` value replay its
     nonlinear operations without the forward mode: they carry the DiagHessian family's
     refusal."""
-    copies = _copies(t, rank, n, against, added)
+    g = _rows_per_sample(n, against)
+    copies = _copies(t, rank, n // g, against, added, g)
     curved = getattr(t, CURVED, None)
     if copies is not None and curved is not None:
         residual.add_error(
             copies, f"the nonlinear operation '{curved}' on a value all samples share (before "
             "it meets them)", why="its Hessian term on each sample's copy is not built",
         )
+    if copies is not None and g > 1:
+        copies = copies.unsqueeze(1).expand(n // g, g, *copies.shape[1:]).flatten(0, 1)
     return copies
 
 
+def _rows_per_sample(n: int, against: tuple[Tensor, ...]) -> int:
+    """``g`` where the ``n`` rows a shared value meets may fold the forward's ``N`` samples
+    with another axis, sample-major (``n = g·N``, ``g > 1``: Swin's windows), and a per-sample
+    tensor among ``against`` will tell whether they do; else 1.
+
+    The value is then widened to ``N`` copies, each repeated over its sample's ``g`` rows:
+    the shared call's widened inputs, its replayed operations and their backward cost ``N``
+    copies, not ``g·N`` (Swin V2's position-bias MLP, ``[ws², 512]`` hidden activations, met
+    by 16–64 windows a sample). The backward pass refuses the pass where those tensors' rows
+    are not so folded (:attr:`~backprism.engine.state.Call.repeats`)."""
+    root = FORWARD.root_batch
+    if not root or n <= root or n % root:
+        return 1
+    return n // root if any(b.requires_grad for b in against) else 1
+
+
 def _copies(
-    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...], added: bool
+    t: Tensor, rank: int, n: int, against: tuple[Tensor, ...], added: bool, g: int = 1
 ) -> Tensor | None:
+    """``t``'s copies per sample ``[n, ...]`` (:func:`_widen_shared`), to be repeated ``g``
+    times each against ``against``."""
     info = getattr(t, SHARED, None)
     if info is None or t.dim() > rank:
         return None
@@ -603,6 +631,7 @@ def _copies(
         # widened for an earlier consumer (every layer's use of T5's bias, the key and query
         # projections of DeBERTa's relative embeddings): its copies serve this one too, so the
         # call stays one call, its per-sample gradients summed over the consumers by autograd
+        _repeated(done[2], g, against)
         return _replayed(done[1], replay, batch_one, n, aligned)
     live = call.live if call.live is not None else (call.args, call.kwargs)
     if any(
@@ -639,17 +668,28 @@ def _copies(
         return None
     call.superseded = True
     FORWARD.acted += 1
-    if added and batch_one and replay is None and not expanded.input_edges and expanded.meets:
+    if (
+        added and batch_one and replay is None and not expanded.input_edges and expanded.meets
+        and g == 1
+    ):
         # (BackwardPass._widen_batch_one does the same, from the addition's other operand;
         # not where that operand is a constant, as Swin's shifted-window mask: the rows are
         # then read from what the sum meets next, which only the mode follows)
         FORWARD.deferred_acts += 1
-    FORWARD.widened[key] = (call, wide)
+    FORWARD.widened[key] = (call, wide, expanded)
+    _repeated(expanded, g, against)
     copies = _replayed(wide, replay, batch_one, n, aligned)
     if against and not expanded.meets:  # met constants only: what it meets next tells its rows
         setattr(copies, _ROWS, [expanded])
         FORWARD.rows_pending += 1
     return copies
+
+
+def _repeated(call: Call, g: int, against: tuple[Tensor, ...]) -> None:
+    """Record that ``call``'s copies meet the tensors ``against`` repeated ``g`` times each."""
+    if g > 1:
+        edges = tuple(get_gradient_edge(b) for b in against if b.requires_grad)
+        call.repeats = (*call.repeats, (g, edges))
 
 
 def _replayed(

@@ -194,6 +194,11 @@ class Call:
         meets: for such a widened call, the gradient edges of the per-sample tensors it was
             broadcast against (their axis 0 holds its rows): where that axis folds the samples
             with another axis (Swin's windows), the backward pass reads the fold from them.
+        repeats: for such a widened call, ``(g, edges)`` for each consumer that met its copies
+            per sample repeated ``g`` times (``[N, ...]`` to ``[N·g, ...]``, sample-major) in
+            the per-sample tensors whose gradient edges are ``edges`` (Swin V2's position-bias
+            MLP met by the windows' rows): the backward pass checks that their axis 0 folds the
+            samples so.
         unsplit: for a call on inputs that need no gradient, why its output has no
             per-sample split (a phrase for the refusal of the backward pass: where it met the
             samples other than by widening, an in-place operation, an input that could not be
@@ -248,6 +253,7 @@ class Call:
     pass_: Any = None
     widened_from: Call | None = None
     meets: tuple[Any, ...] = ()
+    repeats: tuple[tuple[int, tuple[Any, ...]], ...] = ()
     unsplit: str | None = None
     seq: int = field(default_factory=lambda: next(_CALL_SEQ))
     shared_inputs: frozenset[int] = frozenset()
@@ -436,9 +442,10 @@ class _ForwardState(threading.local):
         #: was used as a linear layer's bias, whether that forward has ended, the tensor]``
         self.joined: dict[int, list[Any]] = {}
         #: shared calls widened over the samples in this top-level forward
-        #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies)``, reused by every
+        #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies, widened call)``,
+        #: reused by every
         #: later consumer of the same call, which so stays one call
-        self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
+        self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor, Any]] = {}
         #: widened calls whose rows met only constants so far (engine.broadcast): their
         #: copies are followed to the first per-sample tensor they meet
         self.rows_pending = 0
