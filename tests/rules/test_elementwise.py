@@ -128,6 +128,45 @@ def test_diag_ggn_exact(op: str, view: str) -> None:
         torch.testing.assert_close(p.diag_ggn_exact, ref[k], **TOL)
 
 
+class FoldedScaled(nn.Module):
+    """Swin V2's ``attn * exp(clamp(s))`` on its windows' rows: ``op(h, view(θ))`` on the
+    batch folded sample-major with ``W = 2`` windows of ``T / 2`` positions (``[2N, T/2, C]``),
+    then regrouped per sample."""
+
+    def __init__(self, op: str, view: str) -> None:
+        super().__init__()
+        self.inner = Scaled(op, view)
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.inner
+        h = 1.5 + torch.tanh(m.lin(x))  # [N, T, C]
+        h = h.reshape(2 * x.shape[0], T // 2, C)  # (rows n·2, n·2 + 1 of sample n)
+        q = m.view(m.theta)
+        h = m.op(h, q[: T // 2] if q.dim() > 1 else q)  # ([T/2, C] of the [T, C] ones)
+        return m.head(torch.tanh(h).reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("view", ["plain", "derived", "affine", "softplus"])
+@pytest.mark.parametrize("op", ["mul", "rdiv", "sub"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_folded_batch(op: str, view: str, n: int) -> None:
+    """The parameter meets a batch folded with windows: the closed form computes per row and
+    sums each sample's rows (it went to the generic rule's ``vmap``); first order and the
+    exact GGN diagonal (``M = 3`` columns) against the definitions."""
+    torch.manual_seed(0)
+    model = FoldedScaled(op, view).to(DT)
+    X, y = torch.randn(n, T, 2, dtype=DT), torch.randint(0, 3, (n,))
+    ref = per_sample_grads(model, nn.CrossEntropyLoss(), X, y)
+    taken = _run(model, X, y, BatchGrad(), BatchL2Grad(), SumGradSquared(), Variance())
+    assert taken == [True]
+    assert_first_order(model, ref, **TOL)
+    model.zero_grad()
+    ggn = diag_ggn(model, nn.CrossEntropyLoss(), X, y)
+    assert _run(model, X, y, DiagGGNExact()) == [True]
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ggn[k], **TOL)
+
+
 def test_layer_scale_of_a_convnext_block() -> None:
     """ConvNeXt's ``x.mul(self.gamma.reshape(1, -1, 1, 1))`` after a depthwise convolution, in
     a residual block: the closed form, and the depthwise convolution's own path."""

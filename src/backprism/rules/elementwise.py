@@ -24,8 +24,12 @@ for a derived operand (``exp(θ)``, ``1 + θ``, a dtype conversion) it is the re
 vector-Jacobian product, batched over the ``M·N`` columns (``is_grads_batched``). The scaling
 is that of ``g`` (first order: ``g[0] = ∂L/∂out``).
 
-Anything else — a parameter operand with the batch's size on its batch axis, a folded batch,
-options other than ``alpha``, a rebuild autograd cannot batch — is left to the generic
+On a batch folded with another axis (``k·N`` rows sample-major, Swin V2's ``attn · exp(s)``
+on its windows' rows) the columns are computed per row and each sample's ``k`` rows summed
+before ``J_rᵀ``.
+
+Anything else — a parameter operand with the batch's size on its batch axis, options other
+than ``alpha``, a rebuild autograd cannot batch — is left to the generic
 ``torch.func`` rule (:func:`per_sample` returns ``None``), which gives the same numbers
 through a ``vmap`` over the samples at several times the cost (about 2 ms of Python per call
 on the CPU).
@@ -57,11 +61,13 @@ def per_sample(call: Call, gs: list[Tensor]) -> dict[str, Tensor] | None:
     r"""``{name: [M, N, *θ.shape]}`` for a call of a broadcasting stand-in (see the module
     docstring), or ``None`` where the closed form does not apply."""
     module = call.module
-    if call.fold != 1 or call.batch_axis or len(gs) != 1 or len(call.out_shapes) != 1:
+    if call.batch_axis or len(gs) != 1 or len(call.out_shapes) != 1:
         return None
     if len(call.args) != 1 or call.kwargs or not set(module._kwargs) <= _OPTIONS:
         return None
-    n, shape = call.batch_size, tuple(call.out_shapes[0])
+    # (on a folded batch, k·N rows sample-major: computed per row, each sample's rows summed)
+    samples, k = call.batch_size, call.fold
+    n, shape = samples * k, tuple(call.out_shapes[0])
     x, g = call.args[0], gs[0]
     if not shape or shape[0] != n or x.dim() != len(shape) or x.shape[0] != n:
         return None
@@ -102,13 +108,15 @@ def per_sample(call: Call, gs: list[Tensor]) -> dict[str, Tensor] | None:
     for (i, q, leaf, rebuild), index, grad in zip(slots, maps, grads):
         p = params[i]
         cols = (torch.zeros_like(leaf) if grad is None else grad).reshape(m * n, -1)
+        if k > 1:
+            cols = cols.reshape(m * samples, k, -1).sum(1)
         if index is None:  # a derived operand: the rebuild's own vector-Jacobian product
-            cols = _pull_back(p, rebuild, cols.reshape(m * n, *q.shape))
+            cols = _pull_back(p, rebuild, cols.reshape(m * samples, *q.shape))
             if cols is None:
                 return None
         elif index is not _IN_ORDER:  # (a reshape of the parameter: its elements in order)
-            cols = cols.new_zeros(m * n, p.numel()).index_add_(1, index, cols)
-        v = cols.reshape(m, n, *p.shape)
+            cols = cols.new_zeros(m * samples, p.numel()).index_add_(1, index, cols)
+        v = cols.reshape(m, samples, *p.shape)
         key = f"p{i}"
         result[key] = result[key] + v if key in result else v
     return {name: result[name] for name in call.params}
