@@ -595,10 +595,16 @@ class BackwardPass:
         (:meth:`samples_on_axis_0`); ``None`` otherwise."""
         if node is None or not self.n_samples:
             return None
+        status = self._samples().status(node, nr)
+        return status[1] if status is not None and status[0] == 0 else None
+
+    def _samples(self) -> FoldAnalysis:
+        """The :class:`FoldAnalysis` of this pass's samples (its calls' folds settled), built
+        once: the statuses it finds serve every later question (the mixing check, the
+        repeated copies' check, the DiagHessian family's layouts)."""
         if self._samples_analysis is None:
             self._samples_analysis = self._fold_analysis(self.n_samples)
-        status = self._samples_analysis.status(node, nr)
-        return status[1] if status is not None and status[0] == 0 else None
+        return self._samples_analysis
 
     def _fold_analysis(self, n: int) -> FoldAnalysis:
         """A :class:`FoldAnalysis` of this pass's graph anchored at the calls of batch ``n``."""
@@ -673,7 +679,7 @@ class BackwardPass:
         :class:`~backprism.engine.fold.UncheckedOperationWarning` names them."""
         if not self.n_samples:
             return None
-        analysis = self._fold_analysis(self.n_samples)
+        analysis = self._samples()
         losses = [
             (x.grad_fn, x.output_nr)
             for rec in self.loss_records
