@@ -22,6 +22,14 @@ packages above it.
 from backprism.engine.collect import collect
 from backprism.engine.extend import extend
 from backprism.engine.fold import UncheckedOperationWarning, keeps_samples_apart
+from backprism.engine.residual import PrecisionWarning
 from backprism.engine.state import suspended
 
-__all__ = ["UncheckedOperationWarning", "collect", "extend", "keeps_samples_apart", "suspended"]
+__all__ = [
+    "PrecisionWarning",
+    "UncheckedOperationWarning",
+    "collect",
+    "extend",
+    "keeps_samples_apart",
+    "suspended",
+]
