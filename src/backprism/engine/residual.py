@@ -1145,6 +1145,16 @@ def check_pass(bp: Any, exts: list) -> None:
     op, kind, why = found
     note = _backward.modeless_note(bp.view)  # (". (…)": after the way out, less its period)
     way_out = f"{_WAY_OUT[:-1]}{note}" if note else _WAY_OUT
+    if kind == _SMOOTH_KIND and note:
+        # (the likelier cause first: a forward without the mode records no nonlinearity)
+        raise NonlinearityError(
+            f"backprism {names}: this pass's forward ran without backprism's forward mode, "
+            "which the model's earlier forwards did not need, so the nonlinear operation "
+            f"'{op}' between the parameters and the loss was not recorded: repeat the forward "
+            "and backward pass. If the operation lies outside the extended model's forward "
+            "(applied to its outputs), apply it inside the forward instead, as an activation "
+            f"module or as part of an extended loss. {way_out}"
+        )
     if kind == _SMOOTH_KIND:
         raise NonlinearityError(
             f"backprism {names}: the nonlinear operation '{op}' lies between the parameters "
