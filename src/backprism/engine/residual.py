@@ -1198,8 +1198,7 @@ def _warn_precision(calls: list, names: str) -> None:
     be off by more than itself."""
     dtypes = {p.dtype for call, _ in calls for p in call.params.values()}
     low = sorted(
-        (d for d in dtypes if d.is_floating_point and d != torch.float64 and
-         d not in _WARNED_PRECISION),
+        {d for d in dtypes if d.is_floating_point and d != torch.float64} - _WARNED_PRECISION,
         key=str,
     )
     if not low:
@@ -1209,12 +1208,11 @@ def _warn_precision(calls: list, names: str) -> None:
         f"backprism {names}: the parameters are in {', '.join(str(d) for d in low)}. Exact "
         "Hessian diagonals and blocks are sums of signed squares whose terms (of the "
         "nonlinearities and products) can be orders of magnitude larger than the result, so "
-        "they lose digits to "
-        "cancellation below float64: measured 1e-4 to 7.5e-3 relative error on small float32 "
-        "Hugging Face Llama, Qwen2 and Gemma2 (autograd's double backward: about 1e-6), and "
-        "more on entries small next to their products' terms. Run it on a float64 copy "
-        "(copy.deepcopy(model).double()) where those digits matter, or filter "
-        "backprism.engine.PrecisionWarning (shown once per dtype)",
+        "they lose digits to cancellation below float64: measured 1e-4 to 7.5e-3 relative "
+        "error on small float32 Hugging Face Llama, Qwen2 and Gemma2 (autograd's double "
+        "backward: about 1e-6), and more on entries small next to their products' terms. "
+        "Run it on a float64 copy (copy.deepcopy(model).double()) where those digits "
+        "matter, or filter backprism.engine.PrecisionWarning (shown once per dtype)",
         PrecisionWarning,
         stacklevel=2,
     )

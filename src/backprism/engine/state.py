@@ -443,8 +443,7 @@ class _ForwardState(threading.local):
         self.joined: dict[int, list[Any]] = {}
         #: shared calls widened over the samples in this top-level forward
         #: (engine.broadcast): ``(id(call), N, batch_one) → (call, copies, widened call)``,
-        #: reused by every
-        #: later consumer of the same call, which so stays one call
+        #: reused by every later consumer of the same call, which so stays one call
         self.widened: dict[tuple[int, int, bool], tuple[Any, Tensor, Any]] = {}
         #: widened calls whose rows met only constants so far (engine.broadcast): their
         #: copies are followed to the first per-sample tensor they meet
