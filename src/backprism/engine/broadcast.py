@@ -94,6 +94,7 @@ __all__ = [
     "broadcast_calls",
     "broadcast_param",
     "dropout_mask",
+    "with_attn_mask",
 ]
 
 class ParamBroadcast(nn.Module):
@@ -560,9 +561,15 @@ def _attention_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     wide = _widen_shared(mask, q.dim(), q.shape[0], (q,))
     if wide is None:
         return args, kwargs
+    return with_attn_mask(args, kwargs, wide)
+
+
+def with_attn_mask(args: tuple, kwargs: dict, mask: Tensor) -> tuple[tuple, dict]:
+    """``scaled_dot_product_attention``'s arguments with ``attn_mask`` replaced by ``mask``,
+    where it was passed (by position or keyword)."""
     if len(args) > 3:
-        return (*args[:3], wide, *args[4:]), kwargs
-    return args, kwargs | {"attn_mask": wide}
+        return (*args[:3], mask, *args[4:]), kwargs
+    return args, kwargs | {"attn_mask": mask}
 
 
 def _widen_shared(

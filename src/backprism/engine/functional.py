@@ -60,6 +60,7 @@ from backprism.engine.broadcast import (
     broadcast_calls,
     broadcast_param,
     dropout_mask,
+    with_attn_mask,
 )
 from backprism.engine.forward import capture, keep_linear, releasing_frame
 from backprism.engine.state import (
@@ -780,9 +781,7 @@ def _expanded_mask(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     p, rebuild, _ = view
     wide = mask.expand(q.shape[0], *mask.shape[1:])  # (also for one sample: its own copy)
     broadcast_param(p, rebuild, wide)
-    if len(args) > 3:
-        return (*args[:3], wide, *args[4:]), kwargs
-    return args, kwargs | {"attn_mask": wide}
+    return with_attn_mask(args, kwargs, wide)
 
 
 #: joining operations whose result of released parameters may be a linear layer's bias
