@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from tests.engine.test_residual import (
 )
 from tests.extensions.test_hessian import check_diag
 from tests.extensions.test_matprod import check_hmp
-from tests.reference import loss_hessian
+from tests.reference import loss_hessian, split
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -159,6 +160,42 @@ class SharedGate(nn.Module):
         return self.b(h * self.a(torch.ones(1, 3)))
 
 
+class ScaledRmsNorm(nn.Module):
+    """``weight · F.rms_norm(x)`` in a module of its own (generic rule): on the CPU ``rms_norm``
+    reaches autograd as ``pow``, ``mean``, ``rsqrt`` and ``mul`` nodes, all inside the one
+    row-wise term."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x, x.shape[-1:], eps=1e-6)
+
+
+class FunctionalLayerNorm(nn.Module):
+    """``F.layer_norm`` with the module's own weight and bias (generic rule)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.w, self.b)
+
+
+class FunctionalNorms(nn.Module):
+    """Linear → :class:`ScaledRmsNorm` → tanh → :class:`FunctionalLayerNorm` → head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.rms, self.ln = nn.Linear(3, 4), ScaledRmsNorm(4), FunctionalLayerNorm(4)
+        self.c = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(self.ln(torch.tanh(self.rms(self.a(x))))).mean(1)
+
+
 def _perturbed(model: nn.Module, seed: int) -> nn.Module:
     """``model`` away from its initialisation (norm weights 1, biases 0)."""
     torch.manual_seed(seed)
@@ -176,6 +213,7 @@ MODELS = {
     "square": (lambda: Elementwise("square"), (3, 2, 3)),
     "outer": (lambda: Elementwise("outer"), (3, 2, 3)),
     "gate_of_a_batch_of_one": (lambda: SharedGate(), (4, 3)),
+    "functional_norms_in_a_module": (FunctionalNorms, (3, 2, 3)),
     # (refused before: tests/engine/test_residual.py)
     "single_head_attention": (HiddenAttention, (4, 2, 3)),
     "linear_attention": (LinearAttention, (4, 2, 3)),
@@ -595,3 +633,143 @@ def test_torch_attention_layers(kind: str):
     X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
     with sdpa_kernel(SDPBackend.MATH):
         check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+class CenteredNorm(nn.Module):
+    """A LayerNorm without affine parameters written out, ``c · rsqrt(mean(c²) + ε)`` with
+    ``c = x − mean(x)`` (its scale computed from the centred operand)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = x - x.mean(-1, keepdim=True)
+        return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class SmallScaleMlp(nn.Module):
+    """A token embedding of small weights (a Hugging Face initialisation, std 0.02) → a
+    hand-written RMSNorm or LayerNorm, or none → a SwiGLU MLP with a residual → head on the
+    last token."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.norm = {"rmsnorm": RMSNorm, "layernorm": CenteredNorm}.get(norm, nn.Identity)()
+        self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 3, bias=False)
+        self.gate, self.up = nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 16, bias=False)
+        torch.manual_seed(41)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        n = self.norm(h)
+        h = h + self.down(F.silu(self.gate(n)) * self.up(n))
+        return self.head(h[:, -1])
+
+
+@pytest.mark.parametrize("norm", ["none", "rmsnorm", "layernorm"])
+def test_float32_products_keep_float32_precision(norm: str):
+    """DiagHessian of a float32 model through SwiGLU's product and a hand-written RMSNorm's
+    ``x · rsqrt(mean(x²) + ε)`` (or LayerNorm's), at a small weight scale, stays within
+    float32's precision (5e-6 of each parameter's largest entry; here 3e-7 to 5e-7,
+    autograd's own float32 double backward 4e-7) of the float64 Hessian diagonal. A product's
+    pair of columns ``(a, ±b)`` that reaches a projection of one operand only (gate, up) is
+    dropped there, as it cancels exactly; summed with the rest it left ``ε·V²``, more than
+    those weights' curvature (up's diagonal 11× off, 4e-3 with the norm). A norm's parts are
+    balanced where they meet (``bilinear.balance``); unbalanced they lose digits in the
+    difference of squares (2e-5)."""
+    from tests.extensions.test_hessian import run
+
+    model = SmallScaleMlp(norm)
+    X, y = torch.randint(0, 50, (3, 6)), torch.randint(0, 3, (3,))
+    ref = copy.deepcopy(model)
+    expected = split(torch.diagonal(loss_hessian(ref, nn.CrossEntropyLoss(), X, y)), ref)
+    low = copy.deepcopy(model).float()
+    run(low, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    for name, p in low.named_parameters():
+        scale = float(expected[name].abs().max())
+        err = float((p.diag_h.double() - expected[name]).abs().max()) / scale
+        assert err < 5e-6, (name, err)
+
+
+class GatedLinear(nn.Module):
+    """``down(gate(h) ⊙ up(h))`` with ``h = inp(x)``: a product whose only nonlinearity is the
+    product itself, the gate and up projections each reached by one operand's part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.gate, self.up = nn.Linear(3, 4), nn.Linear(4, 5), nn.Linear(4, 5)
+        self.down = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor, operands: bool = False) -> Any:
+        h = self.inp(x)
+        g, u = self.gate(h), self.up(h)
+        return (g, u) if operands else self.down(g * u).mean(1)
+
+
+def test_pchmp_of_a_product_clips_its_eigen_decomposition():
+    """PCHMP("clip") through an elementwise product ``z = g ⊙ u`` keeps, per element, the
+    positive eigenvalue of the product's term on the operands: the block is the GGN plus
+    ``Σₙₑ (|Gₙₑ|/2) vₙₑ vₙₑᵀ``, ``vₙₑ = sign(Gₙₑ) ∇θ gₙₑ + ∇θ uₙₑ`` (``G = ∂L/∂z``), built
+    densely here from the definition. The engine's precision measures for the exact Hessian
+    (pairs dropped where they cancel, parts rebalanced) would change it, and are not applied
+    to PCHMP; HMP in the same pass stays exact."""
+    from torch.func import functional_call, jacrev
+
+    from backprism.extensions import HMP, PCHMP
+    from tests.reference import ggn
+
+    model = _perturbed(GatedLinear(), 43)
+    X, y = torch.randn(3, 2, 3), torch.randint(0, 3, (3,))
+    lf = nn.CrossEntropyLoss()
+    ref = copy.deepcopy(model)
+    flat = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+
+    def operands(vec: Tensor) -> tuple[Tensor, Tensor]:
+        return functional_call(ref, split(vec, ref), (X,), {"operands": True})
+
+    g, u = operands(flat)
+    z = (g * u).detach().requires_grad_(True)
+    (G,) = torch.autograd.grad(lf(ref.down(z).mean(1), y), z)
+    jg, ju = jacrev(operands)(flat)  # [N, T, E, P] each
+    v = G.sign()[..., None] * jg + ju
+    expected = ggn(copy.deepcopy(model), lf, X, y) + torch.einsum(
+        "nte,ntep,nteq->pq", G.abs() / 2, v, v
+    )
+    hessian = loss_hessian(copy.deepcopy(model), lf, X, y)
+    extend(model)
+    with collect(PCHMP("clip"), HMP()):
+        extend(copy.deepcopy(lf))(model(X), y).backward()
+    start = 0
+    for name, p in model.named_parameters():
+        k = p.numel()
+        eye = torch.eye(k).reshape(k, *p.shape)
+        block = slice(start, start + k)
+        torch.testing.assert_close(p.pchmp(eye).reshape(k, k), expected[block, block],
+                                   rtol=1e-8, atol=1e-10, msg=name)
+        torch.testing.assert_close(p.hmp(eye).reshape(k, k), hessian[block, block],
+                                   rtol=1e-8, atol=1e-10, msg=name)
+        start += k
+
+
+def test_a_weight_inside_a_row_wise_operation_of_its_module_refused():
+    """``F.layer_norm(w · F.rms_norm(x))`` in one module (generic rule): ``w`` enters the
+    layer norm, so the module's output is not affine in it; the row-wise terms of the two
+    norms, which cover their decomposed nodes, do not hide that — refused before anything is
+    written."""
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4) + 0.1 * torch.randn(4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.weight * F.rms_norm(x, x.shape[-1:], eps=1e-6)
+            return F.layer_norm(h, h.shape[-1:])
+
+    model = extend(nn.Sequential(nn.Linear(3, 4), Nested(), nn.Linear(4, 3)))
+    X, y = torch.randn(3, 3), torch.randint(0, 3, (3,))
+    lf = extend(nn.CrossEntropyLoss())
+    with pytest.raises(NonlinearityError, match="Nested enter"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())

@@ -788,39 +788,3 @@ def test_generic_modules_without_floating_inputs():
     torch.manual_seed(33)
     X, y = torch.randn(3, 4, 3), torch.randint(0, 3, (3,))
     check_diag(BiasedAttention(), nn.CrossEntropyLoss(), X, y)
-
-
-def test_precision_warning_below_float64(monkeypatch) -> None:
-    """The exact Hessian diagonal on float32 parameters warns, once per dtype and process,
-    that its signed columns lose digits to cancellation (a SwiGLU at a 0.02-scale init: its
-    up-projection's diagonal is off by more than itself in float32); float64 does not warn."""
-    import warnings
-
-    from backprism.engine import PrecisionWarning, residual
-    from backprism.extensions import DiagHessian
-
-    monkeypatch.setattr(residual, "_WARNED_PRECISION", set())
-
-    class SwiGLU(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate, self.up = torch.nn.Linear(4, 6), torch.nn.Linear(4, 6)
-            self.down = torch.nn.Linear(6, 3)
-
-        def forward(self, x):
-            return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
-
-    def run(dtype: torch.dtype) -> list:
-        torch.manual_seed(0)
-        model = extend(SwiGLU().to(dtype))
-        x, y = torch.randn(3, 4, dtype=dtype), torch.randint(0, 3, (3,))
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            with collect(DiagHessian()):
-                extend(torch.nn.CrossEntropyLoss())(model(x), y).backward()
-        return [w for w in seen if issubclass(w.category, PrecisionWarning)]
-
-    assert run(torch.float64) == []
-    found = run(torch.float32)
-    assert len(found) == 1 and "float32" in str(found[0].message)
-    assert run(torch.float32) == []  # (once per dtype)

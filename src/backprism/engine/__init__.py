@@ -22,11 +22,9 @@ packages above it.
 from backprism.engine.collect import collect
 from backprism.engine.extend import extend
 from backprism.engine.fold import UncheckedOperationWarning, keeps_samples_apart
-from backprism.engine.residual import PrecisionWarning
 from backprism.engine.state import suspended
 
 __all__ = [
-    "PrecisionWarning",
     "UncheckedOperationWarning",
     "collect",
     "extend",

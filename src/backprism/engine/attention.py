@@ -33,7 +33,9 @@ from backprism.engine.rows import row_columns
 
 __all__ = ["attention_columns", "safe_softmax", "sdpa_arguments"]
 
-Family = tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]]]
+#: ``(values, make, paired)``: a family of signed columns (``paired``: a product's ``(a, ±b)``
+#: pairs, :func:`backprism.engine.bilinear.signed_columns`)
+Family = tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]], bool]
 
 
 def _product_form(x: Tensor, y: Tensor) -> BilinearForm:
@@ -48,7 +50,7 @@ def attention_columns(
 ) -> list[Family]:
     """The three families of signed columns of attention ``(q, k, v) ↦ O`` (module docstring)
     for ``grad = ∂L/∂O`` and ``n`` samples on the first axis of ``q``, ``k``, ``v``: each
-    ``(values [n, C], make)`` with ``make(idx, scale)`` the columns ``idx`` scaled by
+    ``(values [n, C], make, paired)`` with ``make(idx, scale)`` the columns ``idx`` scaled by
     ``scale`` (``[n, c]``) in ``q``'s, ``k``'s and ``v``'s shapes (``[c, *shape]`` each; see
     :func:`backprism.engine.bilinear.signed_columns`). With ``mask_grad``, the additive float
     ``mask`` is an input too (a relative position bias that depends on parameters, as T5 and
@@ -106,13 +108,13 @@ def attention_columns(
 
     families: list[Family] = []
     values, make = signed_columns(_product_form(qq, kt), g_s.detach() * c, n)
-    families.append((values, pulled([qq, kt], make)))
+    families.append((values, pulled([qq, kt], make), True))
     values, make = row_columns(
         lambda t: safe_softmax(t, hidden), s.detach(), g_p, -1, 1, n, budget
     )
-    families.append((values, pulled([s], make)))
+    families.append((values, pulled([s], make), False))
     values, make = signed_columns(_product_form(p, vv), g, n)
-    families.append((values, pulled([p, vv], make)))
+    families.append((values, pulled([p, vv], make), True))
     return families
 
 

@@ -1351,14 +1351,19 @@ class BackwardPass:
         exts: list[SecondOrderExtension],
         weights: Tensor | None,
         direct: Callable[[int, int], list[Any]] | None = None,
+        paired: bool = False,
     ) -> None:
         """Push columns ``cols`` (``[K, *origin.shape]`` each, generated lazily in chunks) from
         ``origins`` to the outputs of ``calls`` and reduce them with ``exts``.
         ``weights`` (``[K, N]``) multiply each column's squared contributions (signs).
         ``direct(start, stop)``: the columns' parts in a parameter's own space, ``(call, name,
-        [k, N, *p])``, a use of the parameter added to the pushed parts' (tied path)."""
+        [k, N, *p])``, a use of the parameter added to the pushed parts' (tied path).
+        ``paired``: columns ``2j`` and ``2j + 1`` are a product's pair ``(a, ±b)`` of opposite
+        weights (:func:`backprism.engine.bilinear.signed_columns`); a call where they arrive
+        equal or opposite (only one operand's part reaches it) takes neither
+        (:func:`_unmirrored`)."""
         with _Running(self):
-            self._process_columns(calls, origins, cols, exts, weights, direct)
+            self._process_columns(calls, origins, cols, exts, weights, direct, paired)
 
     def _process_columns(
         self,
@@ -1368,12 +1373,16 @@ class BackwardPass:
         exts: list[SecondOrderExtension],
         weights: Tensor | None,
         direct: Callable[[int, int], list[Any]] | None = None,
+        paired: bool = False,
     ) -> None:
         outputs = [GradientEdge(*e) for _, edges in calls for e in edges if e is not None]
         count = Counter(id(p) for c, _ in calls for p in c.params.values())
         self._kronecker_tied = self._kronecker_uses(calls, count)
         per_col = _column_bytes(calls, count, exts, self._kronecker_tied, direct is not None)
         chunk = self.ctx.chunk_size or max(1, self.ctx.memory_budget // per_col)
+        paired = paired and weights is not None
+        if paired:  # (a pair never split over two chunks)
+            chunk = max(2, chunk - chunk % 2)
         chunks = backprop_columns(origins, cols, outputs, chunk)
         while True:
             self.in_columns += 1
@@ -1415,13 +1424,17 @@ class BackwardPass:
                 params = call.params
                 kt = self._kronecker_tied
                 scaled: dict[str, Any] = {}
+                # (the weights of this call's own statistics: a use shared with other calls
+                # adds its per-sample gradients to theirs first, and takes ``w`` as it is)
+                w_call = _unmirrored(w, gs) if paired else w
                 for ext in exts:
                     names = [
                         n for n, p in params.items() if count[id(p)] <= 1 or _additive(ext, p, kt)
                     ]
                     if not names:
                         continue
-                    out = ext.from_rule(rule, rcall, self._for_ext(ext, g, scaled, 2), w)
+                    w_ext = w_call if ext.any_decomposition else w
+                    out = ext.from_rule(rule, rcall, self._for_ext(ext, g, scaled, 2), w_ext)
                     for name in names:
                         self.store(params[name], ext, out[name])
                 multi = {n: p for n, p in params.items() if count[id(p)] > 1}
@@ -1702,6 +1715,26 @@ def _tied_fallback(uses: Uses) -> Callable[[], Tensor]:
         return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
     return summed
+
+
+def _unmirrored(w: Tensor, gs: list[Tensor | None]) -> Tensor:
+    r"""Weights ``w`` (``[c, N]``) of paired columns (``2j``: weight ``+1``, ``2j + 1``:
+    ``−1``, the product's ``(a, b)`` and ``(a, −b)``) with both columns of a pair zeroed where
+    they arrive at a call's outputs ``gs`` (``[c, …]`` each) equal or opposite in every entry.
+    The pair's contribution there is ``V₊² − V₋² = 0`` exactly (one operand's part reaches the
+    call, a gate or up projection of SwiGLU, a query or key projection), but summing the two
+    large squares among all columns in floating point leaves ``ε · V²``: in float32 more than
+    the curvature of such a weight itself. Comparing costs one pass over the columns."""
+    c = w.shape[0]
+    mirrored = w.new_ones(c // 2, dtype=torch.bool)
+    for x in gs:
+        if x is None:
+            continue
+        a, b = x[0::2].reshape(c // 2, -1), x[1::2].reshape(c // 2, -1)
+        mirrored &= (a == b).all(1) | (a == -b).all(1)
+    if not bool(mirrored.any()):
+        return w
+    return w.masked_fill(mirrored.repeat_interleave(2)[:, None], 0)
 
 
 def _chunk_width(grads: tuple[Tensor | None, ...]) -> int:

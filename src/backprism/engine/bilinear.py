@@ -29,6 +29,13 @@ covers every sample (the samples' ``G_b`` are decomposed separately). For ``q k�
 (``H`` heads, ``T`` positions, width ``D``) that is ``2 T D`` columns per sample, for
 ``softmax(·) v`` ``2 min(T, D/H) T H``; for an elementwise product ``2`` per element, for a
 broadcast one (``[N, T, D] * [N, T, 1]``) ``2`` per row.
+
+**Precision.** A pair's squares differ by its cross term, ``‖A + B‖² − ‖A − B‖² = 4⟨A, B⟩``
+where ``A`` and ``B`` are its two parts where they meet; rounding leaves ``ε (‖A‖² + ‖B‖²)``.
+The pair is therefore balanced, ``(α a, ±b/α)``, where one operand is computed from the other
+(:func:`balance`), and a layer reached by one part only (``A = 0`` or ``B = 0``: the pair
+arrives equal or opposite) drops it (``engine.backward._unmirrored``). Both leave the term
+unchanged; extensions that modify the weights (PCHMP) take the pairs as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from torch.autograd.graph import GradientEdge
 
 from backprism.engine.decompositions import decomposed
 
-__all__ = ["BilinearForm", "bilinear_form", "signed_columns", "singular_triples"]
+__all__ = ["BilinearForm", "balance", "bilinear_form", "signed_columns", "singular_triples"]
 
 
 class BilinearForm:
@@ -150,6 +157,38 @@ def bilinear_form(node: Any) -> BilinearForm | None:
     return BilinearForm(edges, xs, ys, sizes, (order, order, order))
 
 
+def balance(form: BilinearForm, pull: Callable[[int], Tensor | None]) -> Tensor | None:
+    r"""Scales ``αᵦ`` (``[B]``) that make the two parts of each pair of columns about equally
+    large where they meet, when one operand is computed from the other (``Y = f(X)`` in a
+    hand-written RMSNorm ``x · rsqrt(mean(x²) + ε)``, ``x · sigmoid(x)``), else ``None``.
+
+    A pair's parts ``(a, ±b)`` have equal norms at the operands; pulled back to the operand
+    the other is computed from they are ``a`` and ``J_fᵀ b``, whose cross term ``2⟨a, J_fᵀb⟩``
+    the columns give as a difference of two squares. In floating point that difference loses
+    ``ε (‖a‖² + ‖J_fᵀb‖²)``, which exceeds the term itself when the parts differ much in size
+    (``‖J_f‖ = r²/√D`` for an RMSNorm of a small-scaled input, ``r = 1/rms(x)``: float32
+    Hessian diagonals 1e-2 off on Hugging Face Gemma2). With ``α² = ‖J_fᵀ 1_b‖ / ‖1_b‖`` the
+    parts ``α a`` and ``J_fᵀ b / α`` are of one size; the term is unchanged. ``pull(i)`` is
+    ``J_fᵀ 1`` (all ones on operand ``i``'s output, pulled back to the other operand, in its
+    shape), or ``None`` where operand ``i`` is not computed from the other."""
+    B, I, J, K = form.sizes
+    for derived, width in ((1, J * K), (0, I * K)):
+        got = pull(derived)
+        if got is None:
+            continue
+        # (the other operand in canonical form: X as [B, I·K], Y as [B, K·J])
+        perm = form._y_perm if derived == 0 else form._x_perm
+        shape = form.y_shape if derived == 0 else form.x_shape
+        if perm:
+            padded = [1] * (len(perm) - len(shape)) + list(shape)
+            got = got.reshape(padded).permute(perm)
+        norms = torch.linalg.vector_norm(got.reshape(B, -1), dim=1) / math.sqrt(width)
+        alpha2 = norms if derived == 1 else 1 / norms
+        alpha = alpha2.sqrt()
+        return torch.where(torch.isfinite(alpha) & (alpha > 0), alpha, torch.ones_like(alpha))
+    return None
+
+
 def singular_triples(G: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``U [B, I, r]``, ``S [B, r]``, ``V [B, J, r]`` with ``G_b = U_b diag(S_b) V_bᵀ``,
     ``r = min(I, J)``; closed form for ``r = 1`` (a broadcast or elementwise product), in
@@ -167,14 +206,15 @@ def singular_triples(G: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def signed_columns(
-    form: BilinearForm, grad: Tensor, n: int
+    form: BilinearForm, grad: Tensor, n: int, balance: Tensor | None = None
 ) -> tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]]]:
     """The product's columns for ``n`` samples on the leading ``b`` axis (``B = n·g``):
     ``values [n, C]`` (column ``(b', r, k, s)`` at ``((b'·r + ρ)·K + k)·2 + s``, its value
     ``±σ/2`` for each sample: the eigenvalue whose square root scales it and whose sign
     weighs it) and ``make(idx, scale)``, the columns ``idx`` (``[c]``) scaled by ``scale``
     (``[n, c]``, ``√|value|``) in the operands' shapes, ``[c, *X.shape]`` and
-    ``[c, *Y.shape]``."""
+    ``[c, *Y.shape]``. ``balance`` (``[B]``, positive): ``αᵦ``, the pair's parts as
+    ``(αᵦ a, ±b / αᵦ)`` — the same term for every ``α > 0`` (:func:`balance`)."""
     B, I, J, K = form.sizes
     g = B // n
     U, S, V = singular_triples(form.canonical_grad(grad))
@@ -197,6 +237,10 @@ def signed_columns(
         yc = V4.new_zeros(c, n, g, K, J)
         signs = (1 - 2 * s).to(V4.dtype)[:, None, None]
         yc[at, :, bb, kk, :] = signs * sc * V4[:, bb, :, rho]  # [c, n, J]
+        if balance is not None:
+            alpha = balance.reshape(1, n, g, 1, 1).to(xc.dtype)
+            xc.mul_(alpha)
+            yc.div_(alpha)
         return [form.x_columns(xc.reshape(c, B, I, K)), form.y_columns(yc.reshape(c, B, K, J))]
 
     return values, make

@@ -265,6 +265,12 @@ class SecondOrderExtension(Extension):
     order = 2
     #: also needs the Hessian residual columns of nonlinearities (DiagHessian family)
     needs_residual: bool = False
+    #: takes the signed residual columns only through the term they sum to, ``Σₖ wₖ cₖcₖᵀ``,
+    #: so any decomposition of it serves (the engine balances and drops a product's pairs
+    #: for precision: :func:`backprism.engine.bilinear.balance`); ``False`` for one that
+    #: changes the weights (PCHMP's clipped eigenvalues), which needs the sites' own
+    #: eigen-decompositions
+    any_decomposition: bool = True
     #: takes the Hessian term of a product of a parameter's nested uses (a Linear weight that
     #: also feeds the layer's input: :class:`~backprism.engine.residual.NestedSite`) from
     #: columns with direct parts in the parameter's space, through :meth:`from_dense`

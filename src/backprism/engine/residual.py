@@ -79,7 +79,6 @@ from __future__ import annotations
 import copy as _copy
 import inspect
 import re
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
@@ -92,7 +91,7 @@ from torch.autograd.graph import GradientEdge
 
 from backprism.engine import backward as _backward
 from backprism.engine.attention import attention_columns, sdpa_arguments
-from backprism.engine.bilinear import BilinearForm, bilinear_form, signed_columns
+from backprism.engine.bilinear import BilinearForm, balance, bilinear_form, signed_columns
 from backprism.engine.columns import Columns
 from backprism.engine.decompositions import decomposed
 from backprism.engine.fold import _IDENTITIES, _param_only
@@ -105,7 +104,6 @@ from backprism.engine.state import AXIS, CALLS, FORWARD, MODE_FREE, SITES, activ
 __all__ = [
     "ACTIVATION_TYPES",
     "NonlinearityError",
-    "PrecisionWarning",
     "activation_forward_hook",
     "check_linear_in_params",
     "check_pass",
@@ -513,13 +511,13 @@ class AttentionSite:
             inputs = self._inputs()
             live = [i for i, t in enumerate(inputs) if t.requires_grad]
             origins = [inputs[i] for i in live]
-            for values, make in families:
+            for values, make, paired in families:
 
                 def entering(idx: Tensor, sc: Tensor, make: Callable = make) -> list[Tensor]:
                     cols = make(idx, sc)
                     return [cols[i] for i in live]
 
-                push_signed(bp, exts, origins, values, entering)
+                push_signed(bp, exts, origins, values, entering, paired=paired)
 
         return hook
 
@@ -575,14 +573,56 @@ def push_bilinear(bp: Any, exts: list, form: BilinearForm, grad: Tensor) -> None
     ∂L/∂Z``) into both operands at once (:func:`backprism.engine.bilinear.signed_columns`)."""
     if not bp.loss_calls():
         return
-    values, make = signed_columns(form, grad.detach(), bp.n_samples)
-    push_signed(bp, exts, list(form.edges), values, make)
+    exact = all(e.any_decomposition for e in exts)
+    alpha = balance(form, lambda i: _pull_ones(bp, form, i, grad)) if exact else None
+    values, make = signed_columns(form, grad.detach(), bp.n_samples, alpha)
+    push_signed(bp, exts, list(form.edges), values, make, paired=True)
+
+
+#: how many nodes above an operand :func:`_pull_ones` looks for the other operand
+_DERIVED_DEPTH = 12
+
+
+def _pull_ones(bp: Any, form: BilinearForm, i: int, like: Tensor) -> Tensor | None:
+    """``J_fᵀ 1`` for a product whose operand ``i`` is computed from the other, ``f``, within
+    :data:`_DERIVED_DEPTH` nodes (all ones on operand ``i``, in ``like``'s dtype, pulled back
+    to the other, in its shape); ``None`` if it is not."""
+    assert form.edges is not None
+    start, target = form.edges[i], form.edges[1 - i]
+    seen: set[int] = set()
+    stack = [start.node]
+    while stack and len(seen) < _DERIVED_DEPTH:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for f, nr in fn.next_functions:
+            if f is None:
+                continue
+            if f is target.node and nr == target.output_nr:
+                shape = form.y_shape if i == 1 else form.x_shape
+                return _probe(bp, start, target, like.new_ones(shape))
+            stack.append(f)
+    return None
+
+
+def _probe(bp: Any, start: GradientEdge, target: GradientEdge, ones: Tensor) -> Tensor | None:
+    bp.in_columns += 1  # (the pass's own hooks on the nodes between stay silent)
+    try:
+        (got,) = torch.autograd.grad(
+            [start], [target], grad_outputs=[ones], retain_graph=True, allow_unused=True
+        )
+    except RuntimeError:  # (an operand of another dtype than the product's gradient: the
+        return None  # balance only serves precision, the term is exact without it)
+    finally:
+        bp.in_columns -= 1
+    return got
 
 
 def push_signed(
     bp: Any, exts: list, origins: list[Any], values: Tensor,
     make: Callable[[Tensor, Tensor], list[Tensor]], batched: bool = True,
-    direct: Callable[[Tensor, Tensor], list[Any]] | None = None,
+    direct: Callable[[Tensor, Tensor], list[Any]] | None = None, paired: bool = False,
 ) -> None:
     """Push signed columns from ``origins`` (tensors or gradient edges) to the pass's calls:
     ``values [n, C]`` (each column's eigenvalue, per sample if ``batched``, else one row for
@@ -591,7 +631,9 @@ def push_signed(
     squared contributions are weighed by its value's sign (:func:`_signed`). ``direct(idx,
     scale)``: parts of the same columns that lie in a parameter's space itself (a product
     with the parameter as an operand, :class:`NestedSite`), as ``(call, name, [c, n, *p])``,
-    added to that parameter's per-sample gradients from the pushed parts before squaring."""
+    added to that parameter's per-sample gradients from the pushed parts before squaring.
+    ``paired``: the columns are a product's pairs ``(a, ±b)`` (see
+    :meth:`~backprism.engine.backward.BackwardPass.process_columns`)."""
     signed = _signed(values, batched, bp.n_samples)
     if signed is None:
         return
@@ -606,7 +648,7 @@ def push_signed(
 
     bp.process_columns(
         bp.loss_calls(), origins, Columns(active.numel(), chunk), exts, weights,
-        direct_chunk if direct is not None else None,
+        direct_chunk if direct is not None else None, paired=paired and direct is None,
     )
 
 
@@ -1129,7 +1171,6 @@ def check_pass(bp: Any, exts: list) -> None:
             )
     found = _unrecorded_nonlinearity(bp, product)
     if found is None:
-        _warn_precision(calls, names)
         bp.bilinear_sites = [*bilinear.values(), *nested]
         # (every nested use passed its check: its term built, or none needed)
         bp.nested_params = frozenset(shared)
@@ -1175,46 +1216,6 @@ def check_pass(bp: Any, exts: list) -> None:
     raise NonlinearityError(
         f"backprism {names}: {what} lies between the parameters and the loss; {why}, so the "
         f"exact Hessian diagonal/blocks cannot be built from columns. {way_out}"
-    )
-
-
-class PrecisionWarning(UserWarning):
-    """The exact Hessian diagonal (DiagHessian family) runs on parameters in a precision below
-    float64, where its signed columns lose digits to cancellation."""
-
-
-#: dtypes warned about already (once per dtype and process)
-_WARNED_PRECISION: set[torch.dtype] = set()
-
-
-def _warn_precision(calls: list, names: str) -> None:
-    """Warn once per dtype and process where the pass's parameters are below float64: the
-    DiagHessian family sums signed squares (``+`` and ``−`` columns of the nonlinearities'
-    and products' terms) whose magnitudes can exceed the result by orders of magnitude, so
-    float32's rounding of those terms shows in the result. Measured
-    (``benchmarks/bench_precision.py``): Hugging Face Llama, Qwen2 and Gemma2 in float32 are
-    1e-4 to 7.5e-3 off the float64 diagonal (autograd's float32 double backward: ~1e-6); an
-    entry small next to its product's terms (a SwiGLU up-projection at a 0.02-scale init) can
-    be off by more than itself."""
-    dtypes = {p.dtype for call, _ in calls for p in call.params.values()}
-    low = sorted(
-        {d for d in dtypes if d.is_floating_point and d != torch.float64} - _WARNED_PRECISION,
-        key=str,
-    )
-    if not low:
-        return
-    _WARNED_PRECISION.update(low)
-    warnings.warn(
-        f"backprism {names}: the parameters are in {', '.join(str(d) for d in low)}. Exact "
-        "Hessian diagonals and blocks are sums of signed squares whose terms (of the "
-        "nonlinearities and products) can be orders of magnitude larger than the result, so "
-        "they lose digits to cancellation below float64: measured 1e-4 to 7.5e-3 relative "
-        "error on small float32 Hugging Face Llama, Qwen2 and Gemma2 (autograd's double "
-        "backward: about 1e-6), and more on entries small next to their products' terms. "
-        "Run it on a float64 copy (copy.deepcopy(model).double()) where those digits "
-        "matter, or filter backprism.engine.PrecisionWarning (shown once per dtype)",
-        PrecisionWarning,
-        stacklevel=2,
     )
 
 
@@ -1264,7 +1265,11 @@ def _body_recorded(call: Any, outputs: list[Any]) -> bool:
     or a refusal, which the pass raises with its own reason) — no operation of unknown kind,
     which inside a module call the mode passes over."""
     stop = {id(e.node) for e in call.input_edges}
-    for node in _upstream(outputs, stop).values():
+    region = _upstream(outputs, stop)
+    covered = _composite_nodes(region)
+    for node in region.values():
+        if id(node) in covered:
+            continue
         op = _node_op(node)
         kind = _node_kind(node, op)
         if kind in (_LINEAR, _PRODUCT):
@@ -1275,6 +1280,35 @@ def _body_recorded(call: Any, outputs: list[Any]) -> bool:
         ):
             return False
     return True
+
+
+def _composite_nodes(region: dict[int, Any]) -> set[int]:
+    """Ids of the nodes inside the row-wise operations of ``region`` (node id → node): those
+    on a path from a :class:`RowSite`'s input ``z`` to its output node. Its term covers the
+    whole operation, however autograd decomposes it (``F.rms_norm`` on the CPU records
+    ``pow``, ``mean``, ``rsqrt`` and ``mul`` nodes)."""
+    covered: set[int] = set()
+    for node in region.values():
+        for site in node.metadata.get(SITES, ()) if node.metadata else ():
+            z = site.z if isinstance(site, RowSite) else None
+            if z is None or z.grad_fn is None:
+                continue
+            start = z.grad_fn
+            inner = _upstream([node], {id(start)})
+            reaches: dict[int, bool] = {}
+
+            def leads(fn: Any, start: Any = start, inner: dict = inner,
+                      reaches: dict = reaches) -> bool:
+                if id(fn) not in reaches:
+                    reaches[id(fn)] = False  # (no cycles in a graph; guards the recursion)
+                    reaches[id(fn)] = any(
+                        f is start or (f is not None and id(f) in inner and leads(f))
+                        for f, _ in fn.next_functions
+                    )
+                return reaches[id(fn)]
+
+            covered.update(k for k, fn in inner.items() if fn is not node and leads(fn))
+    return covered
 
 
 def check_linear_in_params(

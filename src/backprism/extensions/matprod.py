@@ -213,6 +213,7 @@ class PCHMP(_MatProd):
 
     savefield = "pchmp"
     needs_residual = True
+    any_decomposition = False
 
     def __init__(self, modify: str = "clip") -> None:
         if modify not in ("clip", "abs"):
