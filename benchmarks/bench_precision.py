@@ -2,7 +2,7 @@
 backward, both run on the model in float32, against the Hessian diagonal of the same weights in
 float64 (autograd's double backward, the math attention kernel).
 
-    python benchmarks/bench_precision.py                  # HF Gemma2, Qwen2, Llama
+    python benchmarks/bench_precision.py                  # eight HF decoders
     python benchmarks/bench_precision.py --models hf_gemma2 --show 8
 
 Reported per model: the worst relative error ``max|d − d₆₄| / max|d₆₄|`` over the parameters
@@ -45,6 +45,11 @@ MODELS = {
     "hf_gemma2": ("Gemma2Config", "Gemma2ForSequenceClassification"),
     "hf_qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification"),
     "hf_llama": ("LlamaConfig", "LlamaForSequenceClassification"),
+    "hf_mistral": ("MistralConfig", "MistralForSequenceClassification"),
+    "hf_phi3": ("Phi3Config", "Phi3ForSequenceClassification"),
+    "hf_gemma": ("GemmaConfig", "GemmaForSequenceClassification"),
+    "hf_qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification"),
+    "hf_olmo2": ("Olmo2Config", "Olmo2ForSequenceClassification"),
 }
 
 
@@ -55,6 +60,7 @@ def _hf(kind: str) -> tuple[nn.Module, Tensor, Tensor]:
     common = dict(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_labels=3, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
         attn_implementation="eager",
     )
     config, model = (getattr(tf, c) for c in MODELS[kind])
