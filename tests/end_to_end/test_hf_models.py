@@ -586,6 +586,26 @@ def test_deberta_v2_diag_hessian(norm: str):
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
 
 
+def test_deberta_v1_diag_hessian():
+    """DeBERTa (v1)'s LayerNorm divides by ``sqrt(var + ε)`` of its centred input (refused
+    before: a division by a parameter-dependent value): its quotient's terms (the product's
+    with gradient ``−G/y²``, the reciprocal's on the denominator) are built
+    (``residual.DivisionSite``). DiagHessian and BatchDiagHessian against the dense Hessian; the
+    LayerNorm normalises in float32 (in the reference too), hence float32's precision."""
+    torch.manual_seed(0)
+    cfg = transformers.DebertaConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=8,
+        vocab_size=13, max_position_embeddings=16, num_labels=3, relative_attention=True,
+        pos_att_type=["c2p", "p2c"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = _quiet(lambda: transformers.DebertaForSequenceClassification(cfg)).to(DT).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    x, y = torch.randint(3, 13, (N, 5)), torch.randint(0, 3, (N,))
+    _check_diag_hessian(model, x, y, "cls", 2e-6)
+
+
 def _against_loops(model: nn.Module, lossfunc: Any, x: Tensor, y: Tensor, tol: dict) -> None:
     """First order, the exact GGN diagonal and KFLR's single factors of the extended ``model``'s
     trainable parameters against loop references (per-sample ``functional_call``s, dense

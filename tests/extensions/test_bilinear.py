@@ -196,6 +196,59 @@ class FunctionalNorms(nn.Module):
         return self.c(self.ln(torch.tanh(self.rms(self.a(x))))).mean(1)
 
 
+class DividedLayerNorm(nn.Module):
+    """DeBERTa (v1)'s LayerNorm: ``w · (x − μ) / sqrt(var + ε) + b``, a division by a
+    parameter-dependent value computed from the numerator."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = x - x.mean(-1, keepdim=True)
+        return self.weight * (c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)) + self.bias
+
+
+class Divisions(nn.Module):
+    """Divisions by parameter-dependent values: DeBERTa's LayerNorm (in a module with a
+    generic rule), an embedding normalised by its length (a top-level ``h / ‖h‖``, with
+    ``‖h‖ = sqrt(Σ h²)`` written out), a constant divided by ``1 + u²`` and ``u / v`` of two
+    values with disjoint parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.ln, self.c = nn.Linear(3, 4), DividedLayerNorm(4), nn.Linear(4, 3)
+        self.u, self.v = nn.Linear(4, 4), nn.Linear(3, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.ln(torch.tanh(self.a(x)))
+        h = h / torch.sqrt((h * h).sum(-1, keepdim=True))
+        u = self.u(h)
+        h = h + torch.full_like(u, 0.5) / (1 + u * u) + u / (2 + torch.sigmoid(self.v(x)))
+        return self.c(h).mean(1)
+
+
+class Reductions(nn.Module):
+    """Smooth reductions of one axis between the parameters and the loss: a LayerNorm with
+    ``var`` (``keepdim``), a CLIP-like ``h / h.norm(dim=-1, keepdim=True)``, ``vector_norm``
+    and ``std`` without ``keepdim`` (put back by ``unsqueeze``), and ``logsumexp`` pooling over
+    the positions (axis 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [N, T, 3]
+        h = torch.tanh(self.a(x))
+        h = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, keepdim=True, unbiased=False)
+                                                        + 1e-5)
+        h = self.b(h)
+        h = h / h.norm(dim=-1, keepdim=True)
+        h = h * torch.linalg.vector_norm(self.b(h), dim=-1).unsqueeze(-1)
+        h = h + h.std(-1).unsqueeze(-1)
+        return self.c(torch.logsumexp(h, dim=1))
+
+
 def _perturbed(model: nn.Module, seed: int) -> nn.Module:
     """``model`` away from its initialisation (norm weights 1, biases 0)."""
     torch.manual_seed(seed)
@@ -214,6 +267,8 @@ MODELS = {
     "outer": (lambda: Elementwise("outer"), (3, 2, 3)),
     "gate_of_a_batch_of_one": (lambda: SharedGate(), (4, 3)),
     "functional_norms_in_a_module": (FunctionalNorms, (3, 2, 3)),
+    "divisions": (Divisions, (3, 2, 3)),
+    "reductions": (Reductions, (3, 2, 3)),
     # (refused before: tests/engine/test_residual.py)
     "single_head_attention": (HiddenAttention, (4, 2, 3)),
     "linear_attention": (LinearAttention, (4, 2, 3)),
@@ -240,12 +295,29 @@ def test_hmp_and_pchmp_through_attention():
     check_hmp(model, nn.CrossEntropyLoss(), torch.randn(3, 4, 3), torch.randint(0, 3, (3,)))
 
 
-def test_product_in_a_forward_without_the_mode():
-    """``b(h) * c(h)`` with ``h = tanh(a(x))`` (a Tanh module): after the first forward the
-    model runs without the recording mode, and the product is read off its autograd node alone;
-    every forward, recorded or not, gives the exact diagonal."""
+class SharedQuotient(nn.Module):
+    """``b(h) / (2 + c(h)²)`` with ``h = tanh(a(x))`` (a Tanh module): a division whose
+    numerator and denominator share ``a``'s parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(3, 3) for _ in range(4))
+        self.act = nn.Tanh()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.a(x))
+        c = self.c(h)
+        return self.d(self.b(h) / (2 + c * c))
+
+
+@pytest.mark.parametrize("make", [SharedProduct, SharedQuotient], ids=["product", "quotient"])
+def test_product_in_a_forward_without_the_mode(make: type[nn.Module]):
+    """``b(h) * c(h)`` (or ``b(h) / (2 + c(h)²)``) with ``h = tanh(a(x))`` (a Tanh module):
+    after the first forward the model runs without the recording mode, and the product (the
+    division) is read off its autograd node alone; every forward, recorded or not, gives the
+    exact diagonal."""
     torch.manual_seed(33)
-    model = SharedProduct()
+    model = make()
     ref = copy.deepcopy(model)
     lf = nn.CrossEntropyLoss()
     extend(model)

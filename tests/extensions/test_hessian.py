@@ -568,6 +568,8 @@ class Scale(nn.Module):
             return F.layer_norm(x, (4,), g, self.beta)
         if self.kind == "normalize":
             return x / x.norm(dim=-1, keepdim=True) * g
+        if self.kind == "divided_rms":
+            return x / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6) * g
         if self.kind == "i0":
             return torch.special.i0(x) * g
         if self.kind == "exp":
@@ -576,28 +578,30 @@ class Scale(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "kind", ["scale", "affine", "tanh", "rms_norm", "layer_norm", "normalize", "i0", "exp"]
+    "kind",
+    ["scale", "affine", "tanh", "rms_norm", "divided_rms", "layer_norm", "normalize", "i0", "exp"],
 )
 def test_generic_module_affine_in_parameters(kind: str):
     """A module without a rule is taken by the DiagHessian family when its output is affine in
     each parameter (probed) and, in its inputs, affine too or made of operations whose terms
-    the forward mode records (elementwise and row-wise nonlinearities, products): exact
-    against the dense Hessian, per sample too. Refused before anything is written: an
-    operation of unknown kind in its body (``i0``: its term would be missing), a parameter
-    entering nonlinearly (``exp(γ)``: its own term), a division by its input's norm (a
-    division by a value that depends on parameters)."""
+    the forward mode records (elementwise and row-wise nonlinearities, products, divisions):
+    exact against the dense Hessian, per sample too (``normalize``: a division by its input's
+    norm, ``x / x.norm(dim=-1, keepdim=True)``, refused before reductions and divisions had
+    their terms). Refused before anything is written: an operation of unknown kind in its body
+    (``i0``: its term would be missing), a parameter entering nonlinearly (``exp(γ)``: its own
+    term)."""
     torch.manual_seed(25)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(kind), nn.Linear(4, 3))
     X, y, lf = data(4, 3, 3, "ce")
-    if kind in ("i0", "exp", "normalize"):
+    if kind in ("i0", "exp"):
         extend(model)
-        match = "division" if kind == "normalize" else "affine in each"
+        match = "affine in each"
         with pytest.raises(NonlinearityError, match=match), collect(DiagHessian()):
             extend(lf)(model(X), y).backward()
         assert all(p.grad is None for p in model.parameters())
         return
     check_diag(model, lf, X, y)
-    if kind in ("rms_norm", "layer_norm"):
+    if kind in ("rms_norm", "divided_rms", "layer_norm", "normalize"):
         from tests.extensions.test_matprod import check_hmp
 
         torch.manual_seed(25)

@@ -130,6 +130,9 @@ def bilinear_form(node: Any) -> BilinearForm | None:
         "BmmBackward0": ("_saved_self", "_saved_mat2"),
         "BaddbmmBackward0": ("_saved_batch1", "_saved_batch2"),
         "MulBackward0": ("_saved_self", "_saved_other"),
+        # (a division x / y: the form of the product x ∘ y, its gradient −G/y² given by the
+        # caller, residual.DivisionSite)
+        "DivBackward0": ("_saved_self", "_saved_other"),
     }.get(kind)
     if saved is None:
         return None
@@ -141,7 +144,7 @@ def bilinear_form(node: Any) -> BilinearForm | None:
     if not isinstance(x, Tensor) or not isinstance(y, Tensor):
         return None
     xs, ys = x.shape, y.shape
-    if kind != "MulBackward0":
+    if kind not in ("MulBackward0", "DivBackward0"):
         return BilinearForm(edges, xs, ys, (xs[0], xs[1], ys[2], xs[2]), None, alpha)
     if x.dim() == 0 or x.dim() != y.dim() or xs[0] != ys[0]:
         return None  # (axis 0 must be a shared axis: it carries the samples)

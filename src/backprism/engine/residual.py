@@ -17,7 +17,9 @@ where ``(…)`` collects the terms of the other operations that are *not* linear
 values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
 contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
 gradient into signed columns on both operands (:class:`BilinearSite`,
-:mod:`backprism.engine.bilinear`), found on the products' nodes; fused attention kernels the
+:mod:`backprism.engine.bilinear`), found on the products' nodes; a division ``x / y`` by a
+parameter-dependent ``y`` that product's term for ``x · (1/y)`` plus the reciprocal's residual
+on ``y`` (:class:`DivisionSite`); fused attention kernels the
 terms of the three operations they compose (:class:`AttentionSite`,
 :mod:`backprism.engine.attention`); a Linear weight that also feeds its layer's input (a tied
 output layer) the term of the product of its uses (:class:`NestedSite`, columns with a part
@@ -205,7 +207,7 @@ _NONLINEAR = frozenset(
     _words(
     """softmax _softmax softmin log_softmax layer_norm group_norm rms_norm instance_norm
     local_response_norm normalize batch_norm scaled_dot_product_attention
-    multi_head_attention_forward norm vector_norm matrix_norm logsumexp logcumsumexp var std
+    multi_head_attention_forward norm vector_norm linalg_vector_norm matrix_norm logsumexp logcumsumexp var std
     var_mean std_mean prod cumprod cdist pdist cosine_similarity pairwise_distance gumbel_softmax
     glu lp_pool1d lp_pool2d lp_pool3d dist renorm det slogdet logdet inverse solve cholesky
     svd eigh lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"""
@@ -302,6 +304,18 @@ class ProductSite(ErrorSite):
         return None
 
 
+class QuotientSite(ProductSite):
+    """A division ``z = x / y`` by a parameter-dependent ``y``, recorded by the forward mode;
+    its term is built per pass (:func:`quotient_site`, :class:`DivisionSite`) or the pass
+    refuses with the reason."""
+
+    __slots__ = ()
+
+
+#: operations the forward mode records as a :class:`QuotientSite` (a true division; not one
+#: rounded, in place or reflected, which stay refused)
+_TRUE_DIVISIONS = frozenset({"div", "divide", "true_divide", "__truediv__", "__div__"})
+
 #: reshaping nodes between a product's own node and the output the forward mode saw (a batched
 #: ``matmul`` ends in ``_unsafe_view`` of its ``bmm``)
 _PRODUCT_VIEWS = frozenset({
@@ -361,6 +375,39 @@ class BilinearSite(_PassSite):
 
     def push(self, bp: Any, exts: list, grad: Tensor) -> None:
         push_bilinear(bp, exts, self.form, grad)
+
+
+class DivisionSite(_PassSite):
+    r"""A division ``z = x / y`` (``DivBackward0``; ``y`` parameter-dependent, broadcast to
+    ``z``) found by a DiagHessian-family pass (:func:`quotient_site`). With ``G = ∂L/∂z`` and
+    ``r = 1/y``, ``z = x · r(y)``, so its Hessian term is
+
+    .. math::  2 ⟨−G / y², dx ∘ dy⟩ + ⟨Σ_b G x, \tfrac{2}{y³} dy²⟩
+
+    (``Σ_b``: over the axes ``y`` is broadcast along): the product's bilinear term with
+    gradient ``−G/y²`` on the operands ``(x, y)`` (:mod:`backprism.engine.bilinear`; only where
+    ``x`` depends on parameters ``y`` depends on, else it lies off the parameters' blocks), and
+    the reciprocal's elementwise residual on ``y`` (:func:`push_residual`). Holds the node and
+    the form, per pass."""
+
+    __slots__ = ("form", "node")
+
+    def __init__(self, node: Any, form: BilinearForm | None, bp: Any) -> None:
+        super().__init__(bp)
+        self.node = node
+        self.form = form
+
+    def push(self, bp: Any, exts: list, grad: Tensor) -> None:
+        if not bp.loss_calls():
+            return
+        x, y = self.node._saved_self, self.node._saved_other
+        g = grad.detach()
+        y = y.detach()
+        coef = (g * x.detach()).sum_to_size(y.shape)
+        origin = GradientEdge(*self.node.next_functions[1])
+        push_residual(bp, exts, torch.reciprocal, y, coef, origin=origin, axis=0)
+        if self.form is not None:
+            push_bilinear(bp, exts, self.form, -g / y.square())
 
 
 class NestedSite(_PassSite):
@@ -555,6 +602,26 @@ def bilinear_site(bp: Any, node: Any) -> tuple[BilinearSite, Any] | str:
     if not _samples_first(bp, [(e.node, e.output_nr) for e in form.edges], form.lead):
         return "its operands do not both hold the samples on their first axis"
     return BilinearSite(form, bp), node
+
+
+def quotient_site(bp: Any, node: Any) -> tuple[DivisionSite, Any] | str:
+    """The :class:`DivisionSite` of the division whose output node is ``node`` (with that
+    node), or why its term cannot be built: not a true division of tensors (``DivBackward0``),
+    or a numerator that shares parameters with the denominator (:func:`shares_parameters`)
+    but whose operands' shapes or sample axes have no bilinear form."""
+    if type(node).__name__ != "DivBackward0" or node.next_functions[1][0] is None:
+        return f"its operation ({_node_op(node)}) is not a true division of two tensors"
+    form = None
+    if node.next_functions[0][0] is not None and shares_parameters(node, bp.view.params.keys()):
+        form = bilinear_form(node)
+        if form is None:
+            return (
+                "its numerator and denominator depend on the same parameters and are not of "
+                "equal dimensions with the same first axis"
+            )
+        if not _samples_first(bp, [(e.node, e.output_nr) for e in form.edges], form.lead):
+            return "its numerator and denominator do not both hold the samples on their first axis"
+    return DivisionSite(node, form, bp), node
 
 
 def _samples_first(bp: Any, edges: list[tuple[Any, int]], lead: int) -> bool:
@@ -860,10 +927,14 @@ def node_ops(
         op = _node_op(fn)
         sites = fn.metadata.get(SITES, ()) if fn.metadata else ()
         errors = [x for x in sites if isinstance(x, ErrorSite)]
-        # (a product may be allowed, its operands depending on different parameters)
+        # (a product or division is allowed where its operands depend on different
+        # parameters, or where its term is built)
         blocked = blocked or any(
             e.nll_output is None
-            and (not isinstance(e, ProductSite) or shares_parameters(fn, params))
+            and (
+                not isinstance(e, ProductSite)
+                or (shares_parameters(fn, params) and not _decomposable(fn, e))
+            )
             for e in errors
         )
         if not blocked and fn.metadata:
@@ -875,6 +946,17 @@ def node_ops(
     if refused_only and not blocked:
         return None
     return frozenset(ok - refused)
+
+
+def _decomposable(node: Any, site: ProductSite) -> bool:
+    """Whether the product or division recorded on ``node`` has the form whose term a pass
+    builds (:func:`bilinear_form`; a true division, :func:`quotient_site`) — its samples'
+    layout is checked by the pass."""
+    if isinstance(site, QuotientSite):
+        return type(node).__name__ == "DivBackward0" and (
+            node.next_functions[0][0] is None or bilinear_form(node) is not None
+        )
+    return bilinear_form(product_node(node)) is not None
 
 
 _NODE_NONLINEAR = ("native_layer_norm", "native_group_norm", "linalg_vector_norm", "linalg_norm")
@@ -1021,6 +1103,11 @@ def _unrecorded_nonlinearity(
             return op, kind, None
         if op == "log_softmax" and any(x.grad_fn is fn for x in _nll_inputs(bp)):
             continue
+        if kind == _QUOTIENT and type(fn).__name__ == "DivBackward0":
+            why = product(fn)  # (a true division: its term built, or why not)
+            if why is None:
+                continue
+            return op, kind, why
         return op, kind, None  # a quotient, or a non-elementwise nonlinearity
     return None
 
@@ -1138,12 +1225,22 @@ def check_pass(bp: Any, exts: list) -> None:
 
     def product(node: Any) -> str | None:
         """``None`` where the product's term is off the parameters' blocks or built."""
+        if type(node).__name__ == "DivBackward0":
+            return quotient(node)
         if id(node) in inside_nested or not shares_parameters(node, bp.view.params.keys()):
             return None
         found = bilinear_site(bp, node)
         if isinstance(found, str):
             return found
         bilinear.setdefault(id(found[1]), found)
+        return None
+
+    def quotient(node: Any) -> str | None:
+        """``None`` where the division's term is built (:func:`quotient_site`)."""
+        found = quotient_site(bp, node)
+        if isinstance(found, str):
+            return found
+        bilinear.setdefault(id(found[1]), found)  # type: ignore[arg-type]
         return None
 
     for site in bp.view.sites:
@@ -1159,7 +1256,11 @@ def check_pass(bp: Any, exts: list) -> None:
             if site.nll_output is not None and _feeds_nll(bp, site.nll_output):
                 continue
             why = site.why
-            if isinstance(site, ProductSite) and id(site) in products:
+            if isinstance(site, QuotientSite) and id(site) in products:
+                why = quotient(products[id(site)])
+                if why is None:
+                    continue
+            elif isinstance(site, ProductSite) and id(site) in products:
                 why = product(products[id(site)])
                 if why is None:
                     continue
@@ -1563,7 +1664,11 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
         if name in ("__rtruediv__", "__rdiv__"):
             denom = args[0]
         if isinstance(denom, Tensor) and denom.requires_grad:
-            _add_error(out, f"{name} (division by a parameter-dependent tensor)")
+            what = f"{name} (division by a parameter-dependent tensor)"
+            if name in _TRUE_DIVISIONS and kwargs.get("rounding_mode") is None:
+                _add_site(out, QuotientSite(what))  # (resolved per pass: quotient_site)
+            else:
+                _add_error(out, what)
         return
     inputs = [t for t in grads if not isinstance(t, nn.Parameter)]
     if not inputs:
@@ -1577,6 +1682,11 @@ def record(func: Any, name: str, kind: int, args: tuple, kwargs: dict, out: Any)
             return  # with running statistics: affine in its input
         if name in _ROW_WISE:
             site = _row_site(func, name, args, kwargs, out)
+            if site is not None:
+                _add_recorded(out, site)
+                return
+        if name in _REDUCTIONS:
+            site = _reduction_site(func, name, args, kwargs, out)
             if site is not None:
                 _add_recorded(out, site)
                 return
@@ -1671,6 +1781,82 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
             return None  # (softmax without dim: PyTorch's implicit choice)
         dim, trailing = spec, 1
     return RowSite(fn, z, name, out.output_nr, dim, trailing)
+
+
+#: smooth reductions of one axis (:class:`ReductionSite`): name → (positions of ``dim`` and
+#: ``keepdim`` among the arguments, the argument that must keep a smooth default, its name)
+_REDUCTIONS: dict[str, tuple[int, int, int, str]] = {
+    "norm": (2, 3, 1, "p"),  # torch.norm / Tensor.norm(p, dim, keepdim)
+    "vector_norm": (2, 3, 1, "ord"),  # torch.linalg.vector_norm(x, ord, dim, keepdim)
+    "linalg_vector_norm": (2, 3, 1, "ord"),  # (its name as the forward mode sees it)
+    "var": (1, 3, -1, ""),  # var(dim, unbiased | *, correction, keepdim)
+    "std": (1, 3, -1, ""),
+    "logsumexp": (1, 2, -1, ""),
+}
+
+
+class ReductionSite(RowSite):
+    """``a = fn(z)`` reducing one axis ``dim`` of ``z`` smoothly (``x.norm(dim=-1)``,
+    ``torch.linalg.vector_norm``, ``var``, ``std``, ``logsumexp``): a row-wise operation whose
+    rows have one output each, ``R_ρ = (∂L/∂a_ρ) ∇²a_ρ(z_ρ)`` (:func:`push_rows`). ``fn`` keeps
+    the reduced axis; ``squeezed``: the call dropped it (``keepdim=False``), so ``∂L/∂a``
+    gets it back before the rows are formed."""
+
+    __slots__ = ("squeezed",)
+
+    def __init__(
+        self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int, dim: int,
+        squeezed: bool,
+    ) -> None:
+        super().__init__(fn, z, name, nr, dim, 1)
+        self.squeezed = squeezed
+
+    def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
+        assert self.z is not None and self.dim is not None
+        ga = grad_a.unsqueeze(self.dim % self.z.dim()) if self.squeezed else grad_a
+        push_rows(bp, exts, self.fn, self.z, ga, self.dim, 1, self.axis)
+
+
+def _reduction_site(
+    func: Any, name: str, args: tuple, kwargs: dict, out: Tensor
+) -> ReductionSite | None:
+    """The :class:`ReductionSite` of ``out = func(z, ...)`` reducing one axis of ``z``, or
+    ``None`` (refused as before): ``dim`` one axis, ``out`` of ``z``'s shape without it (or
+    with it of size 1), a norm of order 2."""
+    z = args[0] if args else None
+    if not isinstance(z, Tensor) or not z.requires_grad or z.dim() == 0 or out is z:
+        return None
+    dim_at, keep_at, order_at, order_name = _REDUCTIONS[name]
+
+    def arg(pos: int, key: str, default: Any) -> Any:
+        return args[pos] if len(args) > pos else kwargs.get(key, default)
+
+    if order_name and arg(order_at, order_name, 2) not in (2, 2.0, "fro", None):
+        return None  # (a norm of another order: not smooth, or not one the tests cover)
+    dim = arg(dim_at, "dim", None)
+    if name in ("var", "std") and isinstance(dim, bool):
+        return None  # (var(x, unbiased): every element, across the samples)
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int):
+        return None
+    dim %= z.dim()
+    keep = bool(arg(keep_at, "keepdim", False))
+    shape = list(z.shape)
+    if keep:
+        shape[dim] = 1
+    else:
+        del shape[dim]
+    if list(out.shape) != shape:
+        return None
+    rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
+    kw = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+
+    def fn(zz: Tensor) -> Tensor:
+        a = func(zz, *rest, **kw)
+        return a if keep else a.unsqueeze(dim)
+
+    return ReductionSite(fn, z, name, out.output_nr, dim, not keep)
 
 
 def _bn_training(args: tuple, kwargs: dict) -> bool:
