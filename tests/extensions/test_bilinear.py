@@ -845,3 +845,46 @@ def test_a_weight_inside_a_row_wise_operation_of_its_module_refused():
     with pytest.raises(NonlinearityError, match="Nested enter"), collect(DiagHessian()):
         lf(model(X), y).backward()
     assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())
+
+
+_REDUCE = {
+    "norm": lambda h, d, k: h.norm(dim=d, keepdim=k),
+    "vector_norm": lambda h, d, k: torch.linalg.vector_norm(h, dim=d, keepdim=k),
+    "var": lambda h, d, k: h.var(d, keepdim=k),
+    "std": lambda h, d, k: h.std(d, keepdim=k, correction=0),
+    "logsumexp": lambda h, d, k: torch.logsumexp(h, d, keepdim=k),
+}
+
+
+class Reduced(nn.Module):
+    """``h = tanh(a(x))`` ``[N, T, D]``, a reduction ``r`` of one axis of ``h`` put back (with
+    ``keepdim`` or ``unsqueeze``), then ``h / (1 + r²)`` or ``h · r`` → head."""
+
+    def __init__(self, op: str, dim: int, keep: bool, divide: bool) -> None:
+        super().__init__()
+        self.op, self.dim, self.keep, self.divide = op, dim, keep, divide
+        self.a, self.c = nn.Linear(3, 4), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        r = _REDUCE[self.op](h, self.dim, self.keep)
+        r = r if self.keep else r.unsqueeze(self.dim)
+        h = h / (1 + r * r) if self.divide else h * r
+        return self.c(h).mean(1)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    op=st.sampled_from(sorted(_REDUCE)), dim=st.sampled_from([1, 2, -1]), keep=st.booleans(),
+    divide=st.booleans(), n=st.integers(1, 3), t=st.integers(2, 3),
+)
+def test_reductions_and_divisions_fuzzed(
+    op: str, dim: int, keep: bool, divide: bool, n: int, t: int
+):
+    """A smooth reduction of one axis (``residual.ReductionSite``) multiplied into or divided
+    out of the values it reduces (``residual.DivisionSite``), over the positions or the
+    features, with or without ``keepdim``: DiagHessian and BatchDiagHessian against the dense
+    Hessian."""
+    model = _perturbed(Reduced(op, dim, keep, divide), 44)
+    X, y = torch.randn(n, t, 3), torch.randint(0, 3, (n,))
+    check_diag(model, nn.CrossEntropyLoss(), X, y)

@@ -13,7 +13,8 @@ where ``(…)`` collects the terms of the other operations that are *not* linear
 *Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``,
 ``normalize``, ``softmax``, ``softmin``: each row of ``d`` entries on its own) contribute one
 ``d × d`` block per row, eigen-decomposed into signed columns (:class:`RowSite`,
-:func:`push_rows`). Products of two
+:func:`push_rows`); so do smooth reductions of one axis (``norm``/``vector_norm`` of order 2,
+``var``, ``std``, ``logsumexp``: one output per row, :class:`ReductionSite`). Products of two
 values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
 contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
 gradient into signed columns on both operands (:class:`BilinearSite`,
@@ -207,10 +208,11 @@ _NONLINEAR = frozenset(
     _words(
     """softmax _softmax softmin log_softmax layer_norm group_norm rms_norm instance_norm
     local_response_norm normalize batch_norm scaled_dot_product_attention
-    multi_head_attention_forward norm vector_norm linalg_vector_norm matrix_norm logsumexp logcumsumexp var std
-    var_mean std_mean prod cumprod cdist pdist cosine_similarity pairwise_distance gumbel_softmax
-    glu lp_pool1d lp_pool2d lp_pool3d dist renorm det slogdet logdet inverse solve cholesky
-    svd eigh lstm gru rnn_tanh rnn_relu lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"""
+    multi_head_attention_forward norm vector_norm linalg_vector_norm matrix_norm logsumexp
+    logcumsumexp var std var_mean std_mean prod cumprod cdist pdist cosine_similarity
+    pairwise_distance gumbel_softmax glu lp_pool1d lp_pool2d lp_pool3d dist renorm det
+    slogdet logdet inverse solve cholesky svd eigh lstm gru rnn_tanh rnn_relu lstm_cell
+    gru_cell rnn_tanh_cell rnn_relu_cell"""
     )
 )
 
