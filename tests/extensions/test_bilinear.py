@@ -888,3 +888,26 @@ def test_reductions_and_divisions_fuzzed(
     model = _perturbed(Reduced(op, dim, keep, divide), 44)
     X, y = torch.randn(n, t, 3), torch.randint(0, 3, (n,))
     check_diag(model, nn.CrossEntropyLoss(), X, y)
+
+
+def test_a_division_whose_denominator_is_then_modified_in_place_refused():
+    """``h / d`` with ``d`` modified in place afterwards (autograd's own backward would fail
+    at the division): refused at the check, before anything is written, naming it."""
+
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.c = nn.Linear(3, 4), nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.a(x))
+            d = 1 + h * h
+            out = self.c(h / d)
+            d.mul_(2)
+            return out
+
+    model, lf = extend(Late()), extend(nn.CrossEntropyLoss())
+    X, y = torch.randn(3, 3), torch.randint(0, 3, (3,))
+    with pytest.raises(NonlinearityError, match="modified in place"), collect(DiagHessian()):
+        lf(model(X), y).backward()
+    assert all(p.grad is None and not hasattr(p, "diag_h") for p in model.parameters())

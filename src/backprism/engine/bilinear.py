@@ -209,14 +209,14 @@ def singular_triples(G: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def signed_columns(
-    form: BilinearForm, grad: Tensor, n: int, balance: Tensor | None = None
+    form: BilinearForm, grad: Tensor, n: int, alpha: Tensor | None = None
 ) -> tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]]]:
     """The product's columns for ``n`` samples on the leading ``b`` axis (``B = n·g``):
     ``values [n, C]`` (column ``(b', r, k, s)`` at ``((b'·r + ρ)·K + k)·2 + s``, its value
     ``±σ/2`` for each sample: the eigenvalue whose square root scales it and whose sign
     weighs it) and ``make(idx, scale)``, the columns ``idx`` (``[c]``) scaled by ``scale``
     (``[n, c]``, ``√|value|``) in the operands' shapes, ``[c, *X.shape]`` and
-    ``[c, *Y.shape]``. ``balance`` (``[B]``, positive): ``αᵦ``, the pair's parts as
+    ``[c, *Y.shape]``. ``alpha`` (``[B]``, positive): the pair's parts as
     ``(αᵦ a, ±b / αᵦ)`` — the same term for every ``α > 0`` (:func:`balance`)."""
     B, I, J, K = form.sizes
     g = B // n
@@ -240,10 +240,10 @@ def signed_columns(
         yc = V4.new_zeros(c, n, g, K, J)
         signs = (1 - 2 * s).to(V4.dtype)[:, None, None]
         yc[at, :, bb, kk, :] = signs * sc * V4[:, bb, :, rho]  # [c, n, J]
-        if balance is not None:
-            alpha = balance.reshape(1, n, g, 1, 1).to(xc.dtype)
-            xc.mul_(alpha)
-            yc.div_(alpha)
+        if alpha is not None:
+            scale_b = alpha.reshape(1, n, g, 1, 1).to(xc.dtype)
+            xc.mul_(scale_b)
+            yc.div_(scale_b)
         return [form.x_columns(xc.reshape(c, B, I, K)), form.y_columns(yc.reshape(c, B, K, J))]
 
     return values, make

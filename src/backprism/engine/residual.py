@@ -613,6 +613,10 @@ def quotient_site(bp: Any, node: Any) -> tuple[DivisionSite, Any] | str:
     but whose operands' shapes or sample axes have no bilinear form."""
     if type(node).__name__ != "DivBackward0" or node.next_functions[1][0] is None:
         return f"its operation ({_node_op(node)}) is not a true division of two tensors"
+    try:  # (read by the pass's hook: an operand modified in place since cannot be)
+        node._saved_self, node._saved_other  # noqa: B018
+    except RuntimeError:
+        return "an operand it saved was modified in place after the division"
     form = None
     if node.next_functions[0][0] is not None and shares_parameters(node, bp.view.params.keys()):
         form = bilinear_form(node)
