@@ -92,6 +92,14 @@ def convnext() -> tuple[nn.Module, tuple[int, ...]]:
     return ConvNeXt(depths=(1, 1, 1, 1), dims=(4, 8, 8, 8), num_classes=C), (3, 32, 32)
 
 
+def convnextv2() -> tuple[nn.Module, tuple[int, ...]]:
+    """ConvNeXt V2: global response norm, ``x · (‖x‖ₛ / mean_c ‖x‖ₛ)`` with the norm over the
+    two spatial axes of ``[N, H, W, C]``."""
+    return ConvNeXt(
+        depths=(1, 1, 1, 1), dims=(4, 8, 8, 8), num_classes=C, use_grn=True, ls_init_value=None
+    ), (3, 32, 32)
+
+
 def _vit(**kw: Any) -> tuple[nn.Module, tuple[int, ...]]:
     model = VisionTransformer(
         img_size=8, patch_size=4, embed_dim=8, depth=1, num_heads=2, num_classes=C, **kw
@@ -155,6 +163,7 @@ MODELS = {
     "eva": eva,
     "mobilenet": mobilenet,
     "convnext": convnext,
+    "convnextv2": convnextv2,
     "vit": _vit,
     "vit_layerscale": lambda: _vit(init_values=1e-1),
     "vit_avgpool": lambda: _vit(class_token=False, global_pool="avg"),
@@ -410,6 +419,18 @@ def test_diag_hessian_convnext() -> None:
     loss = lossfunc(model(x), y)
     with collect(DiagHessian()):
         loss.backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
+
+
+def test_diag_hessian_convnextv2() -> None:
+    """ConvNeXt V2's global response norm divides the spatial norms ``‖x‖ₛ`` (a reduction
+    over two axes, ``residual.ReductionSite``) by their channel mean (``DivisionSite``) and
+    multiplies ``x`` by the result (a product whose operands share parameters): refused before
+    reductions and divisions had their terms; DiagHessian equals the exact diagonal."""
+    model, x, y = setup("convnextv2")
+    ref = hessian_diagonal(model, x, y)
+    _run(model, x, y, DiagHessian())
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.diag_h, ref[k], **TOL, msg=k)
 

@@ -857,10 +857,10 @@ _REDUCE = {
 
 
 class Reduced(nn.Module):
-    """``h = tanh(a(x))`` ``[N, T, D]``, a reduction ``r`` of one axis of ``h`` put back (with
+    """``h = tanh(a(x))`` ``[N, T, 2, D]``, a reduction ``r`` of axes of ``h`` put back (with
     ``keepdim`` or ``unsqueeze``), then ``h / (1 + r²)`` or ``h · r`` → head."""
 
-    def __init__(self, op: str, dim: int, keep: bool, divide: bool) -> None:
+    def __init__(self, op: str, dim: Any, keep: bool, divide: bool) -> None:
         super().__init__()
         self.op, self.dim, self.keep, self.divide = op, dim, keep, divide
         self.a, self.c = nn.Linear(3, 4), nn.Linear(4, 3)
@@ -868,25 +868,29 @@ class Reduced(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.a(x))
         r = _REDUCE[self.op](h, self.dim, self.keep)
-        r = r if self.keep else r.unsqueeze(self.dim)
+        if not self.keep:
+            for d in sorted(x % 4 for x in (self.dim if isinstance(self.dim, tuple) else
+                                             (self.dim,))):
+                r = r.unsqueeze(d)
         h = h / (1 + r * r) if self.divide else h * r
-        return self.c(h).mean(1)
+        return self.c(h).mean((1, 2))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
-    op=st.sampled_from(sorted(_REDUCE)), dim=st.sampled_from([1, 2, -1]), keep=st.booleans(),
+    op=st.sampled_from(sorted(_REDUCE)), dim=st.sampled_from([1, 2, -1, (1, 2), (-1, 1)]),
+    keep=st.booleans(),
     divide=st.booleans(), n=st.integers(1, 3), t=st.integers(2, 3),
 )
 def test_reductions_and_divisions_fuzzed(
-    op: str, dim: int, keep: bool, divide: bool, n: int, t: int
+    op: str, dim: Any, keep: bool, divide: bool, n: int, t: int
 ):
-    """A smooth reduction of one axis (``residual.ReductionSite``) multiplied into or divided
-    out of the values it reduces (``residual.DivisionSite``), over the positions or the
-    features, with or without ``keepdim``: DiagHessian and BatchDiagHessian against the dense
-    Hessian."""
+    """A smooth reduction of one axis or two (``residual.ReductionSite``; ``(1, -1)``: not the
+    trailing ones) multiplied into or divided out of the values it reduces
+    (``residual.DivisionSite``), with or without ``keepdim``: DiagHessian and
+    BatchDiagHessian against the dense Hessian."""
     model = _perturbed(Reduced(op, dim, keep, divide), 44)
-    X, y = torch.randn(n, t, 3), torch.randint(0, 3, (n,))
+    X, y = torch.randn(n, t, 2, 3), torch.randint(0, 3, (n,))
     check_diag(model, nn.CrossEntropyLoss(), X, y)
 
 

@@ -13,7 +13,7 @@ where ``(…)`` collects the terms of the other operations that are *not* linear
 *Row-wise* nonlinearities (``layer_norm``, ``rms_norm``, ``group_norm``, ``instance_norm``,
 ``normalize``, ``softmax``, ``softmin``: each row of ``d`` entries on its own) contribute one
 ``d × d`` block per row, eigen-decomposed into signed columns (:class:`RowSite`,
-:func:`push_rows`); so do smooth reductions of one axis (``norm``/``vector_norm`` of order 2,
+:func:`push_rows`); so do smooth reductions of some axes (``norm``/``vector_norm`` of order 2,
 ``var``, ``std``, ``logsumexp``: one output per row, :class:`ReductionSite`). Products of two
 values that depend on the same parameters (attention's ``q kᵀ`` on hidden features, SwiGLU)
 contribute an off-diagonal bilinear form, eigen-decomposed from the SVD of the product's output
@@ -1789,7 +1789,7 @@ def _row_site(func: Any, name: str, args: tuple, kwargs: dict, out: Tensor) -> R
     return RowSite(fn, z, name, out.output_nr, dim, trailing)
 
 
-#: smooth reductions of one axis (:class:`ReductionSite`): name → (positions of ``dim`` and
+#: smooth reductions of axes (:class:`ReductionSite`): name → (positions of ``dim`` and
 #: ``keepdim`` among the arguments, the argument that must keep a smooth default, its name)
 _REDUCTIONS: dict[str, tuple[int, int, int, str]] = {
     "norm": (2, 3, 1, "p"),  # torch.norm / Tensor.norm(p, dim, keepdim)
@@ -1802,33 +1802,62 @@ _REDUCTIONS: dict[str, tuple[int, int, int, str]] = {
 
 
 class ReductionSite(RowSite):
-    """``a = fn(z)`` reducing one axis ``dim`` of ``z`` smoothly (``x.norm(dim=-1)``,
-    ``torch.linalg.vector_norm``, ``var``, ``std``, ``logsumexp``): a row-wise operation whose
-    rows have one output each, ``R_ρ = (∂L/∂a_ρ) ∇²a_ρ(z_ρ)`` (:func:`push_rows`). ``fn`` keeps
-    the reduced axis; ``squeezed``: the call dropped it (``keepdim=False``), so ``∂L/∂a``
-    gets it back before the rows are formed."""
+    """``a = fn(z)`` reducing axes ``dims`` of ``z`` smoothly (``x.norm(dim=-1)``,
+    ``torch.linalg.vector_norm``, ``var``, ``std``, ``logsumexp``; a response norm's
+    ``x.norm(dim=(1, 2))``): a row-wise operation whose rows (the reduced axes, moved last)
+    have one output each, ``R_ρ = (∂L/∂a_ρ) ∇²a_ρ(z_ρ)`` (:func:`push_rows`). ``fn`` keeps the
+    reduced axes; ``squeezed``: the call dropped them (``keepdim=False``), so ``∂L/∂a`` gets
+    them back before the rows are formed."""
 
-    __slots__ = ("squeezed",)
+    __slots__ = ("dims", "squeezed")
 
     def __init__(
-        self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int, dim: int,
-        squeezed: bool,
+        self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int,
+        dims: tuple[int, ...], squeezed: bool,
     ) -> None:
-        super().__init__(fn, z, name, nr, dim, 1)
+        super().__init__(fn, z, name, nr, None, len(dims))
+        self.dims = dims
         self.squeezed = squeezed
 
     def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
-        assert self.z is not None and self.dim is not None
-        ga = grad_a.unsqueeze(self.dim % self.z.dim()) if self.squeezed else grad_a
-        push_rows(bp, exts, self.fn, self.z, ga, self.dim, 1, self.axis)
+        z = self.z
+        assert z is not None
+        ga = grad_a
+        if self.squeezed:
+            for d in self.dims:  # (ascending)
+                ga = ga.unsqueeze(d)
+        rest = [d for d in range(z.dim()) if d not in self.dims]
+        perm = (*rest, *self.dims)
+        if perm == tuple(range(z.dim())):  # (the reduced axes are the trailing ones)
+            push_rows(bp, exts, self.fn, z, ga, None, len(self.dims), self.axis)
+            return
+        inverse = tuple(perm.index(d) for d in range(z.dim()))
+        fn = self.fn
+
+        def moved(t: Tensor) -> Tensor:  # (rows last: the function of the moved tensor)
+            return fn(t.permute(inverse)).permute(perm)
+
+        batched = (
+            z.shape[0] == bp.n_samples and not self.axis and 0 not in self.dims
+            and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
+        )
+        values, make = row_columns(
+            moved, z.detach().permute(perm), ga.permute(perm), None, len(self.dims),
+            z.shape[0] if batched else 1, bp.ctx.memory_budget,
+        )
+
+        def back(idx: Tensor, scale: Tensor) -> list[Tensor]:
+            return [c.permute(0, *(i + 1 for i in inverse)) for c in make(idx, scale)]
+
+        push_signed(bp, exts, [z], values, back, batched)
 
 
 def _reduction_site(
     func: Any, name: str, args: tuple, kwargs: dict, out: Tensor
 ) -> ReductionSite | None:
-    """The :class:`ReductionSite` of ``out = func(z, ...)`` reducing one axis of ``z``, or
-    ``None`` (refused as before): ``dim`` one axis, ``out`` of ``z``'s shape without it (or
-    with it of size 1), a norm of order 2."""
+    """The :class:`ReductionSite` of ``out = func(z, ...)`` reducing axes of ``z``, or ``None``
+    (refused as before): ``dim`` one axis or several (not all), ``out`` of ``z``'s shape
+    without them (or with them of size 1), a norm of order 2."""
     z = args[0] if args else None
     if not isinstance(z, Tensor) or not z.requires_grad or z.dim() == 0 or out is z:
         return None
@@ -1842,17 +1871,18 @@ def _reduction_site(
     dim = arg(dim_at, "dim", None)
     if name in ("var", "std") and isinstance(dim, bool):
         return None  # (var(x, unbiased): every element, across the samples)
-    if isinstance(dim, (tuple, list)) and len(dim) == 1:
-        dim = dim[0]
-    if not isinstance(dim, int):
+    dims_given = (dim,) if isinstance(dim, int) else dim
+    if not isinstance(dims_given, (tuple, list)) or not dims_given or not all(
+        isinstance(d, int) for d in dims_given
+    ):
         return None
-    dim %= z.dim()
+    dims = tuple(sorted({d % z.dim() for d in dims_given}))
+    if len(dims) != len(dims_given) or len(dims) == z.dim():
+        return None  # (repeated axes; every axis, across the samples)
     keep = bool(arg(keep_at, "keepdim", False))
-    shape = list(z.shape)
-    if keep:
-        shape[dim] = 1
-    else:
-        del shape[dim]
+    shape = [1 if d in dims else s for d, s in enumerate(z.shape)] if keep else [
+        s for d, s in enumerate(z.shape) if d not in dims
+    ]
     if list(out.shape) != shape:
         return None
     rest = tuple(a.detach() if isinstance(a, Tensor) else a for a in args[1:])
@@ -1860,9 +1890,12 @@ def _reduction_site(
 
     def fn(zz: Tensor) -> Tensor:
         a = func(zz, *rest, **kw)
-        return a if keep else a.unsqueeze(dim)
+        if not keep:
+            for d in dims:
+                a = a.unsqueeze(d)
+        return a
 
-    return ReductionSite(fn, z, name, out.output_nr, dim, not keep)
+    return ReductionSite(fn, z, name, out.output_nr, dims, not keep)
 
 
 def _bn_training(args: tuple, kwargs: dict) -> bool:
