@@ -609,6 +609,30 @@ def test_generic_module_affine_in_parameters(kind: str):
         check_hmp(model, lf, X, y)
 
 
+@pytest.mark.parametrize("kind", ["rms_norm", "divided_rms", "layer_norm", "exp"])
+def test_generic_module_affine_in_parameters_in_bfloat16(kind: str):
+    """The affinity probe of a module without a rule runs in float64 for half-precision
+    parameters (bfloat16's rounding of the midpoint exceeded its tolerance, so every such
+    module was refused as nonlinear in its parameters): DiagHessian of the bfloat16 model
+    follows float64's to bfloat16's precision; ``exp(γ)`` stays refused."""
+    torch.manual_seed(25)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Scale(kind), nn.Linear(4, 3))
+    X, y, lf = data(4, 3, 3, "ce")
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    if kind == "exp":
+        extend(low)
+        with pytest.raises(NonlinearityError, match="affine in each"), collect(DiagHessian()):
+            extend(lf)(low(X.to(torch.bfloat16)), y).backward()
+        return
+    run(model, copy.deepcopy(lf), X, y, DiagHessian())
+    run(low, lf, X.to(torch.bfloat16), y, DiagHessian())
+    scale = max(float(q.diag_h.abs().max()) for q in model.parameters())
+    for (name, p), q in zip(low.named_parameters(), model.parameters(), strict=True):
+        assert p.diag_h.dtype == torch.bfloat16
+        torch.testing.assert_close(p.diag_h.double(), q.diag_h, atol=0.1 * scale, rtol=0,
+                                   msg=name)
+
+
 class ConvNorm(nn.Module):
     """Conv → a norm on feature maps → tanh → Linear."""
 

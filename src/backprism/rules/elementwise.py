@@ -267,13 +267,13 @@ def multi_affine(
     of its own in any parameter's block, and none through its inputs — the DiagHessian family
     takes it like a Linear layer. Probed by the outputs at the midpoint of two random values
     of one parameter (then of all inputs at once), which must be the mean of the outputs at
-    the two, to ``10⁻⁶`` (``10⁻³`` in single or half precision) of the largest output; a
-    nonlinear dependence fails that almost surely. With ``inputs`` the module (without
-    sub-modules, one floating input on the batch, one output) runs on the call's first two
-    samples; without, on the call's own arguments, whatever they are (an embedding's indices,
-    keyword tensors, sub-modules, several outputs). Cached per module, shapes and ``inputs``.
-    ``primals`` and ``run(params, args, kwargs)``: the module's functional call, outputs
-    listed (as for :func:`affine_per_sample`)."""
+    the two, to ``10⁻⁶`` (``10⁻³`` in single precision; half precision is probed in float64)
+    of the largest output; a nonlinear dependence fails that almost surely. With ``inputs``
+    the module (without sub-modules, one floating input on the batch, one output) runs on the
+    call's first two samples; without, on the call's own arguments, whatever they are (an
+    embedding's indices, keyword tensors, sub-modules, several outputs). Cached per module,
+    shapes and ``inputs``. ``primals`` and ``run(params, args, kwargs)``: the module's
+    functional call, outputs listed (as for :func:`affine_per_sample`)."""
     module = call.module
     n = call.batch_size
     params = primals
@@ -299,6 +299,15 @@ def multi_affine(
     rows = slice(0, min(2, n)) if inputs else slice(None)
     args = tuple(a[rows].detach() if isinstance(a, Tensor) else a for a in call.args)
     kwargs = call.kwargs
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in params.values()):
+        # (half precision rounds the midpoint by more than the tolerance: probed in float64,
+        # where a module that cannot run so, a half-precision buffer, stays unknown)
+        def wide(t: Any) -> Any:
+            return t.double() if isinstance(t, Tensor) and t.is_floating_point() else t
+
+        params = {k: wide(v) for k, v in params.items()}
+        args = tuple(wide(a) for a in args)
+        kwargs = {k: wide(v) for k, v in kwargs.items()}
     device = next(iter(params.values())).device
     gen = torch.Generator(device=device).manual_seed(0)
 
