@@ -100,7 +100,7 @@ from backprism.engine.decompositions import decomposed
 from backprism.engine.fold import _IDENTITIES, _param_only
 from backprism.engine.graph import _upstream
 from backprism.engine.parametrized import parametrized
-from backprism.engine.rows import row_columns
+from backprism.engine.rows import row_axes, row_columns
 from backprism.engine.rule import get_rule
 from backprism.engine.state import AXIS, CALLS, FORWARD, MODE_FREE, SITES, active
 
@@ -800,14 +800,15 @@ class ResidualSite:
 class RowSite(ResidualSite):
     """``a = fn(z)`` for a smooth ``fn`` acting on rows of ``z`` independently: the last
     ``trailing`` axes (``layer_norm``, ``rms_norm`` over their ``normalized_shape``) or axis
-    ``dim`` (``softmax``, ``softmin``). Its Hessian term is block-diagonal over the rows, one
-    ``d × d`` block per row (``d`` entries), :func:`push_rows`."""
+    ``dim`` (``softmax``, ``softmin``; several axes, :class:`ReductionSite`). Its Hessian term
+    is block-diagonal over the rows, one ``d × d`` block per row (``d`` entries),
+    :func:`push_rows`."""
 
     __slots__ = ("dim", "trailing", "view")
 
     def __init__(
         self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int,
-        dim: int | None, trailing: int, view: tuple[int, ...] | None = None,
+        dim: int | tuple[int, ...] | None, trailing: int, view: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__(fn, z, name, nr, getattr(z, AXIS, 0) or 0)
         self.dim = dim
@@ -1230,7 +1231,9 @@ def check_pass(bp: Any, exts: list) -> None:
     bilinear: dict[int, tuple[BilinearSite, Any]] = {}
 
     def product(node: Any) -> str | None:
-        """``None`` where the product's term is off the parameters' blocks or built."""
+        """``None`` where the product's term is off the parameters' blocks or built (a
+        division, which the graph walk of forwards without the mode passes here too: where
+        :func:`quotient_site` builds its term)."""
         if type(node).__name__ == "DivBackward0":
             return quotient(node)
         if id(node) in inside_nested or not shares_parameters(node, bp.view.params.keys()):
@@ -1512,7 +1515,8 @@ def _signed(
 
 def push_rows(
     bp: Any, exts: list, fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
-    dim: int | None, trailing: int, axis: int = 0, view: tuple[int, ...] | None = None,
+    dim: int | tuple[int, ...] | None, trailing: int, axis: int = 0,
+    view: tuple[int, ...] | None = None,
 ) -> None:
     """Push the signed residual columns of a row-wise ``a = fn(z)`` (:class:`RowSite`,
     :func:`backprism.engine.rows.row_columns`) back from ``z`` (pass ``bp``), covering all
@@ -1521,7 +1525,7 @@ def push_rows(
     ``view`` the rows are the trailing axes of ``z`` in that shape (same first axis)."""
     if not bp.loss_calls():
         return
-    d = dim % z.dim() if dim is not None else None
+    axes = row_axes(dim, z.dim()) or ()
     zv, ga, f = z, grad_a, fn
     if view is not None:
         zv, ga = z.detach().reshape(view), grad_a.reshape(view)
@@ -1530,7 +1534,7 @@ def push_rows(
             return fn(t.reshape(z.shape)).reshape(view)
 
     batched = (
-        zv.dim() > trailing and z.shape[0] == bp.n_samples and not axis and d != 0
+        zv.dim() > trailing and z.shape[0] == bp.n_samples and not axis and 0 not in axes
         and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
     )
     n = z.shape[0] if batched else 1
@@ -1802,54 +1806,28 @@ _REDUCTIONS: dict[str, tuple[int, int, int, str]] = {
 
 
 class ReductionSite(RowSite):
-    """``a = fn(z)`` reducing axes ``dims`` of ``z`` smoothly (``x.norm(dim=-1)``,
+    """``a = fn(z)`` reducing axes ``dim`` of ``z`` smoothly (``x.norm(dim=-1)``,
     ``torch.linalg.vector_norm``, ``var``, ``std``, ``logsumexp``; a response norm's
     ``x.norm(dim=(1, 2))``): a row-wise operation whose rows (the reduced axes, moved last)
     have one output each, ``R_ρ = (∂L/∂a_ρ) ∇²a_ρ(z_ρ)`` (:func:`push_rows`). ``fn`` keeps the
     reduced axes; ``squeezed``: the call dropped them (``keepdim=False``), so ``∂L/∂a`` gets
     them back before the rows are formed."""
 
-    __slots__ = ("dims", "squeezed")
+    __slots__ = ("squeezed",)
 
     def __init__(
         self, fn: Callable[[Tensor], Tensor], z: Tensor, name: str, nr: int,
         dims: tuple[int, ...], squeezed: bool,
     ) -> None:
-        super().__init__(fn, z, name, nr, None, len(dims))
-        self.dims = dims
+        super().__init__(fn, z, name, nr, dims, len(dims))
         self.squeezed = squeezed
 
     def push(self, bp: Any, exts: list, grad_a: Tensor, node: Any) -> None:
-        z = self.z
-        assert z is not None
-        ga = grad_a
         if self.squeezed:
-            for d in self.dims:  # (ascending)
-                ga = ga.unsqueeze(d)
-        rest = [d for d in range(z.dim()) if d not in self.dims]
-        perm = (*rest, *self.dims)
-        if perm == tuple(range(z.dim())):  # (the reduced axes are the trailing ones)
-            push_rows(bp, exts, self.fn, z, ga, None, len(self.dims), self.axis)
-            return
-        inverse = tuple(perm.index(d) for d in range(z.dim()))
-        fn = self.fn
-
-        def moved(t: Tensor) -> Tensor:  # (rows last: the function of the moved tensor)
-            return fn(t.permute(inverse)).permute(perm)
-
-        batched = (
-            z.shape[0] == bp.n_samples and not self.axis and 0 not in self.dims
-            and bp.samples_on_axis_0(z.grad_fn, z.output_nr)
-        )
-        values, make = row_columns(
-            moved, z.detach().permute(perm), ga.permute(perm), None, len(self.dims),
-            z.shape[0] if batched else 1, bp.ctx.memory_budget,
-        )
-
-        def back(idx: Tensor, scale: Tensor) -> list[Tensor]:
-            return [c.permute(0, *(i + 1 for i in inverse)) for c in make(idx, scale)]
-
-        push_signed(bp, exts, [z], values, back, batched)
+            assert isinstance(self.dim, tuple)
+            for d in self.dim:  # (ascending)
+                grad_a = grad_a.unsqueeze(d)
+        super().push(bp, exts, grad_a, node)
 
 
 def _reduction_site(

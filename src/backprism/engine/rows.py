@@ -29,26 +29,34 @@ from torch import Tensor
 
 from backprism.engine.decompositions import decomposed
 
-__all__ = ["row_columns", "row_hessians"]
+__all__ = ["row_axes", "row_columns", "row_hessians"]
+
+
+def row_axes(dim: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...] | None:
+    """``dim`` (an axis or several, or ``None``) as non-negative axes of an ``ndim``-tensor."""
+    if dim is None:
+        return None
+    return tuple(d % ndim for d in ((dim,) if isinstance(dim, int) else dim))
 
 
 def row_columns(
-    fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor, dim: int | None, trailing: int,
-    n: int, budget: int,
+    fn: Callable[[Tensor], Tensor], z: Tensor, grad_a: Tensor,
+    dim: int | tuple[int, ...] | None, trailing: int, n: int, budget: int,
 ) -> tuple[Tensor, Callable[[Tensor, Tensor], list[Tensor]]]:
     """The row term's columns for ``a = fn(z)`` (``grad_a = ∂L/∂a``), rows the last
-    ``trailing`` axes of ``z`` after moving axis ``dim`` (if given) last; ``n``: the samples
-    on ``z``'s first axis (one column covers them all), or ``1`` (columns of the whole batch).
+    ``trailing`` axes of ``z`` after moving axis ``dim`` (if given; several axes: all of them,
+    in order) last; ``n``: the samples on ``z``'s first axis (one column covers them all), or
+    ``1`` (columns of the whole batch).
 
     Returns ``values [n, rows·d]`` (column ``(ρ, j)`` at ``ρ·d + j``: its eigenvalue
     ``λ_ρⱼ`` per sample) and ``make(idx, scale)``: the columns ``idx`` (``[c]``), each
     eigenvector scaled by ``scale`` (``[n, c]``, ``√|λ|``), as ``[[c, *z.shape]]``."""
-    if dim is not None:
-        dim %= z.dim()
-    moved = dim is not None and dim != z.dim() - 1
-    zm = z.detach().movedim(dim, -1) if moved else z.detach()
-    ga = grad_a.detach().movedim(dim, -1) if moved else grad_a.detach()
-    f = (lambda t: fn(t.movedim(-1, dim)).movedim(dim, -1)) if moved else fn
+    axes = row_axes(dim, z.dim())
+    last = tuple(range(z.dim() - len(axes), z.dim())) if axes is not None else ()
+    moved = axes is not None and axes != last
+    zm = z.detach().movedim(axes, last) if moved else z.detach()
+    ga = grad_a.detach().movedim(axes, last) if moved else grad_a.detach()
+    f = (lambda t: fn(t.movedim(last, axes)).movedim(axes, last)) if moved else fn
     d = math.prod(zm.shape[zm.dim() - trailing:])
     rows = zm.numel() // (n * d)  # per sample
     H = row_hessians(f, zm, ga, d, budget)  # [n·rows, d, d]
@@ -67,7 +75,9 @@ def row_columns(
         # vecs[:, r, :, j]: [k, n, d], column j of row r's eigenvectors for every sample
         cols[torch.arange(k, device=idx.device), :, r, :] = vecs[:, r, :, j] * scale.t()[..., None]
         cols = cols.reshape(k, *shape)
-        return [cols.movedim(-1, dim + 1) if moved else cols]
+        if not moved:
+            return [cols]
+        return [cols.movedim(tuple(a + 1 for a in last), tuple(a + 1 for a in axes))]
 
     return values, make
 
